@@ -1,0 +1,203 @@
+"""The agent's side of the region file: create it, publish limits, grant line and heartbeat, read the slots.
+
+The layout comes from `alnair_agent.region_layout`; nothing here hard-codes an offset. Everything read from
+the slots was written by the container and is untrusted: values are bounds-checked before anyone uses them.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from alnair_agent import region_layout as L
+
+_FMT = {name: "<" + code for name, (code, _) in L.CTYPES.items()}
+
+
+class RegionError(Exception):
+    """The region file is missing, the wrong size, or has a bad magic/version."""
+
+
+def _fields(block: str) -> dict[str, tuple[int, str]]:
+    for name, fields, _, _ in L.BLOCKS:
+        if name == block:
+            return {f.name: (f.offset, _FMT[f.ctype]) for f in fields}
+    raise KeyError(block)
+
+
+_HEADER = _fields("alnair_region_header")
+_AGENT = _fields("alnair_region_agent")
+_SLOT = _fields("alnair_region_slot")
+
+
+@dataclass(frozen=True)
+class SlotReading:
+    """One live process slot as the agent read it (already checked for sane values)."""
+
+    index: int
+    pid: int
+    start_time: int
+    memory_used: int
+    launches: int
+    tokens_taken: int
+    tokens_forfeited: int
+    wait_ns: int
+
+
+def monotonic_ns() -> int:
+    """CLOCK_MONOTONIC in ns: the clock the shim reads too (same kernel, so the same epoch)."""
+    return time.clock_gettime_ns(time.CLOCK_MONOTONIC)
+
+
+def rate_for_percent(percent: int) -> int:
+    """Token rate (GPU ns per wall second) of a cap of `percent` % of one GPU, before feedback correction."""
+    return percent * L.NS_PER_PERCENT
+
+
+class Region:
+    """An open, mmap'd region file. Use `Region.create` for a new container, `Region.open` after a restart."""
+
+    def __init__(self, path: Path, mm: mmap.mmap) -> None:
+        self.path = path
+        self._mm = mm
+
+    # -- lifetime -------------------------------------------------------------------------------------------
+    @classmethod
+    def create(cls, path: Path, memory_limit: int, compute_limit: int) -> "Region":
+        """Write a fresh region with these limits (bytes; percent, 0 = none) and an initial grant line."""
+        if memory_limit < 0:
+            raise ValueError(f"memory_limit must be >= 0 bytes, got {memory_limit}")
+        if not 0 <= compute_limit <= 100:
+            raise ValueError(f"compute_limit must be 0..100 percent, got {compute_limit}")
+        tmp = path.with_name(path.name + ".tmp")
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o666)
+        try:
+            os.ftruncate(fd, L.REGION_SIZE)
+            mm = mmap.mmap(fd, L.REGION_SIZE)
+        finally:
+            os.close(fd)
+        region = cls(path, mm)
+        region._put(_HEADER, "magic", L.MAGIC)
+        region._put(_HEADER, "version", L.VERSION)
+        region._put(_HEADER, "size", L.REGION_SIZE)
+        region._put(_HEADER, "slot_count", L.MAX_SLOTS)
+        region._put(_HEADER, "slot_size", L.SLOT_SIZE)
+        region._put(_AGENT, "memory_limit", memory_limit)
+        region._put(_AGENT, "compute_limit", compute_limit)
+        region.set_grant_line(rate_for_percent(compute_limit))
+        mm.flush()
+        # The container may open the file the moment it exists under its final name: publish it complete.
+        os.chmod(tmp, 0o666)
+        os.replace(tmp, path)
+        return region
+
+    @classmethod
+    def open(cls, path: Path) -> "Region":
+        """Map an existing region, refusing one with a bad size, magic or version."""
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except OSError as e:
+            raise RegionError(f"region {path}: cannot open: {e.strerror}") from e
+        try:
+            size = os.fstat(fd).st_size
+            if size != L.REGION_SIZE:
+                raise RegionError(f"region {path}: size {size} bytes, expected {L.REGION_SIZE}")
+            mm = mmap.mmap(fd, L.REGION_SIZE)
+        finally:
+            os.close(fd)
+        region = cls(path, mm)
+        magic, version = region._get(_HEADER, "magic"), region._get(_HEADER, "version")
+        if magic != L.MAGIC or version != L.VERSION:
+            region.close()
+            raise RegionError(
+                f"region {path}: magic 0x{magic:08x} version {version}, expected 0x{L.MAGIC:08x} version {L.VERSION}"
+            )
+        return region
+
+    def close(self) -> None:
+        self._mm.close()
+
+    # -- raw access -----------------------------------------------------------------------------------------
+    def _get(self, block: dict[str, tuple[int, str]], field: str, base: int = 0) -> int:
+        off, fmt = block[field]
+        return struct.unpack_from(fmt, self._mm, base + off)[0]
+
+    def _put(self, block: dict[str, tuple[int, str]], field: str, value: int, base: int = 0) -> None:
+        off, fmt = block[field]
+        struct.pack_into(fmt, self._mm, base + off, value)
+
+    def _agent_base(self) -> int:
+        return L.HEADER_SIZE
+
+    # -- agent fields (the agent is their only writer) --------------------------------------------------------
+    @property
+    def memory_limit(self) -> int:
+        return self._get(_AGENT, "memory_limit", L.HEADER_SIZE)
+
+    @property
+    def compute_limit(self) -> int:
+        return self._get(_AGENT, "compute_limit", L.HEADER_SIZE)
+
+    @property
+    def heartbeat_ns(self) -> int:
+        return self._get(_AGENT, "heartbeat_ns", L.HEADER_SIZE)
+
+    def beat(self, now_ns: int | None = None) -> None:
+        self._put(_AGENT, "heartbeat_ns", monotonic_ns() if now_ns is None else now_ns, L.HEADER_SIZE)
+
+    def grant_line(self) -> tuple[int, int, int]:
+        """(tokens_granted, granted_at_ns, token_rate), read consistently under the sequence lock."""
+        while True:
+            seq = self._get(_AGENT, "grant_seq", L.HEADER_SIZE)
+            line = tuple(self._get(_AGENT, f, L.HEADER_SIZE) for f in ("tokens_granted", "granted_at_ns", "token_rate"))
+            if seq % 2 == 0 and seq == self._get(_AGENT, "grant_seq", L.HEADER_SIZE):
+                return line  # type: ignore[return-value]
+
+    def granted(self, now_ns: int) -> int:
+        tokens, at, rate = self.grant_line()
+        return tokens + rate * max(0, now_ns - at) // 1_000_000_000
+
+    def set_grant_line(self, rate: int, now_ns: int | None = None) -> None:
+        """Continue the grant line from now at `rate` tokens per second (no tokens lost or added at the seam)."""
+        if rate < 0:
+            raise ValueError(f"token rate must be >= 0, got {rate}")
+        now = monotonic_ns() if now_ns is None else now_ns
+        tokens = self.granted(now) if self._get(_AGENT, "granted_at_ns", L.HEADER_SIZE) else 0
+        base = L.HEADER_SIZE
+        seq = self._get(_AGENT, "grant_seq", base)
+        self._put(_AGENT, "grant_seq", (seq + 1) & 0xFFFFFFFF, base)
+        self._put(_AGENT, "tokens_granted", tokens, base)
+        self._put(_AGENT, "granted_at_ns", now, base)
+        self._put(_AGENT, "token_rate", rate, base)
+        self._put(_AGENT, "grant_seq", (seq + 2) & 0xFFFFFFFF, base)
+
+    # -- slots (written by the container: untrusted) --------------------------------------------------------
+    def slots(self) -> list[SlotReading]:
+        """The claimed slots. A slot with a negative pid is ignored: only the container could have written it."""
+        out = []
+        for i in range(L.MAX_SLOTS):
+            base = L.SLOTS_OFFSET + i * L.SLOT_SIZE
+            pid = self._get(_SLOT, "pid", base)
+            if pid <= 0:
+                continue
+            out.append(SlotReading(
+                index=i,
+                pid=pid,
+                start_time=self._get(_SLOT, "start_time", base),
+                memory_used=self._get(_SLOT, "memory_used", base),
+                launches=self._get(_SLOT, "launches", base),
+                tokens_taken=self._get(_SLOT, "tokens_taken", base),
+                tokens_forfeited=self._get(_SLOT, "tokens_forfeited", base),
+                wait_ns=self._get(_SLOT, "wait_ns", base),
+            ))
+        return out
+
+    def memory_in_use(self) -> int:
+        """Bytes the container's live slots claim to hold, clamped to the limit so a liar cannot overflow us."""
+        total = sum(s.memory_used for s in self.slots())
+        limit = self.memory_limit
+        return min(total, limit) if limit else total

@@ -1,0 +1,186 @@
+"""The region: the ONE definition of the shared-memory file between the agent and the shim.
+
+Everything else derives from this module: the agent's mmap mirror (`alnair_agent.region`) reads offsets from
+here, and the C header `shim/region_layout.h` is generated from here (`python -m alnair_agent.region_layout`);
+a test fails when the checked-in header differs from what this module generates.
+
+Layout (little-endian, naturally aligned, every field 4 or 8 bytes so plain atomics work on it):
+
+    [header 64 B][agent block 64 B][slot 0 .. MAX_SLOTS-1, 64 B each]
+
+Writers: the header and the agent block are written by the agent only (the shim only reads them); each slot is
+claimed by one process of the container (compare-and-swap on `pid`) and written by that process only. Counters
+only grow; readers take differences.
+
+Compute tokens are nanoseconds of GPU time. The container's grant is a line in time, published by the agent
+under a sequence lock (`grant_seq` odd while the agent writes):
+
+    granted(now) = tokens_granted + token_rate * (now - granted_at_ns) / 1e9
+
+and what is left is `granted(now) - sum over slots of (tokens_taken + tokens_forfeited)`. A process takes
+tokens by adding to its own slot's `tokens_taken` before it launches; when more than `TOKEN_BURST_NS` is left
+unclaimed it adds the excess to its own `tokens_forfeited`, so idle time never banks a burst. Because the line
+extrapolates by itself, a dead or restarting agent leaves the last rate in force: never a stall, never uncapped.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+MAGIC = 0x524E4C41  # b"ALNR" read as a little-endian u32
+VERSION = 1
+MAX_SLOTS = 64
+HEADER_SIZE = 64
+AGENT_BLOCK_SIZE = 64
+SLOT_SIZE = 64
+SLOTS_OFFSET = HEADER_SIZE + AGENT_BLOCK_SIZE
+REGION_SIZE = SLOTS_OFFSET + MAX_SLOTS * SLOT_SIZE
+
+# The agent's heartbeat is stale when older than this (monotonic ns); the shim then keeps the last grant line.
+HEARTBEAT_STALE_NS = 2_000_000_000
+# Unclaimed tokens beyond this are forfeited, so an idle container cannot bank GPU time (GPU-time ns).
+TOKEN_BURST_NS = 20_000_000
+# Token rate (GPU-time ns per wall second) of a container capped at `percent` % of one GPU, before correction.
+NS_PER_PERCENT = 10_000_000
+# compute_limit value meaning "no compute cap": launches pass straight through.
+COMPUTE_UNLIMITED = 0
+# memory_limit value meaning "no memory cap".
+MEMORY_UNLIMITED = 0
+
+
+@dataclass(frozen=True)
+class Field:
+    name: str
+    ctype: str  # one of CTYPES
+    offset: int  # from the start of its block
+    doc: str
+
+
+CTYPES = {"uint32_t": ("I", 4), "int32_t": ("i", 4), "uint64_t": ("Q", 8)}
+
+HEADER_FIELDS = (
+    Field("magic", "uint32_t", 0, "MAGIC; anything else: the reader refuses the region"),
+    Field("version", "uint32_t", 4, "VERSION of this layout"),
+    Field("size", "uint64_t", 8, "total bytes of the region (REGION_SIZE)"),
+    Field("slot_count", "uint32_t", 16, "number of process slots (MAX_SLOTS)"),
+    Field("slot_size", "uint32_t", 20, "bytes per slot (SLOT_SIZE)"),
+)
+
+AGENT_FIELDS = (
+    Field("memory_limit", "uint64_t", 0, "bytes of GPU memory the container may hold; 0 = no limit"),
+    Field("compute_limit", "uint32_t", 8, "percent of one GPU, 1..100; 0 = no compute limit"),
+    Field("grant_seq", "uint32_t", 12, "sequence lock over the grant line: odd while the agent writes it"),
+    Field("heartbeat_ns", "uint64_t", 16, "CLOCK_MONOTONIC ns of the agent's last tick; 0 = never"),
+    Field("tokens_granted", "uint64_t", 24, "grant line: tokens (GPU ns) granted up to granted_at_ns"),
+    Field("granted_at_ns", "uint64_t", 32, "grant line: CLOCK_MONOTONIC ns the line starts at"),
+    Field("token_rate", "uint64_t", 40, "grant line: tokens (GPU ns) granted per wall second"),
+)
+
+SLOT_FIELDS = (
+    Field("pid", "int32_t", 0, "owner's pid in the container; 0 = free (claimed by CAS 0 -> pid)"),
+    Field("flags", "uint32_t", 4, "reserved, 0"),
+    Field("start_time", "uint64_t", 8, "owner's start time (/proc/<pid>/stat field 22), to tell pid reuse"),
+    Field("memory_used", "uint64_t", 16, "bytes of GPU memory the owner holds now (a level, not a counter)"),
+    Field("launches", "uint64_t", 24, "counter: kernel and graph launches"),
+    Field("tokens_taken", "uint64_t", 32, "counter: tokens (GPU ns) taken before launching"),
+    Field("tokens_forfeited", "uint64_t", 40, "counter: unclaimed tokens over TOKEN_BURST_NS given up"),
+    Field("wait_ns", "uint64_t", 48, "counter: ns spent waiting for tokens"),
+)
+
+BLOCKS = (
+    ("alnair_region_header", HEADER_FIELDS, HEADER_SIZE, 0),
+    ("alnair_region_agent", AGENT_FIELDS, AGENT_BLOCK_SIZE, HEADER_SIZE),
+    ("alnair_region_slot", SLOT_FIELDS, SLOT_SIZE, SLOTS_OFFSET),
+)
+
+CONSTANTS = (
+    ("ALNAIR_REGION_MAGIC", f"0x{MAGIC:08X}u"),
+    ("ALNAIR_REGION_VERSION", f"{VERSION}u"),
+    ("ALNAIR_REGION_MAX_SLOTS", f"{MAX_SLOTS}u"),
+    ("ALNAIR_REGION_HEADER_SIZE", f"{HEADER_SIZE}u"),
+    ("ALNAIR_REGION_AGENT_BLOCK_SIZE", f"{AGENT_BLOCK_SIZE}u"),
+    ("ALNAIR_REGION_SLOT_SIZE", f"{SLOT_SIZE}u"),
+    ("ALNAIR_REGION_SLOTS_OFFSET", f"{SLOTS_OFFSET}u"),
+    ("ALNAIR_REGION_SIZE", f"{REGION_SIZE}u"),
+    ("ALNAIR_HEARTBEAT_STALE_NS", f"{HEARTBEAT_STALE_NS}ull"),
+    ("ALNAIR_TOKEN_BURST_NS", f"{TOKEN_BURST_NS}ull"),
+    ("ALNAIR_NS_PER_PERCENT", f"{NS_PER_PERCENT}ull"),
+    ("ALNAIR_COMPUTE_UNLIMITED", f"{COMPUTE_UNLIMITED}u"),
+    ("ALNAIR_MEMORY_UNLIMITED", f"{MEMORY_UNLIMITED}ull"),
+)
+
+
+def _check() -> None:
+    """Fail at import if the table above is not a gap-free, aligned, in-bounds layout."""
+    for name, fields, size, _ in BLOCKS:
+        end = 0
+        for f in fields:
+            width = CTYPES[f.ctype][1]
+            if f.offset % width or f.offset < end:
+                raise AssertionError(f"{name}.{f.name}: misaligned or overlapping at {f.offset}")
+            end = f.offset + width
+        if end > size:
+            raise AssertionError(f"{name} overflows its {size} bytes")
+
+
+_check()
+
+
+def absolute_offset(block: str, field: str, slot: int = 0) -> int:
+    """Byte offset of `field` in the region file (for slot fields, of slot number `slot`)."""
+    for name, fields, size, base in BLOCKS:
+        if name == block:
+            for f in fields:
+                if f.name == field:
+                    return base + (slot * size if block == "alnair_region_slot" else 0) + f.offset
+    raise KeyError(f"{block}.{field}")
+
+
+def c_header() -> str:
+    """The C header the shim compiles against, generated from the tables above."""
+    out = [
+        "/* GENERATED by `python -m alnair_agent.region_layout` from alnair_agent/region_layout.py.",
+        " * Do not edit: change the Python definition and regenerate; tests fail when the two differ. */",
+        "#ifndef ALNAIR_REGION_LAYOUT_H",
+        "#define ALNAIR_REGION_LAYOUT_H",
+        "",
+        "#include <stddef.h>",
+        "#include <stdint.h>",
+        "",
+    ]
+    for cname, value in CONSTANTS:
+        out.append(f"#define {cname} {value}")
+    out.append("")
+    for name, fields, size, base in BLOCKS:
+        out.append(f"/* {size} bytes at offset {base}{' + slot * size' if 'slot' in name else ''} */")
+        out.append(f"struct {name} {{")
+        pos = 0
+        for f in fields:
+            if f.offset > pos:
+                out.append(f"    uint8_t _pad{pos}[{f.offset - pos}];")
+            out.append(f"    {f.ctype} {f.name}; /* {f.doc} */")
+            pos = f.offset + CTYPES[f.ctype][1]
+        if pos < size:
+            out.append(f"    uint8_t _pad{pos}[{size - pos}];")
+        out.append("};")
+        out.append(f"_Static_assert(sizeof(struct {name}) == {size}, \"{name} size\");")
+        for f in fields:
+            out.append(f"_Static_assert(offsetof(struct {name}, {f.name}) == {f.offset}, \"{name}.{f.name}\");")
+        out.append("")
+    out += [
+        "struct alnair_region {",
+        "    struct alnair_region_header header;",
+        "    struct alnair_region_agent agent;",
+        "    struct alnair_region_slot slots[ALNAIR_REGION_MAX_SLOTS];",
+        "};",
+        "_Static_assert(sizeof(struct alnair_region) == ALNAIR_REGION_SIZE, \"alnair_region size\");",
+        "",
+        "#endif /* ALNAIR_REGION_LAYOUT_H */",
+        "",
+    ]
+    return "\n".join(out)
+
+
+if __name__ == "__main__":
+    sys.stdout.write(c_header())

@@ -1,0 +1,60 @@
+"""Build hooks: generate the gRPC code from the project's .proto files and build the C shim.
+
+Both run on every build (wheel, sdist install, editable install). In editable mode the outputs land in the
+source tree (ignored by git) so `import alnair_agent` from the checkout finds them.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from setuptools import setup
+from setuptools.command.build_py import build_py
+
+ROOT = Path(__file__).resolve().parent
+PROTO_DIR = Path("alnair_agent") / "proto"
+SHIM_DIR = ROOT / "shim"
+SHIM_LIB = "libalnair.so"
+
+
+def generate_protos(out_root: Path) -> None:
+    """Run grpc_tools.protoc on every .proto under alnair_agent/proto, writing into out_root."""
+    from grpc_tools import protoc  # build-time dependency (pyproject.toml)
+    import grpc_tools
+
+    include = Path(grpc_tools.__file__).parent / "_proto"
+    protos = sorted(str(p) for p in PROTO_DIR.glob("*.proto"))
+    out_root.mkdir(parents=True, exist_ok=True)
+    args = ["protoc", f"-I{ROOT}", f"-I{include}", f"--python_out={out_root}",
+            f"--grpc_python_out={out_root}", f"--pyi_out={out_root}", *protos]
+    if protoc.main(args) != 0:
+        raise RuntimeError(f"protoc failed for {protos}")
+
+
+def build_shim(out_dir: Path) -> None:
+    """Build libalnair.so with the system C compiler (make -C shim) and copy it to out_dir."""
+    if not (SHIM_DIR / "Makefile").exists():
+        return
+    build_dir = ROOT / "build" / "shim"
+    subprocess.run(["make", "-C", str(SHIM_DIR), f"BUILD={build_dir}"], check=True)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    shutil.copy2(build_dir / SHIM_LIB, out_dir / SHIM_LIB)
+
+
+class BuildWithGenerated(build_py):
+    def run(self) -> None:
+        os.chdir(ROOT)
+        editable = getattr(self, "editable_mode", False)
+        target = ROOT if editable else Path(self.build_lib)
+        generate_protos(target)
+        build_shim(target / "alnair_agent" / "lib")
+        super().run()
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))
+    setup(cmdclass={"build_py": BuildWithGenerated})

@@ -1,0 +1,21 @@
+"""Shared test fixtures: every test fails if it leaves asyncio tasks behind."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+
+@pytest.fixture(autouse=True)
+async def _no_leftover_tasks():
+    """Fail a test that leaves tasks running on its loop: a leaked task is a leaked service."""
+    before = set(asyncio.all_tasks())
+    yield
+    await asyncio.sleep(0)
+    left = [t for t in asyncio.all_tasks() - before if not t.done() and t is not asyncio.current_task()]
+    for t in left:
+        t.cancel()
+    if left:
+        await asyncio.gather(*left, return_exceptions=True)
+        pytest.fail(f"test left {len(left)} task(s) running: {[t.get_name() for t in left]}")
