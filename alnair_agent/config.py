@@ -1,0 +1,234 @@
+"""The agent's configuration: every ALNAIR_* environment variable, declared once and parsed at start.
+
+`VARIABLES` is the one table (name, type, default, meaning); `Settings` is built from it; the README's variable
+table is generated from it (`python -m alnair_agent.config --markdown`) and a test checks the two agree.
+A bad value raises `ConfigError` with one line naming the variable, the value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from alnair_agent.constants import COMPUTE_UNITS_PER_GPU
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing or malformed; the message names the variable, value and what is allowed."""
+
+
+@dataclass(frozen=True)
+class SimGpu:
+    """One simulated GPU: its memory in bytes."""
+
+    memory_bytes: int
+
+
+_SIZE_UNITS = {"MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40}
+_SIM_RE = re.compile(r"^(?:(\d+)x)?(\d+)(MiB|GiB|TiB)$")
+
+
+def parse_sim_gpus(text: str) -> tuple[SimGpu, ...]:
+    """'2x16GiB' or '16GiB,80GiB' or '2x16GiB,1x80GiB' -> one SimGpu per GPU."""
+    gpus: list[SimGpu] = []
+    for part in text.split(","):
+        m = _SIM_RE.match(part.strip())
+        if not m:
+            raise ValueError(f"'{part.strip()}' is not [<count>x]<size><MiB|GiB|TiB>")
+        count = int(m.group(1) or 1)
+        size = int(m.group(2)) * _SIZE_UNITS[m.group(3)]
+        if count < 1 or size < 1:
+            raise ValueError(f"'{part.strip()}' needs a count >= 1 and a size > 0")
+        gpus += [SimGpu(size)] * count
+    if not 1 <= len(gpus) <= 64:
+        raise ValueError(f"{len(gpus)} GPUs; 1..64 allowed")
+    return tuple(gpus)
+
+
+def _choice(*allowed: str) -> Callable[[str], str]:
+    def parse(text: str) -> str:
+        if text not in allowed:
+            raise ValueError("one of " + ", ".join(allowed))
+        return text
+
+    parse.__doc__ = " | ".join(allowed)
+    return parse
+
+
+def _int_range(lo: int, hi: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text, 10)
+        except ValueError:
+            raise ValueError(f"an integer {lo}..{hi}") from None
+        if not lo <= value <= hi:
+            raise ValueError(f"an integer {lo}..{hi}")
+        return value
+
+    parse.__doc__ = f"integer {lo}..{hi}"
+    return parse
+
+
+def _float_range(lo: float, hi: float) -> Callable[[str], float]:
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise ValueError(f"a number {lo}..{hi}") from None
+        if not lo <= value <= hi:
+            raise ValueError(f"a number {lo}..{hi}")
+        return value
+
+    parse.__doc__ = f"number {lo}..{hi}"
+    return parse
+
+
+def _abs_path(text: str) -> Path:
+    if not text.startswith("/"):
+        raise ValueError("an absolute path")
+    return Path(text)
+
+
+_abs_path.__doc__ = "absolute path"
+
+_DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
+
+
+def _node_name(text: str) -> str:
+    if not _DNS_SUBDOMAIN.match(text):
+        raise ValueError("a Kubernetes node name (lowercase DNS subdomain)")
+    return text
+
+
+_node_name.__doc__ = "node name"
+
+
+def _sim_gpus(text: str) -> tuple[SimGpu, ...]:
+    return parse_sim_gpus(text)
+
+
+_sim_gpus.__doc__ = "e.g. 2x16GiB or 16GiB,80GiB"
+
+
+@dataclass(frozen=True)
+class Variable:
+    """One environment variable of the agent."""
+
+    name: str
+    attr: str  # Settings field it fills
+    parse: Callable[[str], Any]
+    default: str | None  # None: required
+    meaning: str
+
+
+VARIABLES: tuple[Variable, ...] = (
+    Variable("ALNAIR_NODE_NAME", "node_name", _node_name, None,
+             "Name of the node the agent runs on (set from spec.nodeName by the DaemonSet); required."),
+    Variable("ALNAIR_DEVICE_PLUGIN_DIR", "device_plugin_dir", _abs_path, "/var/lib/kubelet/device-plugins",
+             "Folder of kubelet.sock and the plugin sockets."),
+    Variable("ALNAIR_POD_RESOURCES_SOCKET", "pod_resources_socket", _abs_path,
+             "/var/lib/kubelet/pod-resources/kubelet.sock", "kubelet's pod-resources API socket."),
+    Variable("ALNAIR_WORKSPACE", "workspace", _abs_path, "/var/lib/alnair/workspace",
+             "Host folder holding one sub-folder (region, allocation record) per allocated container."),
+    Variable("ALNAIR_SHIM_DIR", "shim_dir", _abs_path, "/var/lib/alnair/lib",
+             "Host folder holding libalnair.so, mounted read-only into containers at /opt/alnair/lib."),
+    Variable("ALNAIR_GPU_BACKEND", "gpu_backend", _choice("nvml", "simulated"), "nvml",
+             "Where GPUs come from: the NVIDIA driver (NVML) or simulated GPUs."),
+    Variable("ALNAIR_SIM_GPUS", "sim_gpus", _sim_gpus, "2x16GiB",
+             "Simulated GPUs when ALNAIR_GPU_BACKEND=simulated."),
+    Variable("ALNAIR_GPU_POLICY", "gpu_policy", _choice("binpack", "spread"), "binpack",
+             "Which GPU a container lands on: the fullest that fits (binpack) or the emptiest (spread)."),
+    Variable("ALNAIR_MEMORY_UNIT_MIB", "memory_unit_mib", _int_range(1, 1 << 20), "1024",
+             "MiB of GPU memory per alnair/vgpu-memory unit."),
+    Variable("ALNAIR_KUBERNETES", "kubernetes", _choice("auto", "off"), "auto",
+             "auto: talk to the API server (in-cluster, else KUBECONFIG); off: run without one."),
+    Variable("ALNAIR_METRICS_PORT", "metrics_port", _int_range(0, 65535), "9400",
+             "Port of /metrics and /healthz; 0 turns the HTTP endpoint off."),
+    Variable("ALNAIR_LOG_FORMAT", "log_format", _choice("json", "console"), "json",
+             "Log lines as JSON (for collectors) or console (for people)."),
+    Variable("ALNAIR_LOG_LEVEL", "log_level", _choice("debug", "info", "warning", "error"), "info",
+             "Lowest level logged."),
+    Variable("ALNAIR_HEALTH_INTERVAL_S", "health_interval_s", _float_range(0.05, 60.0), "1.0",
+             "Seconds between GPU health polls (NVML Xid events are waited on for this long)."),
+    Variable("ALNAIR_RESYNC_INTERVAL_S", "resync_interval_s", _float_range(0.1, 3600.0), "5.0",
+             "Seconds between reconciliations against kubelet's pod-resources (ended containers, restarts)."),
+)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The agent's validated settings. Build with `Settings.from_env`; tests may construct directly."""
+
+    node_name: str
+    device_plugin_dir: Path = Path("/var/lib/kubelet/device-plugins")
+    pod_resources_socket: Path = Path("/var/lib/kubelet/pod-resources/kubelet.sock")
+    workspace: Path = Path("/var/lib/alnair/workspace")
+    shim_dir: Path = Path("/var/lib/alnair/lib")
+    gpu_backend: str = "nvml"
+    sim_gpus: tuple[SimGpu, ...] = field(default_factory=lambda: parse_sim_gpus("2x16GiB"))
+    gpu_policy: str = "binpack"
+    memory_unit_mib: int = 1024
+    kubernetes: str = "auto"
+    metrics_port: int = 9400
+    log_format: str = "json"
+    log_level: str = "info"
+    health_interval_s: float = 1.0
+    resync_interval_s: float = 5.0
+
+    @property
+    def memory_unit_bytes(self) -> int:
+        return self.memory_unit_mib << 20
+
+    @property
+    def compute_units_per_gpu(self) -> int:
+        return COMPUTE_UNITS_PER_GPU
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> "Settings":
+        """Parse every ALNAIR_* variable; raise ConfigError naming the first bad one."""
+        values: dict[str, Any] = {}
+        known = {v.name for v in VARIABLES}
+        for var in VARIABLES:
+            raw = env.get(var.name)
+            if raw is None or raw == "":
+                if var.default is None:
+                    raise ConfigError(f"{var.name} is not set; allowed: {var.parse.__doc__}")
+                raw = var.default
+            try:
+                values[var.attr] = var.parse(raw.strip())
+            except ValueError as e:
+                raise ConfigError(f"{var.name}={raw!r} is not allowed; expected {e}") from None
+        unknown = sorted(k for k in env if k.startswith("ALNAIR_") and k not in known)
+        if unknown:
+            raise ConfigError(f"{unknown[0]} is not a known setting; known: {', '.join(sorted(known))}")
+        return cls(**values)
+
+
+def _check_table() -> None:
+    attrs = {f.name for f in fields(Settings)}
+    for var in VARIABLES:
+        if var.attr not in attrs:
+            raise AssertionError(f"{var.name} fills unknown Settings.{var.attr}")
+
+
+_check_table()
+
+
+def markdown_table() -> str:
+    """The README's variable table, generated from VARIABLES."""
+    rows = ["| Variable | Default | Allowed | Meaning |", "| --- | --- | --- | --- |"]
+    for v in VARIABLES:
+        default = "(required)" if v.default is None else f"`{v.default}`"
+        rows.append(f"| `{v.name}` | {default} | {v.parse.__doc__} | {v.meaning} |")
+    return "\n".join(rows) + "\n"
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["--markdown"]:
+        sys.stdout.write(markdown_table())
+    else:
+        sys.exit("usage: python -m alnair_agent.config --markdown")

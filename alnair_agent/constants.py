@@ -1,0 +1,57 @@
+"""Named constants shared across the agent: resource names, device-ID format, annotation keys, paths, env names.
+
+One definition of each fact; every other module imports from here.
+"""
+
+from __future__ import annotations
+
+# -- Kubernetes extended resources -------------------------------------------------------------------------
+RESOURCE_MEMORY = "alnair/vgpu-memory"  # 1 unit = ALNAIR_MEMORY_UNIT_MIB MiB of one GPU's memory
+RESOURCE_COMPUTE = "alnair/vgpu-compute"  # 1 unit = 1 % of one GPU
+RESOURCES = (RESOURCE_MEMORY, RESOURCE_COMPUTE)
+COMPUTE_UNITS_PER_GPU = 100
+
+# Device IDs name their GPU so any ID maps back to it: "<GPU-UUID>::mem::<k>" / "<GPU-UUID>::sm::<k>".
+DEVICE_ID_SEPARATOR = "::"
+DEVICE_KIND = {RESOURCE_MEMORY: "mem", RESOURCE_COMPUTE: "sm"}
+
+# -- kubelet device plugin API (v1beta1) -------------------------------------------------------------------
+DEVICE_PLUGIN_API_VERSION = "v1beta1"
+KUBELET_SOCKET_NAME = "kubelet.sock"
+SOCKET_NAME = {RESOURCE_MEMORY: "alnair-vgpu-memory.sock", RESOURCE_COMPUTE: "alnair-vgpu-compute.sock"}
+HEALTHY = "Healthy"
+UNHEALTHY = "Unhealthy"
+
+# -- what Allocate hands the container ---------------------------------------------------------------------
+ENV_VISIBLE_DEVICES = "NVIDIA_VISIBLE_DEVICES"
+ENV_LD_PRELOAD = "LD_PRELOAD"
+ENV_MEMORY_LIMIT = "ALNAIR_MEMORY_LIMIT"  # bytes
+ENV_COMPUTE_LIMIT = "ALNAIR_COMPUTE_LIMIT"  # percent
+ENV_REGION = "ALNAIR_REGION"
+ENV_ALLOCATION_ID = "ALNAIR_ALLOCATION_ID"
+CONTAINER_RUN_DIR = "/run/alnair"
+CONTAINER_REGION_PATH = "/run/alnair/region"
+CONTAINER_SHIM_DIR = "/opt/alnair/lib"
+SHIM_LIBRARY = "libalnair.so"
+CONTAINER_SHIM_PATH = f"{CONTAINER_SHIM_DIR}/{SHIM_LIBRARY}"
+REGION_FILE_NAME = "region"
+ALLOCATION_FILE_NAME = "allocation.json"
+
+# -- annotations (pods and nodes) ---------------------------------------------------------------------------
+ANNOTATION_PREFIX = "ai.centaurus.io/"
+NODE_GPU_DEVICES = ANNOTATION_PREFIX + "gpu-devices"  # JSON: GPU inventory and allocation of the node
+# One annotation per container that holds Alnair resources: "ai.centaurus.io/container-<name>", a JSON object
+# with the container's GPU, limits and figures (keys below). It stays on the pod after the container ends.
+POD_CONTAINER_ANNOTATION_PREFIX = ANNOTATION_PREFIX + "container-"
+FIGURE_GPU_UUID = "gpu"
+FIGURE_ALLOCATION_ID = "allocation"
+FIGURE_MEMORY_LIMIT = "memoryLimitBytes"
+FIGURE_COMPUTE_LIMIT = "computeLimitPercent"
+FIGURE_MEMORY_USED = "memoryUsedBytes"
+FIGURE_LAUNCHES = "kernelLaunches"
+FIGURE_GPU_TIME = "gpuTimeNs"
+FIGURE_TOKEN_WAIT = "tokenWaitNs"
+FIGURE_STATE = "state"  # "running" | "ended"
+
+# NVML Xid errors caused by the application, not the GPU: they do not make a device unhealthy.
+APPLICATION_XIDS = frozenset({13, 31, 43, 45, 68, 109})
