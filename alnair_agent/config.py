@@ -55,7 +55,7 @@ def _choice(*allowed: str) -> Callable[[str], str]:
             raise ValueError("one of " + ", ".join(allowed))
         return text
 
-    parse.__doc__ = " | ".join(allowed)
+    parse.__doc__ = ", ".join(f"`{a}`" for a in allowed)
     return parse
 
 
