@@ -1,0 +1,91 @@
+"""The agent's Kubernetes API client: where it comes from, and reading raw JSON responses.
+
+`api_client(settings)` picks the client by ALNAIR_KUBERNETES: `off` → None (no API server; the device plugin then
+allocates without pod identity); `auto` → in-cluster configuration when KUBERNETES_SERVICE_HOST is set, else the
+kubeconfig named by KUBECONFIG (or ~/.kube/config) when it exists, else None with one warning.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import structlog
+from kubernetes_asyncio import config as kube_config
+from kubernetes_asyncio.client import ApiClient, Configuration
+from kubernetes_asyncio.client.exceptions import ApiException
+from kubernetes_asyncio.config.config_exception import ConfigException
+
+from alnair_agent.config import Settings
+
+log = structlog.get_logger(__name__)
+
+MERGE_PATCH = "application/merge-patch+json"
+
+
+class KubeConfigError(RuntimeError):
+    """The API server configuration was found but cannot be used (bad kubeconfig, missing service-account token)."""
+
+
+def _kubeconfig_path(env: Mapping[str, str]) -> Path | None:
+    # KUBECONFIG may list several files (':'-separated); the first existing one names the cluster.
+    candidates = [p for p in env.get("KUBECONFIG", "").split(os.pathsep) if p]
+    home = env.get("HOME")
+    if not candidates and home:
+        candidates = [str(Path(home) / ".kube" / "config")]
+    for candidate in candidates:
+        path = Path(candidate).expanduser()
+        if path.is_file():
+            return path
+    return None
+
+
+async def api_client(settings: Settings, env: Mapping[str, str] | None = None) -> ApiClient | None:
+    """The ApiClient the agent uses, or None when it runs without an API server. Caller closes it."""
+    env = os.environ if env is None else env
+    if settings.kubernetes == "off":
+        log.info("kubernetes_off")
+        return None
+    cfg = Configuration()
+    if env.get("KUBERNETES_SERVICE_HOST"):
+        try:
+            kube_config.load_incluster_config(client_configuration=cfg)
+        except ConfigException as e:
+            raise KubeConfigError(f"in-cluster Kubernetes configuration unusable: {e}") from None
+        log.info("kubernetes_in_cluster", host=cfg.host)
+        return ApiClient(cfg)
+    path = _kubeconfig_path(env)
+    if path is not None:
+        try:
+            await kube_config.load_kube_config(config_file=str(path), client_configuration=cfg)
+        except (ConfigException, OSError, ValueError) as e:
+            raise KubeConfigError(f"kubeconfig {path} unusable: {e}") from None
+        log.info("kubernetes_kubeconfig", path=str(path), host=cfg.host)
+        return ApiClient(cfg)
+    log.warning("kubernetes_unavailable", message="running without an API server",
+                hint="set KUBECONFIG, run in a pod, or ALNAIR_KUBERNETES=off")
+    return None
+
+
+async def read_json(resp: aiohttp.ClientResponse) -> Any:
+    """The JSON body of a response made with `_preload_content=False`; ApiException for a non-2xx status.
+
+    The agent asks for raw responses so it works on the API's own JSON and never builds client models; the
+    generated client only raises for errors when it preloads, so the status is checked here.
+    """
+    try:
+        body = await resp.read()
+    finally:
+        resp.release()
+    if not 200 <= resp.status <= 299:
+        exc = ApiException(status=resp.status, reason=resp.reason)
+        exc.body = body.decode("utf-8", "replace")
+        raise exc
+    try:
+        return json.loads(body)
+    except ValueError as e:
+        raise ApiException(status=resp.status, reason=f"response is not JSON: {e}") from None

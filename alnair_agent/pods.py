@@ -1,0 +1,261 @@
+"""What the agent needs to know of a pod, parsed and validated from the Kubernetes JSON of the pod.
+
+One path only: pods arrive as plain dicts in Kubernetes' JSON shape (camelCase keys), as the API server sends
+them; the pod watch never builds kubernetes-asyncio models (cheaper, and the tests' stand-in speaks the same JSON).
+
+A malformed Alnair quantity on a container is the pod author's mistake, not the agent's: that container is left
+out of what the agent serves, and the problem is kept on the PodInfo (`invalid`) so the caller logs it once per
+pod (`log_invalid`) rather than on every watch event.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Any
+
+import structlog
+
+from alnair_agent.constants import RESOURCE_COMPUTE, RESOURCE_MEMORY, RESOURCES
+
+log = structlog.get_logger(__name__)
+
+PHASE_PENDING = "Pending"
+PHASE_RUNNING = "Running"
+PHASE_SUCCEEDED = "Succeeded"
+PHASE_FAILED = "Failed"
+TERMINAL_PHASES = frozenset({PHASE_SUCCEEDED, PHASE_FAILED})
+
+EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
+
+# Extended resources are whole numbers; the API server writes them as canonical decimal strings. Anything with a
+# fraction, sign, exponent or suffix ("1.5", "-2", "1e3", "2Gi", "1k") is refused rather than guessed at.
+_QUANTITY_RE = re.compile(r"^[0-9]{1,12}$")
+
+
+class PodError(ValueError):
+    """The pod object lacks what identifies it (uid, namespace, name): it cannot be tracked at all."""
+
+
+@dataclass(frozen=True)
+class InvalidQuantity:
+    """A container's Alnair quantity that is not a non-negative integer; the container is left out."""
+
+    container: str
+    resource: str
+    value: str
+
+
+@dataclass(frozen=True)
+class ContainerRequest:
+    """One container's request for Alnair resources (units of memory and compute, from one GPU)."""
+
+    pod_uid: str
+    namespace: str
+    pod_name: str
+    container: str
+    memory_units: int
+    compute_units: int
+    scheduled_at: datetime = EPOCH  # of its pod; orders ties when matching kubelet's Allocate to a container
+    index: int = 0  # position in the pod: init containers first (kubelet admits them first), then containers
+    init: bool = False
+
+    def units(self, resource: str) -> int:
+        """Units requested of `resource` (one of constants.RESOURCES); 0 for anything else."""
+        if resource == RESOURCE_MEMORY:
+            return self.memory_units
+        if resource == RESOURCE_COMPUTE:
+            return self.compute_units
+        return 0
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """(pod_uid, container): the identity the device plugin records as taken."""
+        return (self.pod_uid, self.container)
+
+    def sort_key(self) -> tuple[datetime, str, str, int]:
+        return (self.scheduled_at, self.namespace, self.pod_name, self.index)
+
+
+@dataclass(frozen=True)
+class PodInfo:
+    """A pod as the agent sees it."""
+
+    uid: str
+    namespace: str
+    name: str
+    node_name: str  # "" while unbound
+    phase: str
+    scheduled_at: datetime  # PodScheduled condition's time, else creationTimestamp, else the epoch
+    containers: tuple[ContainerRequest, ...]  # only those asking for Alnair resources, init containers first
+    ended: frozenset[str]  # names of containers that have ended for good (will not run again)
+    deleting: bool  # metadata.deletionTimestamp is set
+    resource_version: str = ""
+    invalid: tuple[InvalidQuantity, ...] = ()
+
+    @property
+    def finished(self) -> bool:
+        """The pod reached Succeeded or Failed: none of its containers runs again."""
+        return self.phase in TERMINAL_PHASES
+
+    def container_ended(self, container: str) -> bool:
+        return self.finished or container in self.ended
+
+    def request(self, container: str) -> ContainerRequest | None:
+        for c in self.containers:
+            if c.container == container:
+                return c
+        return None
+
+
+def container_ended(pod: PodInfo | None, container: str) -> bool:
+    """Whether `container` of `pod` has ended for good; a pod that is gone (None) has no live containers."""
+    return pod is None or pod.container_ended(container)
+
+
+def pod_gone(pod: PodInfo | None) -> bool:
+    """Whether a pod no longer runs anything: deleted from the API (None here) or in a terminal phase."""
+    return pod is None or pod.finished
+
+
+def parse_quantity(value: Any) -> int:
+    """An extended-resource quantity as a non-negative integer; ValueError for anything else."""
+    if isinstance(value, bool):  # bool is an int subclass; a YAML `true` is no quantity
+        raise ValueError("not an integer")
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError("negative")
+        return value
+    if isinstance(value, str) and _QUANTITY_RE.match(value):
+        return int(value, 10)
+    raise ValueError("not a non-negative integer")
+
+
+def parse_time(value: Any) -> datetime | None:
+    """An RFC 3339 timestamp from the API ("2026-11-29T19:00:00Z") as an aware datetime; None if absent/bad."""
+    if not isinstance(value, str) or not value:
+        return None
+    try:
+        parsed = datetime.fromisoformat(value)
+    except ValueError:
+        return None
+    return parsed if parsed.tzinfo else parsed.replace(tzinfo=timezone.utc)
+
+
+def _dict(value: Any) -> Mapping[str, Any]:
+    return value if isinstance(value, Mapping) else {}
+
+
+def _list(value: Any) -> list[Any]:
+    return value if isinstance(value, list) else []
+
+
+def _scheduled_at(meta: Mapping[str, Any], status: Mapping[str, Any]) -> datetime:
+    for cond in _list(status.get("conditions")):
+        cond = _dict(cond)
+        if cond.get("type") == "PodScheduled" and cond.get("status") == "True":
+            when = parse_time(cond.get("lastTransitionTime"))
+            if when is not None:
+                return when
+    return parse_time(meta.get("creationTimestamp")) or EPOCH
+
+
+def log_invalid(pod: PodInfo) -> None:
+    """One warning per malformed quantity of `pod`, naming pod, container, resource and value."""
+    for bad in pod.invalid:
+        log.warning("pod_quantity_invalid", namespace=pod.namespace, pod=pod.name, container=bad.container,
+                    resource=bad.resource, value=bad.value)
+
+
+def _container_requests(
+    specs: Iterable[Any], invalid: list[InvalidQuantity], *, uid: str, namespace: str, name: str,
+    scheduled_at: datetime, init: bool, start: int,
+) -> list[ContainerRequest]:
+    out: list[ContainerRequest] = []
+    for offset, spec in enumerate(specs):
+        spec = _dict(spec)
+        cname = spec.get("name")
+        if not isinstance(cname, str) or not cname:
+            continue
+        resources = _dict(spec.get("resources"))
+        limits, requests = _dict(resources.get("limits")), _dict(resources.get("requests"))
+        units: dict[str, int] = {}
+        bad = False
+        for resource in RESOURCES:
+            # Extended resources must have requests == limits; limits win, requests are the fallback.
+            raw = limits.get(resource, requests.get(resource))
+            if raw is None:
+                units[resource] = 0
+                continue
+            try:
+                units[resource] = parse_quantity(raw)
+            except ValueError:
+                invalid.append(InvalidQuantity(cname, resource, str(raw)))
+                bad = True
+        if bad or not any(units.values()):
+            continue
+        out.append(ContainerRequest(
+            pod_uid=uid, namespace=namespace, pod_name=name, container=cname,
+            memory_units=units[RESOURCE_MEMORY], compute_units=units[RESOURCE_COMPUTE],
+            scheduled_at=scheduled_at, index=start + offset, init=init,
+        ))
+    return out
+
+
+def _ended_containers(spec: Mapping[str, Any], status: Mapping[str, Any], deleting: bool) -> frozenset[str]:
+    """Containers that have terminated and will not be restarted in this pod.
+
+    A terminated container under restartPolicy Always (or OnFailure after a failure) is started again by kubelet
+    with the same devices and mounts, so it has not ended; neither has a restartable init container (sidecar).
+    A run-once init container that exited 0 has ended. A pod being deleted restarts nothing.
+    """
+    pod_policy = spec.get("restartPolicy") or "Always"
+    init_specs = {_dict(c).get("name"): _dict(c) for c in _list(spec.get("initContainers"))}
+    ended: set[str] = set()
+    for key, is_init in (("initContainerStatuses", True), ("containerStatuses", False)):
+        for st in _list(status.get(key)):
+            st = _dict(st)
+            cname = st.get("name")
+            terminated = _dict(_dict(st.get("state")).get("terminated"))
+            if not isinstance(cname, str) or not terminated:
+                continue
+            exit_code = terminated.get("exitCode")
+            if is_init:
+                sidecar = init_specs.get(cname, {}).get("restartPolicy") == "Always"
+                if deleting or (not sidecar and exit_code == 0) or (not sidecar and pod_policy == "Never"):
+                    ended.add(cname)
+            elif deleting or pod_policy == "Never" or (pod_policy == "OnFailure" and exit_code == 0):
+                ended.add(cname)
+    return frozenset(ended)
+
+
+def parse_pod(obj: Mapping[str, Any]) -> PodInfo:
+    """Build a PodInfo from a pod's JSON dict; PodError when uid, namespace or name is missing."""
+    meta, spec, status = _dict(obj.get("metadata")), _dict(obj.get("spec")), _dict(obj.get("status"))
+    uid, namespace, name = meta.get("uid"), meta.get("namespace"), meta.get("name")
+    if not all(isinstance(v, str) and v for v in (uid, namespace, name)):
+        raise PodError(f"pod without uid/namespace/name: {dict(meta)!r:.200}")
+    assert isinstance(uid, str) and isinstance(namespace, str) and isinstance(name, str)
+    scheduled_at = _scheduled_at(meta, status)
+    deleting = bool(meta.get("deletionTimestamp"))
+    init_specs = _list(spec.get("initContainers"))
+    common = dict(uid=uid, namespace=namespace, name=name, scheduled_at=scheduled_at)
+    invalid: list[InvalidQuantity] = []
+    containers = _container_requests(init_specs, invalid, init=True, start=0, **common) + _container_requests(
+        _list(spec.get("containers")), invalid, init=False, start=len(init_specs), **common)
+    phase = status.get("phase")
+    node = spec.get("nodeName")
+    rv = meta.get("resourceVersion")
+    return PodInfo(
+        uid=uid, namespace=namespace, name=name,
+        node_name=node if isinstance(node, str) else "",
+        phase=phase if isinstance(phase, str) else PHASE_PENDING,
+        scheduled_at=scheduled_at,
+        containers=tuple(containers),
+        ended=_ended_containers(spec, status, deleting),
+        deleting=deleting,
+        resource_version=rv if isinstance(rv, str) else "",
+        invalid=tuple(invalid),
+    )

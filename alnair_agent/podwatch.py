@@ -1,0 +1,295 @@
+"""The pods bound to this node, kept current by LIST then WATCH, and the rule that matches kubelet's Allocate.
+
+kubelet's `Allocate` carries no pod identity, so the device plugin asks this watch which pending container is
+being admitted: the one whose request for the resource equals the count kubelet asks for, not yet taken, the
+earliest scheduled first (`match_request`). kubelet may call Allocate moments after the pod was bound, before the
+watch event arrives, so `wait_for_match` waits briefly for the next change.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Collection, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import structlog
+from kubernetes_asyncio import watch
+from kubernetes_asyncio.client import ApiClient, CoreV1Api
+from kubernetes_asyncio.client.exceptions import ApiException
+
+from alnair_agent.kube import read_json
+from alnair_agent.pods import ContainerRequest, PodError, PodInfo, log_invalid, parse_pod
+
+log = structlog.get_logger(__name__)
+
+
+class WatchProtocolError(RuntimeError):
+    """The API server sent something that is not a watch event."""
+
+
+@dataclass(frozen=True)
+class WatchTiming:
+    """How the watch retries and how long it waits; tests shorten these."""
+
+    backoff_initial_s: float = 0.2
+    backoff_max_s: float = 30.0
+    watch_timeout_s: int = 300  # server-side: the API server ends each watch after this; it is then resumed
+    connect_timeout_s: float = 10.0
+    list_timeout_s: float = 60.0
+    min_healthy_s: float = 1.0  # a watch that ends sooner than this having delivered nothing counts as a failure
+
+
+def match_request(
+    requests: Iterable[ContainerRequest], resource: str, count: int, taken: Collection[tuple[str, str]]
+) -> ContainerRequest | None:
+    """The pending container kubelet is admitting: it asks `count` units of `resource` and is not yet `taken`
+    (a set of (pod_uid, container)); among several, the earliest scheduled (then namespace, pod, container order).
+    """
+    if count <= 0:
+        return None
+    best: ContainerRequest | None = None
+    for req in requests:
+        if req.units(resource) != count or req.key in taken:
+            continue
+        if best is None or req.sort_key() < best.sort_key():
+            best = req
+    return best
+
+
+class PodWatch:
+    """Service: the map uid -> PodInfo of the pods bound to `node_name`. `api=None` runs without an API server
+    (ALNAIR_KUBERNETES=off): no pods, synced at once, and the device plugin allocates without pod identity."""
+
+    def __init__(self, api: ApiClient | None, node_name: str, timing: WatchTiming = WatchTiming()) -> None:
+        self._api = api
+        self.node_name = node_name
+        self._timing = timing
+        self._pods: dict[str, PodInfo] = {}
+        self._rv: str | None = None  # resourceVersion to resume from; None: LIST first
+        self._synced = asyncio.Event()
+        self._changed = asyncio.Event()  # replaced on every change; waiters hold the one they saw
+        self._generation = 0
+        self._pending: list[ContainerRequest] | None = None  # cache of pending_requests(), dropped on change
+        if api is None:
+            self._synced.set()
+
+    @classmethod
+    def disabled(cls, node_name: str) -> PodWatch:
+        """A watch for ALNAIR_KUBERNETES=off."""
+        return cls(None, node_name)
+
+    @property
+    def enabled(self) -> bool:
+        return self._api is not None
+
+    @property
+    def synced(self) -> bool:
+        return self._synced.is_set()
+
+    @property
+    def generation(self) -> int:
+        """Grows by one on every change of the pod map; pass it to `changed` to wait for the next change."""
+        return self._generation
+
+    # -- queries ---------------------------------------------------------------------------------------------
+    def pods(self) -> list[PodInfo]:
+        return list(self._pods.values())
+
+    def get(self, uid: str) -> PodInfo | None:
+        return self._pods.get(uid)
+
+    def find(self, namespace: str, name: str) -> PodInfo | None:
+        """The pod by namespace and name (pod-resources names pods this way, not by uid)."""
+        for pod in self._pods.values():
+            if pod.namespace == namespace and pod.name == name:
+                return pod
+        return None
+
+    def pending_requests(self) -> list[ContainerRequest]:
+        """Containers asking for Alnair resources whose pod is bound here and still runs (not finished, not being
+        deleted) and which have not ended; sorted by scheduled_at, namespace, pod name, container order."""
+        if self._pending is None:
+            live = [
+                c
+                for pod in self._pods.values()
+                if pod.node_name == self.node_name and not pod.finished and not pod.deleting
+                for c in pod.containers
+                if c.container not in pod.ended
+            ]
+            self._pending = sorted(live, key=ContainerRequest.sort_key)
+        return list(self._pending)
+
+    # -- waiting ---------------------------------------------------------------------------------------------
+    async def wait_synced(self, timeout: float | None = None) -> bool:
+        """True once the first LIST has filled the map (at once without an API server); False on timeout."""
+        try:
+            async with asyncio.timeout(timeout):
+                await self._synced.wait()
+        except TimeoutError:
+            return False
+        return True
+
+    async def changed(self, since: int, timeout: float | None = None) -> bool:
+        """Wait until `generation` exceeds `since`; True if it did, False on timeout."""
+        try:
+            async with asyncio.timeout(timeout):
+                while self._generation <= since:
+                    await self._changed.wait()
+        except TimeoutError:
+            return self._generation > since
+        return True
+
+    async def wait_for_match(
+        self, resource: str, count: int, taken: Collection[tuple[str, str]], timeout: float
+    ) -> ContainerRequest | None:
+        """`match_request` over the pending requests, waiting up to `timeout` s for pod changes when none matches
+        yet (the bind may reach the watch after kubelet's Allocate). None without an API server or on timeout."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while True:
+            since = self._generation
+            found = match_request(self.pending_requests(), resource, count, taken)
+            if found is not None or not self.enabled:
+                return found
+            remaining = deadline - loop.time()
+            if remaining <= 0 or not await self.changed(since, remaining):
+                return match_request(self.pending_requests(), resource, count, taken)
+
+    # -- the service -----------------------------------------------------------------------------------------
+    async def run(self) -> None:
+        """LIST then WATCH until cancelled; re-LIST on 410 Gone; back off (capped, doubling) on failures."""
+        if self._api is None:
+            await asyncio.Event().wait()  # nothing to watch; stay up like every other service until cancelled
+            return
+        core = CoreV1Api(self._api)
+        backoff = self._timing.backoff_initial_s
+        while True:
+            try:
+                if self._rv is None:
+                    await self._list(core)
+                healthy = await self._watch(core)
+                if healthy:
+                    backoff = self._timing.backoff_initial_s
+                    continue
+                failure: dict[str, Any] = {"error": "WatchEndedEarly"}
+            except ApiException as e:
+                if e.status == 410:
+                    # Our resourceVersion fell out of the API server's history: only a fresh LIST catches up.
+                    log.info("pod_watch_expired", resource_version=self._rv)
+                    self._rv = None
+                    continue
+                failure = {"error": "ApiException", "status": e.status, "reason": e.reason}
+            except (aiohttp.ClientError, TimeoutError, OSError, ValueError, WatchProtocolError) as e:
+                failure = {"error": type(e).__name__, "detail": str(e)[:200]}
+            log.warning("pod_watch_failed", retry_in_s=round(backoff, 3), **failure)
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, self._timing.backoff_max_s)
+
+    async def _list(self, core: CoreV1Api) -> None:
+        resp = await core.list_pod_for_all_namespaces(
+            field_selector=f"spec.nodeName={self.node_name}",
+            _preload_content=False,
+            _request_timeout=self._timing.list_timeout_s,
+        )
+        body = await read_json(resp)
+        if not isinstance(body, Mapping) or not isinstance(body.get("items", []), list):
+            raise WatchProtocolError("pod list is not a PodList")
+        pods: dict[str, PodInfo] = {}
+        for item in body.get("items") or []:
+            pod = self._parse(item)
+            if pod is not None and pod.node_name == self.node_name:
+                pods[pod.uid] = pod
+        rv = (body.get("metadata") or {}).get("resourceVersion")
+        if not isinstance(rv, str) or not rv:
+            raise WatchProtocolError("pod list has no resourceVersion")
+        for pod in pods.values():
+            old = self._pods.get(pod.uid)
+            if old is None or old.invalid != pod.invalid:
+                log_invalid(pod)
+        self._pods = pods
+        self._rv = rv
+        self._bump()
+        self._synced.set()
+        log.info("pod_watch_listed", pods=len(pods), resource_version=rv)
+
+    async def _watch(self, core: CoreV1Api) -> bool:
+        """One watch connection from `_rv`; returns when the server ends it. True if it was healthy (delivered
+        events or lasted a while), so the caller resets its backoff."""
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        events = 0
+        timeout = aiohttp.ClientTimeout(
+            sock_connect=self._timing.connect_timeout_s,
+            # A half-dead connection delivers nothing: give up a little after the server should have ended it.
+            sock_read=self._timing.watch_timeout_s + self._timing.connect_timeout_s,
+        )
+        async with watch.Watch(return_type="object") as w:  # "object": events carry the pod's JSON dict
+            stream = w.stream(
+                core.list_pod_for_all_namespaces,
+                field_selector=f"spec.nodeName={self.node_name}",
+                resource_version=self._rv,
+                timeout_seconds=self._timing.watch_timeout_s,
+                allow_watch_bookmarks=True,
+                _request_timeout=timeout,
+            )
+            try:
+                async for event in stream:
+                    self._apply(event)
+                    events += 1
+            except ApiException:
+                raise
+            except Exception as e:
+                # kubernetes-asyncio's Watch signals a malformed event with a bare Exception; that is the API
+                # server's (or a proxy's) fault, so it is retried like a dropped connection, not a crash.
+                if type(e) is not Exception:
+                    raise
+                raise WatchProtocolError(str(e)[:200]) from None
+        log.debug("pod_watch_ended", events=events, resource_version=self._rv)
+        return events > 0 or loop.time() - started >= self._timing.min_healthy_s
+
+    # -- map updates -----------------------------------------------------------------------------------------
+    def _apply(self, event: Any) -> None:
+        if not isinstance(event, Mapping) or not isinstance(event.get("raw_object"), Mapping):
+            raise WatchProtocolError(f"not a watch event: {event!r:.200}")
+        kind, obj = event.get("type"), event["raw_object"]
+        rv = (obj.get("metadata") or {}).get("resourceVersion")
+        if kind in ("ADDED", "MODIFIED"):
+            pod = self._parse(obj)
+            if pod is not None:
+                self._store(pod)
+        elif kind == "DELETED":
+            uid = (obj.get("metadata") or {}).get("uid")
+            if isinstance(uid, str) and self._pods.pop(uid, None) is not None:
+                self._bump()
+        elif kind != "BOOKMARK":
+            raise WatchProtocolError(f"unknown watch event type {kind!r}")
+        if isinstance(rv, str) and rv:
+            self._rv = rv
+
+    def _parse(self, obj: Any) -> PodInfo | None:
+        try:
+            return parse_pod(obj if isinstance(obj, Mapping) else {})
+        except PodError as e:
+            log.warning("pod_unparseable", error=str(e))
+            return None
+
+    def _store(self, pod: PodInfo) -> None:
+        old = self._pods.get(pod.uid)
+        if pod.node_name != self.node_name:  # moved off this node (cannot happen once bound; be safe)
+            if old is not None:
+                del self._pods[pod.uid]
+                self._bump()
+            return
+        if old is None or old.invalid != pod.invalid:
+            log_invalid(pod)
+        if old != pod:
+            self._pods[pod.uid] = pod
+            self._bump()
+
+    def _bump(self) -> None:
+        self._generation += 1
+        self._pending = None
+        event, self._changed = self._changed, asyncio.Event()
+        event.set()

@@ -1,0 +1,523 @@
+"""A stand-in for the Kubernetes API server, speaking real Kubernetes JSON to the real kubernetes-asyncio client.
+
+Serves, on 127.0.0.1 through aiohttp's TestServer:
+  GET   /api/v1/pods?fieldSelector=spec.nodeName=X           PodList with metadata.resourceVersion
+  GET   /api/v1/pods?watch=true&resourceVersion=N&...          chunked JSON lines {"type", "object"}; a version
+                                                              older than the kept history gets an ERROR event
+                                                              carrying a 410 Gone Status, as the real server does
+  GET   /api/v1/namespaces/{ns}/pods                         PodList of one namespace
+  GET   /api/v1/namespaces/{ns}/pods/{name}                  the pod, or 404 Status
+  PATCH /api/v1/namespaces/{ns}/pods/{name}                  JSON merge patch (application/merge-patch+json only;
+                                                              anything else is 415), 404 for unknown pods
+  GET/PATCH /api/v1/nodes/{name}                             the same for nodes
+
+Usage:
+    async with FakeApiServer() as api:          # or: api = FakeApiServer(); await api.start(); ...; await api.close()
+        client = api.api_client()               # a kubernetes_asyncio ApiClient for it (caller closes it)
+        api.add_pod(make_pod("p1", node="node-1", containers=[{"name": "c", "memory": 2, "compute": 30}]))
+        api.set_container_terminated("default", "p1", "c", exit_code=0)
+        api.delete_pod("default", "p1")
+        api.fail_next("patch_pod", status=500, times=2)   # ops: list, watch, get_pod, patch_pod, get_node, patch_node
+        api.drop_watches()                      # cut every open watch connection (the client must reconnect)
+        api.expire_watches()                    # forget history: open and resumed watches get 410 Gone
+        api.pod("default", "p1")["metadata"]["annotations"]
+        api.patches                             # every PATCH received: Patch(kind, namespace, name, content_type, body)
+
+Field selectors: only `spec.nodeName=X` (and none). A watch with a selector sees ADDED when an object starts to
+match it (e.g. a pod bound to X), MODIFIED while it matches, DELETED when it stops matching or is deleted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import uuid
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any
+
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+from kubernetes_asyncio.client import ApiClient, Configuration
+
+MERGE_PATCH = "application/merge-patch+json"
+
+
+def rfc3339(when: datetime) -> str:
+    return when.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def make_pod(
+    name: str,
+    namespace: str = "default",
+    node: str | None = "node-1",
+    containers: Iterable[Mapping[str, Any]] = ({"name": "main", "memory": 1, "compute": 10},),
+    init_containers: Iterable[Mapping[str, Any]] = (),
+    scheduled_at: datetime | None = None,
+    phase: str = "Pending",
+    restart_policy: str = "Always",
+    uid: str | None = None,
+    requests_only: bool = False,
+) -> dict[str, Any]:
+    """A realistic pod dict. Each container is {"name": str, "memory": units, "compute": units} where units may
+    be an int or any raw string (e.g. "1.5", to test validation) and either key may be left out. `node=None`
+    makes an unbound pod (no nodeName, PodScheduled False). `requests_only` puts the quantities in
+    resources.requests only (the API server would copy them to limits; the parser must cope with both)."""
+    scheduled_at = scheduled_at or datetime.now(timezone.utc)
+    created = rfc3339(scheduled_at)
+
+    def spec_of(c: Mapping[str, Any]) -> dict[str, Any]:
+        quantities = {}
+        if "memory" in c:
+            quantities["alnair/vgpu-memory"] = str(c["memory"])
+        if "compute" in c:
+            quantities["alnair/vgpu-compute"] = str(c["compute"])
+        resources: dict[str, Any] = {"requests": dict(quantities)}
+        if not requests_only:
+            resources["limits"] = dict(quantities)
+        spec = {"name": c["name"], "image": c.get("image", "busybox:1.36"), "resources": resources,
+                "imagePullPolicy": "IfNotPresent", "terminationMessagePolicy": "File"}
+        if "restartPolicy" in c:  # restartable init container (sidecar)
+            spec["restartPolicy"] = c["restartPolicy"]
+        return spec
+
+    conditions = [{"type": "PodScheduled", "status": "True" if node else "False",
+                   "lastProbeTime": None, "lastTransitionTime": created}]
+    spec: dict[str, Any] = {
+        "containers": [spec_of(c) for c in containers],
+        "restartPolicy": restart_policy,
+        "schedulerName": "default-scheduler",
+        "terminationGracePeriodSeconds": 30,
+        "dnsPolicy": "ClusterFirst",
+        "serviceAccountName": "default",
+    }
+    if init_containers:
+        spec["initContainers"] = [spec_of(c) for c in init_containers]
+    if node:
+        spec["nodeName"] = node
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": name,
+            "namespace": namespace,
+            "uid": uid or str(uuid.uuid4()),
+            "creationTimestamp": created,
+            "labels": {"app": name},
+            "annotations": {},
+        },
+        "spec": spec,
+        "status": {"phase": phase, "conditions": conditions, "qosClass": "BestEffort"},
+    }
+
+
+def make_node(name: str, annotations: Mapping[str, str] | None = None) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Node",
+        "metadata": {"name": name, "uid": str(uuid.uuid4()), "labels": {"kubernetes.io/hostname": name},
+                     "annotations": dict(annotations or {}), "creationTimestamp": rfc3339(datetime.now(timezone.utc))},
+        "spec": {},
+        "status": {"capacity": {}, "allocatable": {}},
+    }
+
+
+def merge_patch(target: Any, patch: Any) -> Any:
+    """RFC 7386 JSON merge patch."""
+    if not isinstance(patch, dict):
+        return copy.deepcopy(patch)
+    result = dict(target) if isinstance(target, dict) else {}
+    for key, value in patch.items():
+        if value is None:
+            result.pop(key, None)
+        else:
+            result[key] = merge_patch(result.get(key), value)
+    return result
+
+
+def status(code: int, reason: str, message: str) -> dict[str, Any]:
+    return {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure", "message": message,
+            "reason": reason, "code": code}
+
+
+_REASONS = {400: "BadRequest", 404: "NotFound", 409: "Conflict", 410: "Expired", 415: "UnsupportedMediaType",
+            422: "Invalid", 429: "TooManyRequests", 500: "InternalError", 503: "ServiceUnavailable"}
+
+
+@dataclass
+class Patch:
+    kind: str  # "pod" | "node"
+    namespace: str  # "" for nodes
+    name: str
+    content_type: str
+    body: Any
+
+
+@dataclass
+class _Event:
+    rv: int
+    old: dict[str, Any] | None  # None: created
+    new: dict[str, Any] | None  # None: deleted
+
+
+@dataclass
+class _Watcher:
+    node: str | None
+    queue: asyncio.Queue[_Event | str] = field(default_factory=asyncio.Queue)  # str: "drop" | "gone" | "stop"
+
+
+def _node_of(pod: Mapping[str, Any] | None) -> str | None:
+    return None if pod is None else (pod.get("spec") or {}).get("nodeName")
+
+
+def _selector_node(selector: str | None) -> str | None:
+    if not selector:
+        return None
+    key, sep, value = selector.partition("=")
+    if key.strip() != "spec.nodeName" or not sep:
+        raise web.HTTPBadRequest(text=json.dumps(status(400, "BadRequest", f"unsupported selector {selector}")),
+                                 content_type="application/json")
+    return value.lstrip("=").strip()
+
+
+class FakeApiServer:
+    """The stand-in API server; see the module docstring. All test hooks are plain (synchronous) methods."""
+
+    def __init__(self) -> None:
+        self._pods: dict[tuple[str, str], dict[str, Any]] = {}
+        self._nodes: dict[str, dict[str, Any]] = {}
+        self._rv = 1
+        self._oldest_rv = 1  # watches from a version below this get 410 Gone
+        self._events: list[_Event] = []
+        self._watchers: list[_Watcher] = []
+        self._failures: dict[str, list[int]] = {}
+        self.patches: list[Patch] = []
+        self.requests: list[tuple[str, str]] = []  # (method, path?query) of every request
+        self.watch_connections = 0
+        self.list_calls = 0
+        self._server: TestServer | None = None
+
+    # -- lifetime --------------------------------------------------------------------------------------------
+    async def start(self) -> FakeApiServer:
+        app = web.Application()
+        app.router.add_get("/api/v1/pods", self._list_or_watch)
+        app.router.add_get("/api/v1/namespaces/{ns}/pods", self._list_or_watch)
+        app.router.add_get("/api/v1/namespaces/{ns}/pods/{name}", self._get_pod)
+        app.router.add_patch("/api/v1/namespaces/{ns}/pods/{name}", self._patch_pod)
+        app.router.add_get("/api/v1/nodes/{name}", self._get_node)
+        app.router.add_patch("/api/v1/nodes/{name}", self._patch_node)
+        self._server = TestServer(app, host="127.0.0.1")
+        await self._server.start_server()
+        return self
+
+    async def close(self) -> None:
+        for w in self._watchers:  # end open streams first, or the server would wait for them on shutdown
+            w.queue.put_nowait("stop")
+        if self._server is not None:
+            await self._server.close()
+            self._server = None
+
+    async def __aenter__(self) -> FakeApiServer:
+        return await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    @property
+    def host(self) -> str:
+        assert self._server is not None, "start() first"
+        return str(self._server.make_url("")).rstrip("/")
+
+    def configuration(self) -> Configuration:
+        cfg = Configuration(host=self.host)
+        return cfg
+
+    def api_client(self) -> ApiClient:
+        """A real kubernetes-asyncio client for this server; the caller closes it."""
+        return ApiClient(self.configuration())
+
+    # -- test hooks: objects ---------------------------------------------------------------------------------
+    def add_pod(self, pod: Mapping[str, Any]) -> dict[str, Any]:
+        pod = copy.deepcopy(dict(pod))
+        key = (pod["metadata"]["namespace"], pod["metadata"]["name"])
+        if key in self._pods:
+            raise ValueError(f"pod {key} exists")
+        self._commit(key, None, pod)
+        return copy.deepcopy(pod)
+
+    def modify_pod(self, namespace: str, name: str, change: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
+        """Apply `change` (which edits the pod dict in place) as one update (one MODIFIED event)."""
+        old = self._pods[(namespace, name)]
+        new = copy.deepcopy(old)
+        change(new)
+        self._commit((namespace, name), old, new)
+        return copy.deepcopy(new)
+
+    def bind_pod(self, namespace: str, name: str, node: str, at: datetime | None = None) -> dict[str, Any]:
+        """What the scheduler's binding does: set spec.nodeName and the PodScheduled condition."""
+        def change(p: dict[str, Any]) -> None:
+            p["spec"]["nodeName"] = node
+            p["status"]["conditions"] = [{"type": "PodScheduled", "status": "True", "lastProbeTime": None,
+                                          "lastTransitionTime": rfc3339(at or datetime.now(timezone.utc))}]
+        return self.modify_pod(namespace, name, change)
+
+    def set_phase(self, namespace: str, name: str, phase: str) -> dict[str, Any]:
+        def change(p: dict[str, Any]) -> None:
+            p["status"]["phase"] = phase
+        return self.modify_pod(namespace, name, change)
+
+    def set_container_running(self, namespace: str, name: str, container: str, init: bool = False) -> dict[str, Any]:
+        return self._set_state(namespace, name, container, init,
+                               {"running": {"startedAt": rfc3339(datetime.now(timezone.utc))}}, ready=True)
+
+    def set_container_terminated(self, namespace: str, name: str, container: str, exit_code: int = 0,
+                                 init: bool = False) -> dict[str, Any]:
+        now = rfc3339(datetime.now(timezone.utc))
+        state = {"terminated": {"exitCode": exit_code, "reason": "Completed" if exit_code == 0 else "Error",
+                                "startedAt": now, "finishedAt": now, "containerID": f"containerd://{uuid.uuid4().hex}"}}
+        return self._set_state(namespace, name, container, init, state, ready=False)
+
+    def delete_pod(self, namespace: str, name: str) -> None:
+        old = self._pods[(namespace, name)]
+        self._commit((namespace, name), old, None)
+
+    def add_node(self, name: str, annotations: Mapping[str, str] | None = None) -> dict[str, Any]:
+        node = make_node(name, annotations)
+        self._rv += 1
+        node["metadata"]["resourceVersion"] = str(self._rv)
+        self._nodes[name] = node
+        return copy.deepcopy(node)
+
+    def pod(self, namespace: str, name: str) -> dict[str, Any]:
+        return copy.deepcopy(self._pods[(namespace, name)])
+
+    def node(self, name: str) -> dict[str, Any]:
+        return copy.deepcopy(self._nodes[name])
+
+    def pod_annotations(self, namespace: str, name: str) -> dict[str, str]:
+        return dict(self._pods[(namespace, name)]["metadata"].get("annotations") or {})
+
+    def node_annotations(self, name: str) -> dict[str, str]:
+        return dict(self._nodes[name]["metadata"].get("annotations") or {})
+
+    @property
+    def resource_version(self) -> int:
+        return self._rv
+
+    # -- test hooks: faults ----------------------------------------------------------------------------------
+    def fail_next(self, op: str, status: int = 500, times: int = 1) -> None:
+        """The next `times` requests of `op` answer `status` with a Status body. Ops: list, watch, get_pod,
+        patch_pod, get_node, patch_node."""
+        self._failures.setdefault(op, []).extend([status] * times)
+
+    def drop_watches(self) -> int:
+        """Cut every open watch connection abruptly; returns how many were open."""
+        for w in self._watchers:
+            w.queue.put_nowait("drop")
+        return len(self._watchers)
+
+    def end_watches(self) -> int:
+        """End every open watch cleanly (as the server does when timeoutSeconds passes)."""
+        for w in self._watchers:
+            w.queue.put_nowait("stop")
+        return len(self._watchers)
+
+    def expire_watches(self) -> int:
+        """Forget all history (as etcd compaction does): open watches get an ERROR event with 410 Gone, and a
+        watch resumed from a version older than the current one gets the same; only a fresh LIST recovers."""
+        self._oldest_rv = self._rv
+        self._events.clear()
+        for w in self._watchers:
+            w.queue.put_nowait("gone")
+        return len(self._watchers)
+
+    @property
+    def open_watches(self) -> int:
+        return len(self._watchers)
+
+    # -- internals -------------------------------------------------------------------------------------------
+    def _set_state(self, namespace: str, name: str, container: str, init: bool, state: dict[str, Any],
+                   ready: bool) -> dict[str, Any]:
+        def change(p: dict[str, Any]) -> None:
+            key = "initContainerStatuses" if init else "containerStatuses"
+            statuses = p["status"].setdefault(key, [])
+            for st in statuses:
+                if st["name"] == container:
+                    if "terminated" in st.get("state", {}) or "running" in st.get("state", {}):
+                        st["lastState"] = st["state"]
+                    st["state"] = state
+                    st["ready"] = ready
+                    return
+            statuses.append({"name": container, "state": state, "lastState": {}, "ready": ready,
+                             "restartCount": 0, "image": "busybox:1.36", "imageID": "", "started": ready})
+        return self.modify_pod(namespace, name, change)
+
+    def _commit(self, key: tuple[str, str], old: dict[str, Any] | None, new: dict[str, Any] | None) -> None:
+        self._rv += 1
+        if new is None:
+            assert old is not None
+            del self._pods[key]
+            gone = copy.deepcopy(old)
+            gone["metadata"]["resourceVersion"] = str(self._rv)  # DELETED carries the last state at its version
+            event = _Event(self._rv, gone, None)
+        else:
+            new["metadata"]["resourceVersion"] = str(self._rv)
+            self._pods[key] = new
+            event = _Event(self._rv, copy.deepcopy(old) if old else None, copy.deepcopy(new))
+        self._events.append(event)
+        for w in self._watchers:
+            w.queue.put_nowait(event)
+
+    def _take_failure(self, op: str) -> web.Response | None:
+        queued = self._failures.get(op)
+        if not queued:
+            return None
+        code = queued.pop(0)
+        return web.json_response(status(code, _REASONS.get(code, "Failure"), f"injected failure of {op}"),
+                                 status=code)
+
+    @staticmethod
+    def _event_for(event: _Event, node: str | None) -> dict[str, Any] | None:
+        old_match = event.old is not None and (node is None or _node_of(event.old) == node)
+        new_match = event.new is not None and (node is None or _node_of(event.new) == node)
+        if new_match and not old_match:
+            return {"type": "ADDED", "object": event.new}
+        if new_match and old_match:
+            return {"type": "MODIFIED", "object": event.new}
+        if old_match:  # deleted, or moved out of the selector
+            obj = copy.deepcopy(event.new if event.new is not None else event.old)
+            assert obj is not None
+            obj["metadata"]["resourceVersion"] = str(event.rv)
+            return {"type": "DELETED", "object": obj}
+        return None
+
+    def _pods_on(self, node: str | None, namespace: str | None) -> list[dict[str, Any]]:
+        return [copy.deepcopy(p) for (ns, _), p in sorted(self._pods.items())
+                if (node is None or _node_of(p) == node) and (namespace is None or ns == namespace)]
+
+    async def _list_or_watch(self, request: web.Request) -> web.StreamResponse:
+        self.requests.append((request.method, request.path_qs))
+        node = _selector_node(request.query.get("fieldSelector"))
+        namespace = request.match_info.get("ns")
+        if request.query.get("watch", "").lower() in ("true", "1"):  # the client sends "True"
+            return await self._watch(request, node)
+        self.list_calls += 1
+        failure = self._take_failure("list")
+        if failure is not None:
+            return failure
+        return web.json_response({"kind": "PodList", "apiVersion": "v1",
+                                  "metadata": {"resourceVersion": str(self._rv)},
+                                  "items": self._pods_on(node, namespace)})
+
+    async def _watch(self, request: web.Request, node: str | None) -> web.StreamResponse:
+        self.watch_connections += 1
+        failure = self._take_failure("watch")
+        if failure is not None:
+            return failure
+        raw_rv = request.query.get("resourceVersion", "")
+        timeout = float(request.query.get("timeoutSeconds", "1800"))
+        resp = web.StreamResponse(status=200, headers={"Content-Type": "application/json"})
+        resp.enable_chunked_encoding()
+        await resp.prepare(request)
+
+        async def send(obj: dict[str, Any]) -> None:
+            await resp.write(json.dumps(obj).encode() + b"\n")
+
+        gone = status(410, "Expired", "too old resource version")
+        watcher = _Watcher(node)
+        if raw_rv in ("", "0"):
+            # No version: the current state as ADDED events, then changes (the API server's "start at most recent").
+            backlog: list[dict[str, Any]] = [{"type": "ADDED", "object": p} for p in self._pods_on(node, None)]
+        else:
+            since = int(raw_rv)
+            if since < self._oldest_rv:
+                await send({"type": "ERROR", "object": gone})
+                await resp.write_eof()
+                return resp
+            backlog = [ev for e in self._events if e.rv > since if (ev := self._event_for(e, node))]
+        self._watchers.append(watcher)
+        try:
+            for ev in backlog:
+                await send(ev)
+            async with asyncio.timeout(timeout):
+                while True:
+                    item = await watcher.queue.get()
+                    if item == "drop":
+                        assert request.transport is not None
+                        request.transport.abort()  # cut mid-stream: no terminating chunk
+                        return resp
+                    if item == "gone":
+                        await send({"type": "ERROR", "object": gone})
+                        break
+                    if item == "stop":
+                        break
+                    assert isinstance(item, _Event)
+                    ev = self._event_for(item, node)
+                    if ev is not None:
+                        await send(ev)
+        except TimeoutError:
+            pass  # timeoutSeconds passed: end the stream cleanly, as the API server does
+        except ConnectionResetError:
+            return resp
+        finally:
+            self._watchers.remove(watcher)
+        await resp.write_eof()
+        return resp
+
+    async def _get_pod(self, request: web.Request) -> web.Response:
+        self.requests.append((request.method, request.path_qs))
+        failure = self._take_failure("get_pod")
+        if failure is not None:
+            return failure
+        pod = self._pods.get((request.match_info["ns"], request.match_info["name"]))
+        if pod is None:
+            return web.json_response(status(404, "NotFound", "pods not found"), status=404)
+        return web.json_response(pod)
+
+    async def _patch_pod(self, request: web.Request) -> web.Response:
+        self.requests.append((request.method, request.path_qs))
+        ns, name = request.match_info["ns"], request.match_info["name"]
+        body = await request.json()
+        self.patches.append(Patch("pod", ns, name, request.content_type, body))
+        failure = self._take_failure("patch_pod")
+        if failure is not None:
+            return failure
+        if request.content_type != MERGE_PATCH:
+            return web.json_response(status(415, "UnsupportedMediaType", f"only {MERGE_PATCH}"), status=415)
+        old = self._pods.get((ns, name))
+        if old is None:
+            return web.json_response(status(404, "NotFound", f'pods "{name}" not found'), status=404)
+        new = merge_patch(old, body)
+        self._commit((ns, name), old, new)
+        return web.json_response(new)
+
+    async def _get_node(self, request: web.Request) -> web.Response:
+        self.requests.append((request.method, request.path_qs))
+        failure = self._take_failure("get_node")
+        if failure is not None:
+            return failure
+        node = self._nodes.get(request.match_info["name"])
+        if node is None:
+            return web.json_response(status(404, "NotFound", "nodes not found"), status=404)
+        return web.json_response(node)
+
+    async def _patch_node(self, request: web.Request) -> web.Response:
+        self.requests.append((request.method, request.path_qs))
+        name = request.match_info["name"]
+        body = await request.json()
+        self.patches.append(Patch("node", "", name, request.content_type, body))
+        failure = self._take_failure("patch_node")
+        if failure is not None:
+            return failure
+        if request.content_type != MERGE_PATCH:
+            return web.json_response(status(415, "UnsupportedMediaType", f"only {MERGE_PATCH}"), status=415)
+        old = self._nodes.get(name)
+        if old is None:
+            return web.json_response(status(404, "NotFound", f'nodes "{name}" not found'), status=404)
+        self._rv += 1
+        new = merge_patch(old, body)
+        new["metadata"]["resourceVersion"] = str(self._rv)
+        self._nodes[name] = new
+        return web.json_response(new)
