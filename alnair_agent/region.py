@@ -86,8 +86,8 @@ class Region:
         region._put(_HEADER, "size", L.REGION_SIZE)
         region._put(_HEADER, "slot_count", L.MAX_SLOTS)
         region._put(_HEADER, "slot_size", L.SLOT_SIZE)
-        region._put(_AGENT, "memory_limit", memory_limit)
-        region._put(_AGENT, "compute_limit", compute_limit)
+        region._aput("memory_limit", memory_limit)
+        region._aput("compute_limit", compute_limit)
         region.set_grant_line(rate_for_percent(compute_limit))
         mm.flush()
         # The container may open the file the moment it exists under its final name: publish it complete.
@@ -130,31 +130,45 @@ class Region:
         off, fmt = block[field]
         struct.pack_into(fmt, self._mm, base + off, value)
 
-    def _agent_base(self) -> int:
-        return L.HEADER_SIZE
+    def _aget(self, field: str) -> int:
+        return self._get(_AGENT, field, L.HEADER_SIZE)
+
+    def _aput(self, field: str, value: int) -> None:
+        self._put(_AGENT, field, value, L.HEADER_SIZE)
 
     # -- agent fields (the agent is their only writer) --------------------------------------------------------
     @property
     def memory_limit(self) -> int:
-        return self._get(_AGENT, "memory_limit", L.HEADER_SIZE)
+        return self._aget("memory_limit")
 
     @property
     def compute_limit(self) -> int:
-        return self._get(_AGENT, "compute_limit", L.HEADER_SIZE)
+        return self._aget("compute_limit")
 
     @property
     def heartbeat_ns(self) -> int:
-        return self._get(_AGENT, "heartbeat_ns", L.HEADER_SIZE)
+        return self._aget("heartbeat_ns")
+
+    def set_limits(self, memory_limit: int, compute_limit: int) -> None:
+        """Change the limits of a live region; a new compute limit continues the grant line at its rate."""
+        if memory_limit < 0:
+            raise ValueError(f"memory_limit must be >= 0 bytes, got {memory_limit}")
+        if not 0 <= compute_limit <= 100:
+            raise ValueError(f"compute_limit must be 0..100 percent, got {compute_limit}")
+        self._aput("memory_limit", memory_limit)
+        if compute_limit != self.compute_limit:
+            self._aput("compute_limit", compute_limit)
+            self.set_grant_line(rate_for_percent(compute_limit))
 
     def beat(self, now_ns: int | None = None) -> None:
-        self._put(_AGENT, "heartbeat_ns", monotonic_ns() if now_ns is None else now_ns, L.HEADER_SIZE)
+        self._aput("heartbeat_ns", monotonic_ns() if now_ns is None else now_ns)
 
     def grant_line(self) -> tuple[int, int, int]:
         """(tokens_granted, granted_at_ns, token_rate), read consistently under the sequence lock."""
         while True:
-            seq = self._get(_AGENT, "grant_seq", L.HEADER_SIZE)
-            line = tuple(self._get(_AGENT, f, L.HEADER_SIZE) for f in ("tokens_granted", "granted_at_ns", "token_rate"))
-            if seq % 2 == 0 and seq == self._get(_AGENT, "grant_seq", L.HEADER_SIZE):
+            seq = self._aget("grant_seq")
+            line = tuple(self._aget(f) for f in ("tokens_granted", "granted_at_ns", "token_rate"))
+            if seq % 2 == 0 and seq == self._aget("grant_seq"):
                 return line  # type: ignore[return-value]
 
     def granted(self, now_ns: int) -> int:
@@ -166,14 +180,13 @@ class Region:
         if rate < 0:
             raise ValueError(f"token rate must be >= 0, got {rate}")
         now = monotonic_ns() if now_ns is None else now_ns
-        tokens = self.granted(now) if self._get(_AGENT, "granted_at_ns", L.HEADER_SIZE) else 0
-        base = L.HEADER_SIZE
-        seq = self._get(_AGENT, "grant_seq", base)
-        self._put(_AGENT, "grant_seq", (seq + 1) & 0xFFFFFFFF, base)
-        self._put(_AGENT, "tokens_granted", tokens, base)
-        self._put(_AGENT, "granted_at_ns", now, base)
-        self._put(_AGENT, "token_rate", rate, base)
-        self._put(_AGENT, "grant_seq", (seq + 2) & 0xFFFFFFFF, base)
+        tokens = self.granted(now) if self._aget("granted_at_ns") else 0
+        seq = self._aget("grant_seq")
+        self._aput("grant_seq", (seq + 1) & 0xFFFFFFFF)
+        self._aput("tokens_granted", tokens)
+        self._aput("granted_at_ns", now)
+        self._aput("token_rate", rate)
+        self._aput("grant_seq", (seq + 2) & 0xFFFFFFFF)
 
     # -- slots (written by the container: untrusted) --------------------------------------------------------
     def slots(self) -> list[SlotReading]:

@@ -1,0 +1,85 @@
+"""The agent: one asyncio process whose services run as named root tasks until a stop or a failure."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+import structlog
+
+from alnair_agent.allocator import Allocator, PodSource
+from alnair_agent.config import Settings
+from alnair_agent.deviceplugin import DevicePluginService
+from alnair_agent.gpu.backend import GpuBackend, GpuInfo
+from alnair_agent.health import HealthService
+from alnair_agent.inventory import Inventory
+from alnair_agent.lifecycle import run_services
+from alnair_agent.metrics import MetricsServer
+from alnair_agent.reconcile import AnnotationSink, PodStates, Reconciler
+from alnair_agent.workspace import Workspace
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass
+class Kubernetes:
+    """The API-server side of the agent, when there is one (all None with ALNAIR_KUBERNETES=off)."""
+
+    pod_source: PodSource | None = None
+    pod_states: PodStates | None = None
+    annotations: AnnotationSink | None = None
+    services: list[tuple[str, object]] = field(default_factory=list)  # (name, coroutine factory)
+
+
+class Agent:
+    def __init__(self, settings: Settings, backend: GpuBackend, kubernetes: Kubernetes | None = None,
+                 list_held=None, unseen_grace_s: float | None = None) -> None:  # type: ignore[no-untyped-def]
+        self.settings = settings
+        self.backend = backend
+        self.kubernetes = kubernetes or Kubernetes()
+        self.list_held = list_held
+        self.unseen_grace_s = unseen_grace_s
+        self.gpus: list[GpuInfo] = []
+        self.inventory: Inventory | None = None
+        self.allocator: Allocator | None = None
+        self.plugin: DevicePluginService | None = None
+        self.reconciler: Reconciler | None = None
+        self.ready = asyncio.Event()
+
+    async def run(self, stop: asyncio.Event) -> None:
+        s = self.settings
+        self.gpus = await asyncio.to_thread(self.backend.start)
+        try:
+            log.info("gpus_found", count=len(self.gpus),
+                     gpus=[{"index": g.index, "uuid": g.uuid, "name": g.name, "memory_bytes": g.memory_bytes}
+                           for g in self.gpus])
+            self.inventory = Inventory(self.gpus, s.memory_unit_bytes)
+            workspace = Workspace(s.workspace)
+            workspace.ensure()
+            self.allocator = Allocator(self.inventory, workspace, s.gpu_policy, str(s.shim_dir),
+                                       pods=self.kubernetes.pod_source)
+            restored = workspace.load_all()
+            self.allocator.restore(restored)
+            kwargs = {} if self.unseen_grace_s is None else {"unseen_grace_s": self.unseen_grace_s}
+            self.reconciler = Reconciler(self.allocator, workspace, self.list_held, self.kubernetes.pod_states,
+                                         self.kubernetes.annotations, s.resync_interval_s, **kwargs)
+            # Learn what kubelet already handed out before offering anything: a restart never double-books.
+            await self.reconciler.once()
+            log.info("allocations_restored", count=len(self.allocator.allocations),
+                     external_devices=len(self.allocator.external_held))
+            self.plugin = DevicePluginService(s.device_plugin_dir, self.inventory, self.allocator)
+            health = HealthService(self.backend, self.inventory, self.plugin, s.health_interval_s)
+            services: list[tuple[str, object]] = [
+                ("device-plugin", self.plugin.run()),
+                ("health", health.run()),
+                ("reconciler", self.reconciler.run()),
+                ("heartbeat", self.reconciler.run_heartbeat()),
+            ]
+            services += [(name, factory()) for name, factory in self.kubernetes.services]  # type: ignore[operator]
+            if s.metrics_port:
+                services.append(("http", MetricsServer(self, s.metrics_port).run()))
+            self.ready.set()
+            await run_services(services, stop)  # type: ignore[arg-type]
+        finally:
+            await asyncio.to_thread(self.backend.stop)
+            log.info("agent_stopped")

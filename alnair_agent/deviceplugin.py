@@ -1,0 +1,225 @@
+"""The kubelet device plugin (v1beta1): one gRPC server per resource on a unix socket, registered with kubelet.
+
+kubelet restarts wipe the socket folder and create a new kubelet.sock; the service notices within
+`REREGISTER_POLL_S` and serves and registers again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+import structlog
+
+from alnair_agent.allocator import AllocationError, Allocator
+from alnair_agent.constants import (
+    DEVICE_PLUGIN_API_VERSION,
+    HEALTHY,
+    KUBELET_SOCKET_NAME,
+    RESOURCES,
+    SOCKET_NAME,
+    UNHEALTHY,
+)
+from alnair_agent.inventory import Inventory
+from alnair_agent.proto import deviceplugin_pb2 as pb
+from alnair_agent.proto import deviceplugin_pb2_grpc as pb_grpc
+
+log = structlog.get_logger(__name__)
+
+REREGISTER_POLL_S = 0.1
+REGISTER_TIMEOUT_S = 5.0
+REGISTER_RETRY_MAX_S = 5.0
+
+
+class ResourceServicer(pb_grpc.DevicePluginServicer):
+    """The DevicePlugin service for one resource."""
+
+    def __init__(self, resource: str, inventory: Inventory, allocator: Allocator, changes: "HealthBoard") -> None:
+        self.resource = resource
+        self.inventory = inventory
+        self.allocator = allocator
+        self.changes = changes
+
+    def device_list(self) -> pb.ListAndWatchResponse:
+        return pb.ListAndWatchResponse(devices=[
+            pb.Device(ID=device_id, health=HEALTHY if healthy else UNHEALTHY)
+            for device_id, healthy in self.inventory.device_ids(self.resource)
+        ])
+
+    async def GetDevicePluginOptions(self, request: pb.Empty, context: grpc.aio.ServicerContext) -> pb.DevicePluginOptions:
+        return pb.DevicePluginOptions(pre_start_required=False, get_preferred_allocation_available=True)
+
+    async def ListAndWatch(self, request: pb.Empty, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.ListAndWatchResponse]:
+        seen = -1
+        while True:
+            version = await self.changes.wait_newer(seen)
+            if version is None:
+                return
+            seen = version
+            yield self.device_list()
+
+    async def GetPreferredAllocation(self, request: pb.PreferredAllocationRequest,
+                                     context: grpc.aio.ServicerContext) -> pb.PreferredAllocationResponse:
+        responses = []
+        for req in request.container_requests:
+            try:
+                ids = await self.allocator.preferred(self.resource, list(req.available_deviceIDs),
+                                                     list(req.must_include_deviceIDs), req.allocation_size)
+            except AllocationError as e:
+                log.warning("preferred_allocation_refused", resource=self.resource, size=req.allocation_size,
+                            reason=e.message)
+                await context.abort(e.code, e.message)
+            responses.append(pb.ContainerPreferredAllocationResponse(deviceIDs=ids))
+        return pb.PreferredAllocationResponse(container_responses=responses)
+
+    async def Allocate(self, request: pb.AllocateRequest, context: grpc.aio.ServicerContext) -> pb.AllocateResponse:
+        responses = []
+        for req in request.container_requests:
+            try:
+                answer = await self.allocator.allocate(self.resource, list(req.devices_ids))
+            except AllocationError as e:
+                log.warning("allocate_refused", resource=self.resource, devices=len(req.devices_ids), reason=e.message)
+                await context.abort(e.code, e.message)
+            responses.append(pb.ContainerAllocateResponse(
+                envs=answer.envs,
+                mounts=[pb.Mount(container_path=c, host_path=h, read_only=ro) for c, h, ro in answer.mounts],
+            ))
+        return pb.AllocateResponse(container_responses=responses)
+
+    async def PreStartContainer(self, request: pb.PreStartContainerRequest,
+                                context: grpc.aio.ServicerContext) -> pb.PreStartContainerResponse:
+        return pb.PreStartContainerResponse()
+
+
+class HealthBoard:
+    """A version number bumped on every device change; ListAndWatch streams wait on it."""
+
+    def __init__(self) -> None:
+        self._version = 0
+        self._closed = False
+        self._cond = asyncio.Condition()
+
+    async def bump(self) -> None:
+        async with self._cond:
+            self._version += 1
+            self._cond.notify_all()
+
+    async def close(self) -> None:
+        async with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    async def wait_newer(self, seen: int) -> int | None:
+        """The current version once it is newer than `seen`; None once closed."""
+        async with self._cond:
+            await self._cond.wait_for(lambda: self._closed or self._version != seen)
+            return None if self._closed else self._version
+
+
+def _inode(path: Path) -> int | None:
+    try:
+        return path.stat().st_ino
+    except FileNotFoundError:
+        return None
+
+
+class DevicePluginService:
+    """Serves both resources and keeps them registered with kubelet for as long as `run` runs."""
+
+    def __init__(self, plugin_dir: Path, inventory: Inventory, allocator: Allocator) -> None:
+        self.plugin_dir = plugin_dir
+        self.inventory = inventory
+        self.allocator = allocator
+        self.board = HealthBoard()
+        self.servicers = {r: ResourceServicer(r, inventory, allocator, self.board) for r in RESOURCES}
+        self._servers: dict[str, grpc.aio.Server] = {}
+        self.registrations = 0  # successful Register calls, for /metrics and tests
+        self.registered = asyncio.Event()
+
+    def socket_path(self, resource: str) -> Path:
+        return self.plugin_dir / SOCKET_NAME[resource]
+
+    async def notify_devices_changed(self) -> None:
+        await self.board.bump()
+
+    async def _serve(self) -> None:
+        await self._stop_servers()
+        for resource, servicer in self.servicers.items():
+            path = self.socket_path(resource)
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+            server = grpc.aio.server()
+            pb_grpc.add_DevicePluginServicer_to_server(servicer, server)
+            server.add_insecure_port(f"unix://{path}")
+            await server.start()
+            self._servers[resource] = server
+        log.info("device_plugin_serving", sockets=[str(self.socket_path(r)) for r in RESOURCES])
+
+    async def _register(self) -> None:
+        kubelet = self.plugin_dir / KUBELET_SOCKET_NAME
+        async with grpc.aio.insecure_channel(f"unix://{kubelet}") as channel:
+            stub = pb_grpc.RegistrationStub(channel)
+            for resource in RESOURCES:
+                await stub.Register(pb.RegisterRequest(
+                    version=DEVICE_PLUGIN_API_VERSION, endpoint=SOCKET_NAME[resource], resource_name=resource,
+                    options=pb.DevicePluginOptions(pre_start_required=False, get_preferred_allocation_available=True),
+                ), timeout=REGISTER_TIMEOUT_S)
+                self.registrations += 1
+                log.info("device_plugin_registered", resource=resource,
+                         devices=len(self.inventory.device_ids(resource)))
+        self.registered.set()
+
+    async def run(self) -> None:
+        """Serve, register, and re-serve + re-register whenever kubelet restarts. Runs until cancelled."""
+        self.plugin_dir.mkdir(parents=True, exist_ok=True)
+        kubelet = self.plugin_dir / KUBELET_SOCKET_NAME
+        try:
+            backoff = REREGISTER_POLL_S
+            registered_inode: int | None = None
+            waiting_logged = False
+            while True:
+                inode = _inode(kubelet)
+                sockets_gone = any(not self.socket_path(r).exists() for r in RESOURCES)
+                if inode is None:
+                    if not waiting_logged:
+                        log.info("kubelet_socket_missing", path=str(kubelet))
+                        waiting_logged = True
+                    registered_inode = None
+                    self.registered.clear()
+                elif inode != registered_inode or sockets_gone:
+                    waiting_logged = False
+                    self.registered.clear()
+                    try:
+                        await self._serve()
+                        await self._register()
+                        registered_inode = inode
+                        backoff = REREGISTER_POLL_S
+                    except (grpc.aio.AioRpcError, OSError) as e:
+                        detail = e.details() if isinstance(e, grpc.aio.AioRpcError) else str(e)
+                        log.warning("device_plugin_register_failed", error=detail, retry_in_s=backoff)
+                        await asyncio.sleep(backoff)
+                        backoff = min(backoff * 2, REGISTER_RETRY_MAX_S)
+                        continue
+                await asyncio.sleep(REREGISTER_POLL_S)
+        finally:
+            await self.shutdown()
+
+    async def _stop_servers(self) -> None:
+        servers, self._servers = self._servers, {}
+        for server in servers.values():
+            await server.stop(grace=0.5)
+
+    async def shutdown(self) -> None:
+        """End ListAndWatch streams, stop the servers and remove our sockets."""
+        await self.board.close()
+        await self._stop_servers()
+        for resource in RESOURCES:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.socket_path(resource))
+        self.board = HealthBoard()
+        for servicer in self.servicers.values():
+            servicer.changes = self.board

@@ -1,0 +1,16 @@
+"""GPU backends: where the agent learns which GPUs the node has and whether they are healthy."""
+
+from alnair_agent.gpu.backend import GpuBackend, GpuInfo, HealthEvent
+
+__all__ = ["GpuBackend", "GpuInfo", "HealthEvent", "make_backend"]
+
+
+def make_backend(settings) -> GpuBackend:  # type: ignore[no-untyped-def]
+    """The backend ALNAIR_GPU_BACKEND names. Only the NVML backend imports pynvml."""
+    if settings.gpu_backend == "simulated":
+        from alnair_agent.gpu.simulated import SimulatedBackend
+
+        return SimulatedBackend.from_settings(settings)
+    from alnair_agent.gpu.nvml import NvmlBackend
+
+    return NvmlBackend()

@@ -1,0 +1,199 @@
+"""Keeps the allocator's records true to kubelet and the pods: restart recovery, ended containers, heartbeats.
+
+- kubelet's pod-resources API is the authority on which container holds which device IDs: IDs it reports that
+  no record covers are held (never offered again), and an unidentified record learns its pod from it.
+- A container has ended when its pod says so (terminated, or the pod is gone), or, without an API server, when
+  kubelet no longer reports its devices. Its last figures are written to the pod, and only then is its
+  workspace removed. A workspace whose devices kubelet still reports for a live container is never removed.
+- The agent's heartbeat goes into every live region.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Awaitable, Callable
+from typing import Protocol
+
+import structlog
+
+from alnair_agent import constants as C
+from alnair_agent.allocator import Allocator
+from alnair_agent.podresources import DeviceAssignment
+from alnair_agent.pods import PodInfo, container_ended
+from alnair_agent.region import Region, RegionError
+from alnair_agent.workspace import Allocation, Workspace
+
+log = structlog.get_logger(__name__)
+
+HEARTBEAT_INTERVAL_S = 0.5
+# A fresh allocation is not yet visible in pod-resources (kubelet records it as the container is created):
+# only after this long may its absence there mean that the container is gone.
+UNSEEN_GRACE_S = 30.0
+
+
+class PodStates(Protocol):
+    """What the reconciler needs of the pod watch (alnair_agent.podwatch.PodWatch)."""
+
+    @property
+    def synced(self) -> bool: ...
+
+    def get(self, uid: str) -> PodInfo | None: ...
+
+    def find(self, namespace: str, name: str) -> PodInfo | None: ...
+
+
+class AnnotationSink(Protocol):
+    def set_pod(self, namespace: str, name: str, annotations: dict[str, str | None]) -> None: ...
+
+    async def flush(self, timeout: float) -> bool: ...
+
+
+def figures(alloc: Allocation, region: Region | None, state: str) -> dict[str, object]:
+    """The container's figures for its pod annotation (from the region, checked: it is container-written)."""
+    out: dict[str, object] = {
+        C.FIGURE_GPU_UUID: alloc.gpu_uuid,
+        C.FIGURE_ALLOCATION_ID: alloc.id,
+        C.FIGURE_MEMORY_LIMIT: alloc.memory_limit,
+        C.FIGURE_COMPUTE_LIMIT: alloc.compute_limit,
+        C.FIGURE_STATE: state,
+    }
+    if region is not None:
+        slots = region.slots()
+        out[C.FIGURE_MEMORY_USED] = region.memory_in_use()
+        out[C.FIGURE_LAUNCHES] = sum(s.launches for s in slots)
+        out[C.FIGURE_GPU_TIME] = sum(s.tokens_taken for s in slots)
+        out[C.FIGURE_TOKEN_WAIT] = sum(s.wait_ns for s in slots)
+    return out
+
+
+def annotation_key(container: str) -> str:
+    return C.POD_CONTAINER_ANNOTATION_PREFIX + container
+
+
+class Reconciler:
+    def __init__(
+        self,
+        allocator: Allocator,
+        workspace: Workspace,
+        list_held: Callable[[], Awaitable[list[DeviceAssignment]]] | None,
+        pods: PodStates | None,
+        annotations: AnnotationSink | None,
+        interval_s: float,
+        unseen_grace_s: float = UNSEEN_GRACE_S,
+    ) -> None:
+        self.allocator = allocator
+        self.workspace = workspace
+        self.list_held = list_held
+        self.pods = pods
+        self.annotations = annotations
+        self.interval_s = interval_s
+        self.unseen_grace_s = unseen_grace_s
+        self._regions: dict[str, Region] = {}
+        self.kick = asyncio.Event()
+
+    def _region(self, alloc_id: str) -> Region | None:
+        region = self._regions.get(alloc_id)
+        if region is None:
+            try:
+                region = self.workspace.open_region(alloc_id)
+            except RegionError as e:
+                log.warning("region_unreadable", allocation=alloc_id, error=str(e))
+                return None
+            self._regions[alloc_id] = region
+        return region
+
+    async def _held(self) -> list[DeviceAssignment] | None:
+        if self.list_held is None:
+            return None
+        try:
+            return await self.list_held()
+        except Exception as e:  # noqa: BLE001 - kubelet briefly unreachable must not stop the agent
+            log.warning("pod_resources_unavailable", error=str(e))
+            return None
+
+    async def once(self) -> None:
+        held = await self._held()
+        by_id: dict[str, DeviceAssignment] = {}
+        if held is not None:
+            ours = {i for a in self.allocator.allocations.values() for i in a.all_ids()}
+            by_id = {i: h for h in held if h.resource in C.RESOURCES for i in h.device_ids}
+            external = {i for i in by_id if i not in ours}
+            if external != self.allocator.external_held:
+                log.info("pod_resources_external_devices", count=len(external))
+                self.allocator.external_held = external
+            self._learn_identities(by_id)
+        now = time.time()
+        for alloc in list(self.allocator.allocations.values()):
+            if self._ended(alloc, by_id if held is not None else None, now):
+                await self._retire(alloc)
+            elif self.annotations is not None and alloc.identified:
+                self.annotations.set_pod(alloc.namespace, alloc.pod_name, {
+                    annotation_key(alloc.container): json.dumps(figures(alloc, self._region(alloc.id), "running"),
+                                                                sort_keys=True)})
+
+    def _learn_identities(self, by_id: dict[str, DeviceAssignment]) -> None:
+        for alloc in self.allocator.allocations.values():
+            if alloc.identified:
+                continue
+            owner = next((by_id[i] for i in alloc.all_ids() if i in by_id), None)
+            if owner is not None:
+                alloc.namespace, alloc.pod_name, alloc.container = owner.namespace, owner.pod, owner.container
+                self.workspace.save(alloc)
+                log.info("allocation_identified", allocation=alloc.id, pod=f"{owner.namespace}/{owner.pod}",
+                         container=owner.container)
+
+    def _ended(self, alloc: Allocation, by_id: dict[str, DeviceAssignment] | None, now: float) -> bool:
+        in_use = by_id is not None and any(i in by_id for i in alloc.all_ids())
+        if self.pods is not None and self.pods.synced and alloc.identified:
+            pod = self.pods.get(alloc.pod_uid) if alloc.pod_uid else self.pods.find(alloc.namespace, alloc.pod_name)
+            return container_ended(pod, alloc.container)
+        if by_id is None:
+            return False  # no authority to ask: keep it
+        return not in_use and now - alloc.created_at > self.unseen_grace_s
+
+    async def _retire(self, alloc: Allocation) -> None:
+        region = self._region(alloc.id)
+        if self.annotations is not None and alloc.identified:
+            self.annotations.set_pod(alloc.namespace, alloc.pod_name, {
+                annotation_key(alloc.container): json.dumps(figures(alloc, region, "ended"), sort_keys=True)})
+            if not await self.annotations.flush(timeout=10.0):
+                log.warning("allocation_final_figures_pending", allocation=alloc.id)
+                return  # keep the workspace until the figures are written; retried next round
+        if region is not None:
+            region.close()
+            self._regions.pop(alloc.id, None)
+        self.workspace.remove(alloc.id)
+        self.allocator.remove(alloc.id)
+        log.info("allocation_ended", allocation=alloc.id, pod=f"{alloc.namespace}/{alloc.pod_name}" or None,
+                 container=alloc.container or None)
+
+    def beat(self) -> None:
+        now = time.clock_gettime_ns(time.CLOCK_MONOTONIC)
+        for alloc_id in list(self.allocator.allocations):
+            region = self._region(alloc_id)
+            if region is not None:
+                region.beat(now)
+
+    async def run(self) -> None:
+        try:
+            while True:
+                await self.once()
+                self.kick.clear()
+                try:
+                    await asyncio.wait_for(self.kick.wait(), self.interval_s)
+                except TimeoutError:
+                    pass
+        finally:
+            self.close()
+
+    async def run_heartbeat(self) -> None:
+        while True:
+            self.beat()
+            await asyncio.sleep(HEARTBEAT_INTERVAL_S)
+
+    def close(self) -> None:
+        for region in self._regions.values():
+            region.close()
+        self._regions.clear()
