@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
+import time
 import uuid
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -153,6 +154,7 @@ class Patch:
     name: str
     content_type: str
     body: Any
+    at: float = field(default_factory=time.monotonic)  # when it arrived (the event loop's clock is monotonic too)
 
 
 @dataclass
