@@ -25,6 +25,9 @@ async def running(service: Coroutine[Any, Any, None], name: str = "service") -> 
 
 async def wait_until(predicate: Callable[[], bool], timeout: float = 5.0, interval: float = 0.01) -> None:
     """Poll `predicate` until true; AssertionError after `timeout` s."""
-    async with asyncio.timeout(timeout):
-        while not predicate():
-            await asyncio.sleep(interval)
+    try:
+        async with asyncio.timeout(timeout):
+            while not predicate():
+                await asyncio.sleep(interval)
+    except TimeoutError:
+        raise AssertionError(f"condition not met within {timeout} s") from None
