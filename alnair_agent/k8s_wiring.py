@@ -32,7 +32,7 @@ async def connect_kubernetes(settings: Settings) -> AsyncIterator[Kubernetes]:
 
     try:
         watch = PodWatch(api, settings.node_name)
-        writer = AnnotationWriter(api)
+        writer = AnnotationWriter(api, settings.node_name)
         yield Kubernetes(pod_source=watch, pod_states=watch, annotations=writer,
                          services=[("pod-watch", watch.run), ("annotations", writer.run)])
     finally:

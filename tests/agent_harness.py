@@ -1,0 +1,130 @@
+"""A node for the tests: the real agent (in-process or as a subprocess) beside the kubelet emulator and,
+optionally, the API server stand-in. Sockets live under a short /tmp folder (unix socket paths are limited)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from alnair_agent.app import Agent, Kubernetes
+from alnair_agent.config import Settings, parse_sim_gpus
+from alnair_agent.constants import RESOURCE_COMPUTE, RESOURCE_MEMORY, RESOURCES
+from alnair_agent.gpu.simulated import SimulatedBackend
+from alnair_agent.k8s_wiring import pod_resources_lister
+from alnair_agent.kubelet_emulator import KubeletEmulator
+
+NODE = "node-1"
+
+
+def short_tmp() -> Path:
+    return Path(tempfile.mkdtemp(prefix="aln-", dir="/tmp"))
+
+
+def node_settings(root: Path, **overrides: object) -> Settings:
+    base = Settings(
+        node_name=NODE,
+        device_plugin_dir=root / "dp",
+        pod_resources_socket=root / "pr" / "kubelet.sock",
+        workspace=root / "ws",
+        shim_dir=root / "lib",
+        gpu_backend="simulated",
+        sim_gpus=parse_sim_gpus("2x16GiB"),
+        kubernetes="off",
+        metrics_port=0,
+        resync_interval_s=0.1,
+        health_interval_s=0.05,
+    )
+    return replace(base, **overrides)  # type: ignore[arg-type]
+
+
+def env_for(settings: Settings) -> dict[str, str]:
+    """The same settings as ALNAIR_* variables, for an agent run as a process."""
+    sims = ",".join(f"{g.memory_bytes >> 20}MiB" for g in settings.sim_gpus)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ALNAIR_")}
+    env.update({
+        "ALNAIR_NODE_NAME": settings.node_name,
+        "ALNAIR_DEVICE_PLUGIN_DIR": str(settings.device_plugin_dir),
+        "ALNAIR_POD_RESOURCES_SOCKET": str(settings.pod_resources_socket),
+        "ALNAIR_WORKSPACE": str(settings.workspace),
+        "ALNAIR_SHIM_DIR": str(settings.shim_dir),
+        "ALNAIR_GPU_BACKEND": "simulated",
+        "ALNAIR_SIM_GPUS": sims,
+        "ALNAIR_GPU_POLICY": settings.gpu_policy,
+        "ALNAIR_KUBERNETES": "off",
+        "ALNAIR_METRICS_PORT": str(settings.metrics_port),
+        "ALNAIR_RESYNC_INTERVAL_S": str(settings.resync_interval_s),
+        "ALNAIR_LOG_FORMAT": "json",
+    })
+    return env
+
+
+def gpu_of(device_id: str) -> str:
+    return device_id.split("::")[0]
+
+
+@dataclass
+class RunningAgent:
+    agent: Agent
+    backend: SimulatedBackend
+    stop: asyncio.Event
+    task: asyncio.Task[None]
+
+    async def shutdown(self) -> None:
+        self.stop.set()
+        await asyncio.wait_for(self.task, 5)
+
+
+@contextlib.asynccontextmanager
+async def running_agent(settings: Settings, kubernetes: Kubernetes | None = None,
+                        unseen_grace_s: float | None = None) -> AsyncIterator[RunningAgent]:
+    backend = SimulatedBackend.from_settings(settings)
+    agent = Agent(settings, backend, kubernetes, list_held=pod_resources_lister(settings),
+                  unseen_grace_s=unseen_grace_s)
+    stop = asyncio.Event()
+    task = asyncio.create_task(agent.run(stop), name="agent-under-test")
+    running = RunningAgent(agent, backend, stop, task)
+    try:
+        await asyncio.wait_for(agent.ready.wait(), 10)
+        yield running
+    finally:
+        if not task.done():
+            await running.shutdown()
+        else:
+            await task
+
+
+async def registered(kubelet: KubeletEmulator, timeout: float = 5.0) -> None:
+    """Both resources registered and their first device lists received."""
+    await kubelet.wait_for(lambda k: all(r in k.plugins and k.plugins[r].devices for r in RESOURCES), timeout)
+
+
+@dataclass
+class AgentProcess:
+    """`python -m alnair_agent.main` with the settings as environment variables."""
+
+    settings: Settings
+    proc: subprocess.Popen[bytes] | None = None
+    log: list[bytes] = field(default_factory=list)
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-m", "alnair_agent.main"], env=env_for(self.settings),
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+    def output(self) -> str:
+        assert self.proc is not None and self.proc.stdout is not None
+        return self.proc.stdout.read().decode()
+
+
+def remove_tree(root: Path) -> None:
+    shutil.rmtree(root, ignore_errors=True)
+
+
+__all__ = ["RESOURCE_COMPUTE", "RESOURCE_MEMORY"]

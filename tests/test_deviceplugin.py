@@ -1,0 +1,221 @@
+"""The device plugin as kubelet sees it: real gRPC over unix sockets against the kubelet emulator."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+from agent_harness import (
+    NODE,
+    gpu_of,
+    node_settings,
+    registered,
+    remove_tree,
+    running_agent,
+    short_tmp,
+)
+from fakes.apiserver import FakeApiServer, make_pod
+
+from alnair_agent.annotations import AnnotationWriter, WriterTiming
+from alnair_agent.app import Kubernetes
+from alnair_agent.constants import (
+    ENV_COMPUTE_LIMIT,
+    ENV_MEMORY_LIMIT,
+    ENV_REGION,
+    ENV_VISIBLE_DEVICES,
+    HEALTHY,
+    POD_CONTAINER_ANNOTATION_PREFIX,
+    RESOURCE_COMPUTE,
+    RESOURCE_MEMORY,
+    UNHEALTHY,
+)
+from alnair_agent.gpu.simulated import sim_uuid
+from alnair_agent.kubelet_emulator import AdmissionError, KubeletEmulator
+from alnair_agent.podwatch import PodWatch
+from alnair_agent.region import Region
+
+GIB = 1 << 30
+MEM, SM = RESOURCE_MEMORY, RESOURCE_COMPUTE
+
+
+@pytest.fixture
+def root():
+    path = short_tmp()
+    yield path
+    remove_tree(path)
+
+
+@pytest.fixture
+async def kubelet(root: Path):
+    async with KubeletEmulator(root / "dp", root / "pr" / "kubelet.sock") as k:
+        yield k
+
+
+@pytest.fixture
+async def api():
+    async with FakeApiServer() as server:
+        yield server
+
+
+def kubernetes_for(api: FakeApiServer, clients: list) -> Kubernetes:
+    """The agent's Kubernetes side wired to the stand-in (real kubernetes-asyncio client)."""
+    client = api.api_client()
+    clients.append(client)
+    watch = PodWatch(client, NODE)
+    writer = AnnotationWriter(client, NODE, WriterTiming(min_interval_s=0.05))
+    return Kubernetes(pod_source=watch, pod_states=watch, annotations=writer,
+                      services=[("pod-watch", watch.run), ("annotations", writer.run)])
+
+
+@pytest.fixture
+async def k8s(api: FakeApiServer):
+    clients: list = []
+    yield lambda: kubernetes_for(api, clients)
+    for client in clients:
+        await client.close()
+
+
+async def admit_pod(api: FakeApiServer, kubelet: KubeletEmulator, name: str, memory: int, compute: int,
+                    container: str = "main", restart_policy: str = "Always") -> dict:
+    """Bind a pod asking for memory/compute to the node, then admit its container as kubelet does."""
+    containers = [{"name": container, **({"memory": memory} if memory else {}), **({"compute": compute} if compute else {})}]
+    api.add_pod(make_pod(name, node=NODE, containers=containers, restart_policy=restart_policy))
+    return await kubelet.admit("default", name, container, {MEM: memory, SM: compute})
+
+
+async def test_registers_both_resources_with_device_counts(root, kubelet):
+    settings = node_settings(root)  # 2 x 16 GiB, 1 GiB units
+    async with running_agent(settings):
+        await registered(kubelet)
+        assert sorted(kubelet.registrations) == sorted([MEM, SM])
+        assert len(kubelet.plugins[MEM].devices) == 32
+        assert len(kubelet.plugins[SM].devices) == 200
+        for resource in (MEM, SM):
+            assert kubelet.plugins[resource].options.get_preferred_allocation_available
+            ids = kubelet.plugins[resource].devices
+            assert {gpu_of(i) for i in ids} == {sim_uuid(0), sim_uuid(1)}
+            assert set(ids.values()) == {HEALTHY}
+
+
+@pytest.mark.parametrize(("policy", "expected_gpus"), [
+    ("binpack", [0, 0, 0]),
+    ("spread", [0, 1, 0]),
+])
+async def test_policy_places_three_containers(root, kubelet, api, k8s, policy, expected_gpus):
+    async with running_agent(node_settings(root, gpu_policy=policy), k8s()):
+        await registered(kubelet)
+        placed = []
+        for n in range(3):
+            answers = await admit_pod(api, kubelet, f"pod-{n}", memory=4, compute=30)
+            placed.append(answers[MEM].envs[ENV_VISIBLE_DEVICES])
+        assert placed == [sim_uuid(i) for i in expected_gpus]
+
+
+async def test_memory_and_compute_of_one_container_land_on_one_gpu(root, kubelet, api, k8s):
+    async with running_agent(node_settings(root), k8s()) as running:
+        await registered(kubelet)
+        # GPU 0 gets most of its compute taken; binpack would put the next container's memory there, but its
+        # compute no longer fits on GPU 0: both resources must go to GPU 1 together.
+        await admit_pod(api, kubelet, "busy", memory=2, compute=90)
+        answers = await admit_pod(api, kubelet, "next", memory=4, compute=20)
+        held = kubelet.assigned[next(k for k in kubelet.assigned if k.pod == "next")]
+        assert {gpu_of(i) for ids in held.values() for i in ids} == {sim_uuid(1)}
+        env_mem, env_sm = answers[MEM].envs, answers[SM].envs
+        assert env_mem == env_sm  # kubelet merges both answers: they must agree
+        assert env_mem[ENV_VISIBLE_DEVICES] == sim_uuid(1)
+        assert env_mem[ENV_MEMORY_LIMIT] == str(4 * GIB)
+        assert env_mem[ENV_COMPUTE_LIMIT] == "20"
+        assert env_mem[ENV_REGION] == "/run/alnair/region"
+        mounts = {m.container_path: (m.host_path, m.read_only) for m in answers[MEM].mounts}
+        host_ws, ro = mounts["/run/alnair"]
+        assert not ro and mounts["/opt/alnair/lib"] == (str(root / "lib"), True)
+        region = Region.open(Path(host_ws) / "region")
+        try:
+            assert (region.memory_limit, region.compute_limit) == (4 * GIB, 20)
+        finally:
+            region.close()
+        alloc = next(a for a in running.agent.allocator.allocations.values() if a.pod_name == "next")
+        assert (alloc.namespace, alloc.container, alloc.gpu_uuid) == ("default", "main", sim_uuid(1))
+
+
+async def test_request_larger_than_any_gpu_is_refused_clearly(root, kubelet, api, k8s):
+    async with running_agent(node_settings(root), k8s()):
+        await registered(kubelet)
+        with pytest.raises(AdmissionError) as err:
+            await admit_pod(api, kubelet, "huge", memory=20, compute=10)  # 32 GiB free on the node, 16 per GPU
+        assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "larger than any single GPU" in err.value.details
+        assert "20 alnair/vgpu-memory" in err.value.details
+        assert not kubelet.assigned  # nothing half-allocated
+
+
+async def test_kubelet_restart_reregisters_within_one_second(root, kubelet):
+    async with running_agent(node_settings(root)):
+        await registered(kubelet)
+        before = len(kubelet.registrations)
+        await kubelet.restart()
+        started = time.monotonic()
+        await kubelet.wait_for(lambda k: len(k.registrations) >= before + 2, timeout=1.0)
+        await registered(kubelet, timeout=1.0)
+        assert time.monotonic() - started <= 1.0
+        answers = await kubelet.admit("default", "after-restart", "main", {MEM: 1, SM: 10})
+        assert answers[MEM].envs[ENV_VISIBLE_DEVICES]
+
+
+async def test_gpu_unhealthy_and_back_sends_two_updates(root, kubelet):
+    async with running_agent(node_settings(root)) as running:
+        await registered(kubelet)
+        first = {r: len(kubelet.plugins[r].updates) for r in (MEM, SM)}
+        running.backend.inject_health(1, healthy=False, reason="xid 79")
+        await kubelet.wait_for(lambda k: all(len(k.plugins[r].updates) == first[r] + 1 for r in (MEM, SM)))
+        for r in (MEM, SM):
+            devices = kubelet.plugins[r].devices
+            assert {h for i, h in devices.items() if gpu_of(i) == sim_uuid(1)} == {UNHEALTHY}
+            assert {h for i, h in devices.items() if gpu_of(i) == sim_uuid(0)} == {HEALTHY}
+        running.backend.inject_health(1, healthy=True, reason="recovered")
+        await kubelet.wait_for(lambda k: all(len(k.plugins[r].updates) == first[r] + 2 for r in (MEM, SM)))
+        assert set(kubelet.plugins[MEM].devices.values()) == {HEALTHY}
+
+
+@pytest.mark.parametrize(("resource", "device_id", "says"), [
+    (MEM, "GPU-00000000-dead-beef-0000-000000000000::mem::0", "not on this node"),
+    (MEM, "not-a-device", "is not <GPU-UUID>::<kind>::<n>"),
+    (MEM, f"{sim_uuid(0)}::sm::0", "is not a alnair/vgpu-memory device"),
+    (SM, f"{sim_uuid(0)}::mem::0", "is not a alnair/vgpu-compute device"),
+    (MEM, f"{sim_uuid(0)}::mem::16", "out of range"),
+    (SM, f"{sim_uuid(1)}::sm::-1", "out of range"),
+])
+async def test_device_ids_not_ours_are_invalid_argument(root, kubelet, resource, device_id, says):
+    async with running_agent(node_settings(root)) as running:
+        await registered(kubelet)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await kubelet.allocate_raw(resource, [device_id])
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert says in err.value.details()
+        assert not running.agent.allocator.allocations  # nothing recorded for a refused request
+
+
+async def test_ended_container_workspace_removed_live_one_kept(root, kubelet, api, k8s):
+    settings = node_settings(root)
+    async with running_agent(settings, k8s()) as running:
+        await registered(kubelet)
+        done = await admit_pod(api, kubelet, "job", memory=2, compute=20, restart_policy="Never")
+        live = await admit_pod(api, kubelet, "server", memory=2, compute=20)
+        ws_done = Path(next(m.host_path for m in done[MEM].mounts if m.container_path == "/run/alnair"))
+        ws_live = Path(next(m.host_path for m in live[MEM].mounts if m.container_path == "/run/alnair"))
+        assert ws_done.is_dir() and ws_live.is_dir()
+        api.set_container_running("default", "server", "main")
+        api.set_container_terminated("default", "job", "main", exit_code=0)
+        deadline = time.monotonic() + 5
+        while ws_done.exists() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert not ws_done.exists()
+        assert ws_live.is_dir()
+        figures = json.loads(api.pod_annotations("default", "job")[POD_CONTAINER_ANNOTATION_PREFIX + "main"])
+        assert figures["state"] == "ended"
+        assert figures["memoryLimitBytes"] == 2 * GIB and figures["computeLimitPercent"] == 20
+        assert [a.pod_name for a in running.agent.allocator.allocations.values()] == ["server"]
