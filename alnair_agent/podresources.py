@@ -63,7 +63,12 @@ class PodResourcesClient:
         if self._channel is None:
             self._channel = grpc.aio.insecure_channel(
                 "unix://" + str(self.socket_path),
-                options=[("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES)],
+                options=[
+                    ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES),
+                    # A local socket is cheap to retry; after a kubelet restart, reconnect within a second.
+                    ("grpc.initial_reconnect_backoff_ms", 100),
+                    ("grpc.max_reconnect_backoff_ms", 1000),
+                ],
             )
         return podresources_pb2_grpc.PodResourcesListerStub(self._channel)
 
