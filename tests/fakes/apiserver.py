@@ -18,6 +18,7 @@ Usage:
         api.set_container_terminated("default", "p1", "c", exit_code=0)
         api.delete_pod("default", "p1")
         api.fail_next("patch_pod", status=500, times=2)   # ops: list, watch, get_pod, patch_pod, get_node, patch_node
+        api.clear_failures()
         api.drop_watches()                      # cut every open watch connection (the client must reconnect)
         api.expire_watches()                    # forget history: open and resumed watches get 410 Gone
         api.pod("default", "p1")["metadata"]["annotations"]
@@ -313,6 +314,10 @@ class FakeApiServer:
         """The next `times` requests of `op` answer `status` with a Status body. Ops: list, watch, get_pod,
         patch_pod, get_node, patch_node."""
         self._failures.setdefault(op, []).extend([status] * times)
+
+    def clear_failures(self) -> None:
+        """Forget failures injected and not yet served (the server "recovers")."""
+        self._failures.clear()
 
     def drop_watches(self) -> int:
         """Cut every open watch connection abruptly; returns how many were open."""
