@@ -53,7 +53,7 @@ async def api_client(settings: Settings, env: Mapping[str, str] | None = None) -
     cfg = Configuration()
     if env.get("KUBERNETES_SERVICE_HOST"):
         try:
-            kube_config.load_incluster_config(client_configuration=cfg)
+            kube_config.load_incluster_config(client_configuration=cfg, environ=dict(env))
         except ConfigException as e:
             raise KubeConfigError(f"in-cluster Kubernetes configuration unusable: {e}") from None
         log.info("kubernetes_in_cluster", host=cfg.host)
