@@ -11,10 +11,14 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
+from kubernetes_asyncio.client import ApiClient
+
+from alnair_agent.annotations import AnnotationWriter, WriterTiming
 from alnair_agent.app import Agent, Kubernetes
+from alnair_agent.podwatch import PodWatch
 from alnair_agent.config import Settings, parse_sim_gpus
 from alnair_agent.constants import RESOURCE_COMPUTE, RESOURCE_MEMORY, RESOURCES
 from alnair_agent.gpu.simulated import SimulatedBackend
@@ -66,6 +70,14 @@ def env_for(settings: Settings) -> dict[str, str]:
     return env
 
 
+def kubernetes_for(client: ApiClient) -> Kubernetes:
+    """The agent's Kubernetes side wired to an API client (the stand-in's), with short writer intervals."""
+    watch = PodWatch(client, NODE)
+    writer = AnnotationWriter(client, NODE, WriterTiming(min_interval_s=0.05))
+    return Kubernetes(pod_source=watch, pod_states=watch, annotations=writer,
+                      services=[("pod-watch", watch.run), ("annotations", writer.run)])
+
+
 def gpu_of(device_id: str) -> str:
     return device_id.split("::")[0]
 
@@ -101,26 +113,31 @@ async def running_agent(settings: Settings, kubernetes: Kubernetes | None = None
             await task
 
 
-async def registered(kubelet: KubeletEmulator, timeout: float = 5.0) -> None:
-    """Both resources registered and their first device lists received."""
-    await kubelet.wait_for(lambda k: all(r in k.plugins and k.plugins[r].devices for r in RESOURCES), timeout)
+async def registered(kubelet: KubeletEmulator, timeout: float = 5.0, since: int = 0) -> None:
+    """Both resources registered (more than `since` registrations so far) and their device lists received."""
+    await kubelet.wait_for(lambda k: len(k.registrations) >= since + len(RESOURCES)
+                           and all(r in k.plugins and k.plugins[r].devices for r in RESOURCES), timeout)
 
 
 @dataclass
 class AgentProcess:
-    """`python -m alnair_agent.main` with the settings as environment variables."""
+    """`python -m alnair_agent.main` with the settings as environment variables; output goes to a log file."""
 
     settings: Settings
     proc: subprocess.Popen[bytes] | None = None
-    log: list[bytes] = field(default_factory=list)
+
+    @property
+    def log_path(self) -> Path:
+        return self.settings.workspace.parent / "agent.log"
 
     def start(self) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-m", "alnair_agent.main"], env=env_for(self.settings),
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        self.settings.workspace.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as out:
+            self.proc = subprocess.Popen([sys.executable, "-m", "alnair_agent.main"], env=env_for(self.settings),
+                                         stdout=out, stderr=subprocess.STDOUT)
 
     def output(self) -> str:
-        assert self.proc is not None and self.proc.stdout is not None
-        return self.proc.stdout.read().decode()
+        return self.log_path.read_text()
 
 
 def remove_tree(root: Path) -> None:

@@ -12,6 +12,7 @@ import pytest
 from agent_harness import (
     NODE,
     gpu_of,
+    kubernetes_for,
     node_settings,
     registered,
     remove_tree,
@@ -20,7 +21,6 @@ from agent_harness import (
 )
 from fakes.apiserver import FakeApiServer, make_pod
 
-from alnair_agent.annotations import AnnotationWriter, WriterTiming
 from alnair_agent.app import Kubernetes
 from alnair_agent.constants import (
     ENV_COMPUTE_LIMIT,
@@ -35,7 +35,6 @@ from alnair_agent.constants import (
 )
 from alnair_agent.gpu.simulated import sim_uuid
 from alnair_agent.kubelet_emulator import AdmissionError, KubeletEmulator
-from alnair_agent.podwatch import PodWatch
 from alnair_agent.region import Region
 
 GIB = 1 << 30
@@ -61,20 +60,14 @@ async def api():
         yield server
 
 
-def kubernetes_for(api: FakeApiServer, clients: list) -> Kubernetes:
-    """The agent's Kubernetes side wired to the stand-in (real kubernetes-asyncio client)."""
-    client = api.api_client()
-    clients.append(client)
-    watch = PodWatch(client, NODE)
-    writer = AnnotationWriter(client, NODE, WriterTiming(min_interval_s=0.05))
-    return Kubernetes(pod_source=watch, pod_states=watch, annotations=writer,
-                      services=[("pod-watch", watch.run), ("annotations", writer.run)])
-
-
 @pytest.fixture
 async def k8s(api: FakeApiServer):
     clients: list = []
-    yield lambda: kubernetes_for(api, clients)
+    def make() -> Kubernetes:
+        clients.append(api.api_client())
+        return kubernetes_for(clients[-1])
+
+    yield make
     for client in clients:
         await client.close()
 
