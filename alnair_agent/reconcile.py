@@ -47,6 +47,8 @@ class PodStates(Protocol):
 class AnnotationSink(Protocol):
     def set_pod(self, namespace: str, name: str, annotations: dict[str, str | None]) -> None: ...
 
+    def set_node(self, annotations: dict[str, str | None]) -> None: ...
+
     async def flush(self, timeout: float) -> bool: ...
 
 
@@ -66,6 +68,23 @@ def figures(alloc: Allocation, region: Region | None, state: str) -> dict[str, o
         out[C.FIGURE_GPU_TIME] = sum(s.tokens_taken for s in slots)
         out[C.FIGURE_TOKEN_WAIT] = sum(s.wait_ns for s in slots)
     return out
+
+
+def node_gpu_devices(allocator: Allocator) -> dict[str, object]:
+    """The node annotation the scheduler extender reads: each GPU's units, free units and health."""
+    inventory = allocator.inventory
+    rooms = {room.uuid: room for room in allocator.rooms()}
+    gpus = []
+    for gpu in inventory.gpus.values():
+        room = rooms.get(gpu.uuid)
+        gpus.append({
+            "uuid": gpu.uuid, "index": gpu.info.index, "name": gpu.info.name, "healthy": gpu.healthy,
+            "memoryUnits": gpu.units[C.RESOURCE_MEMORY],
+            "memoryUnitsFree": room.free[C.RESOURCE_MEMORY] if room else 0,
+            "computeUnits": gpu.units[C.RESOURCE_COMPUTE],
+            "computeUnitsFree": room.free[C.RESOURCE_COMPUTE] if room else 0,
+        })
+    return {"memoryUnitMiB": inventory.memory_unit_bytes >> 20, "gpus": gpus}
 
 
 def annotation_key(container: str) -> str:
@@ -132,6 +151,8 @@ class Reconciler:
                 self.annotations.set_pod(alloc.namespace, alloc.pod_name, {
                     annotation_key(alloc.container): json.dumps(figures(alloc, self._region(alloc.id), "running"),
                                                                 sort_keys=True)})
+        if self.annotations is not None:
+            self.annotations.set_node({C.NODE_GPU_DEVICES: json.dumps(node_gpu_devices(self.allocator), sort_keys=True)})
 
     def _learn_identities(self, by_id: dict[str, DeviceAssignment]) -> None:
         for alloc in self.allocator.allocations.values():

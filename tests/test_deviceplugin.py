@@ -28,6 +28,7 @@ from alnair_agent.constants import (
     ENV_REGION,
     ENV_VISIBLE_DEVICES,
     HEALTHY,
+    NODE_GPU_DEVICES,
     POD_CONTAINER_ANNOTATION_PREFIX,
     RESOURCE_COMPUTE,
     RESOURCE_MEMORY,
@@ -212,3 +213,20 @@ async def test_ended_container_workspace_removed_live_one_kept(root, kubelet, ap
         assert figures["state"] == "ended"
         assert figures["memoryLimitBytes"] == 2 * GIB and figures["computeLimitPercent"] == 20
         assert [a.pod_name for a in running.agent.allocator.allocations.values()] == ["server"]
+
+
+async def test_node_annotation_tells_the_scheduler_what_is_free(root, kubelet, api, k8s):
+    api.add_node(NODE)
+    async with running_agent(node_settings(root), k8s()):
+        await registered(kubelet)
+        await admit_pod(api, kubelet, "a", memory=3, compute=40)
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            raw = api.node_annotations(NODE).get(NODE_GPU_DEVICES)
+            if raw and json.loads(raw)["gpus"][0]["memoryUnitsFree"] == 13:
+                break
+            await asyncio.sleep(0.05)
+        devices = json.loads(api.node_annotations(NODE)[NODE_GPU_DEVICES])
+        assert devices["memoryUnitMiB"] == 1024
+        assert [(g["uuid"], g["memoryUnits"], g["memoryUnitsFree"], g["computeUnitsFree"], g["healthy"])
+                for g in devices["gpus"]] == [(sim_uuid(0), 16, 13, 60, True), (sim_uuid(1), 16, 16, 100, True)]

@@ -1,0 +1,83 @@
+"""Configuration: every ALNAIR_* variable parsed in one place; a bad value is one clear line."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from alnair_agent.config import VARIABLES, ConfigError, Settings, markdown_table, parse_sim_gpus
+
+GIB = 1 << 30
+BASE = {"ALNAIR_NODE_NAME": "node-1"}
+
+
+def test_defaults():
+    s = Settings.from_env(BASE)
+    assert s.device_plugin_dir == Path("/var/lib/kubelet/device-plugins")
+    assert s.workspace == Path("/var/lib/alnair/workspace")
+    assert (s.gpu_backend, s.gpu_policy, s.kubernetes, s.log_format) == ("nvml", "binpack", "auto", "json")
+    assert s.memory_unit_bytes == GIB
+    assert [g.memory_bytes for g in s.sim_gpus] == [16 * GIB, 16 * GIB]
+
+
+@pytest.mark.parametrize(("text", "sizes"), [
+    ("2x16GiB", [16 * GIB] * 2),
+    ("16GiB,80GiB", [16 * GIB, 80 * GIB]),
+    ("1x512MiB,2x1TiB", [512 << 20, 1 << 40, 1 << 40]),
+])
+def test_sim_gpus(text, sizes):
+    assert [g.memory_bytes for g in parse_sim_gpus(text)] == sizes
+
+
+# Every variable, with a value it must refuse and a word the message must contain.
+BAD_VALUES = [
+    ("ALNAIR_NODE_NAME", "Node_1", "node name"),
+    ("ALNAIR_DEVICE_PLUGIN_DIR", "relative/dir", "absolute path"),
+    ("ALNAIR_POD_RESOURCES_SOCKET", "kubelet.sock", "absolute path"),
+    ("ALNAIR_WORKSPACE", "ws", "absolute path"),
+    ("ALNAIR_SHIM_DIR", "lib", "absolute path"),
+    ("ALNAIR_GPU_BACKEND", "cuda", "nvml"),
+    ("ALNAIR_SIM_GPUS", "2x16GB", "MiB|GiB|TiB"),
+    ("ALNAIR_SIM_GPUS", "0x16GiB", "count >= 1"),
+    ("ALNAIR_SIM_GPUS", "65x1GiB", "1..64"),
+    ("ALNAIR_GPU_POLICY", "random", "binpack"),
+    ("ALNAIR_MEMORY_UNIT_MIB", "0", "1..1048576"),
+    ("ALNAIR_MEMORY_UNIT_MIB", "1.5", "integer"),
+    ("ALNAIR_KUBERNETES", "on", "auto"),
+    ("ALNAIR_METRICS_PORT", "70000", "0..65535"),
+    ("ALNAIR_METRICS_PORT", "http", "integer"),
+    ("ALNAIR_LOG_FORMAT", "xml", "json"),
+    ("ALNAIR_LOG_LEVEL", "verbose", "debug"),
+    ("ALNAIR_HEALTH_INTERVAL_S", "0", "0.05..60.0"),
+    ("ALNAIR_RESYNC_INTERVAL_S", "soon", "number"),
+]
+
+
+def test_every_variable_has_a_bad_value_case():
+    assert {v.name for v in VARIABLES} == {name for name, _, _ in BAD_VALUES}
+
+
+@pytest.mark.parametrize(("name", "value", "allowed"), BAD_VALUES)
+def test_bad_value_names_variable_value_and_what_is_allowed(name, value, allowed):
+    with pytest.raises(ConfigError) as err:
+        Settings.from_env({**BASE, name: value})
+    message = str(err.value)
+    assert "\n" not in message
+    assert message.startswith(f"{name}={value!r}")
+    assert allowed in message
+
+
+def test_missing_node_name_and_unknown_variable():
+    with pytest.raises(ConfigError, match="ALNAIR_NODE_NAME is not set"):
+        Settings.from_env({})
+    with pytest.raises(ConfigError, match="ALNAIR_GPU_POLCY is not a known setting"):
+        Settings.from_env({**BASE, "ALNAIR_GPU_POLCY": "spread"})
+
+
+def test_readme_variable_table_is_generated_from_the_declaration():
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    table = re.search(r"<!-- env-table -->\n(.*?)<!-- /env-table -->", readme, re.S)
+    assert table, "README.md lacks the <!-- env-table --> block"
+    assert table.group(1) == markdown_table(), "regenerate with: python -m alnair_agent.config --markdown"

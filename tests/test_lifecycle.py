@@ -1,0 +1,73 @@
+"""The agent process: SIGTERM/SIGINT stop it in time and remove its sockets; a crashed service stops it non-zero;
+a bad setting stops it at start with one line."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+from agent_harness import AgentProcess, env_for, node_settings, registered, remove_tree, short_tmp
+
+from alnair_agent.kubelet_emulator import KubeletEmulator
+
+
+@pytest.fixture
+def root():
+    path = short_tmp()
+    yield path
+    remove_tree(path)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+async def test_signal_stops_agent_within_5s_and_removes_sockets(root, sig):
+    settings = node_settings(root)
+    async with KubeletEmulator(settings.device_plugin_dir, settings.pod_resources_socket) as kubelet:
+        agent = AgentProcess(settings)
+        agent.start()
+        await registered(kubelet, timeout=20)
+        assert sorted(p.name for p in settings.device_plugin_dir.glob("alnair-*.sock"))
+        started = time.monotonic()
+        agent.proc.send_signal(sig)
+        while agent.proc.poll() is None and time.monotonic() - started < 5:
+            await asyncio.sleep(0.05)
+        assert agent.proc.poll() == 0, agent.output()
+        assert time.monotonic() - started < 5
+        assert not list(settings.device_plugin_dir.glob("alnair-*.sock"))
+        assert '"event": "agent_stopped"' in agent.output()
+
+
+async def test_crashed_service_stops_agent_non_zero(root):
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen()
+    try:
+        # The HTTP service cannot bind its port: it fails, and the whole agent must stop rather than limp on.
+        settings = node_settings(root, metrics_port=busy.getsockname()[1])
+        async with KubeletEmulator(settings.device_plugin_dir, settings.pod_resources_socket):
+            agent = AgentProcess(settings)
+            agent.start()
+            deadline = time.monotonic() + 20
+            while agent.proc.poll() is None and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            assert agent.proc.poll() == 1
+            out = agent.output()
+            assert '"service": "http"' in out and "service_ended" in out
+            assert not list(settings.device_plugin_dir.glob("alnair-*.sock"))
+    finally:
+        busy.close()
+
+
+def test_bad_setting_stops_start_with_one_line(root):
+    env = env_for(node_settings(root))
+    env["ALNAIR_GPU_POLICY"] = "fastest"
+    result = subprocess.run([sys.executable, "-m", "alnair_agent.main"], env=env, capture_output=True, text=True,
+                            timeout=30)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert lines == ["alnair-agent: configuration error: ALNAIR_GPU_POLICY='fastest' is not allowed; "
+                     "expected one of binpack, spread"]
