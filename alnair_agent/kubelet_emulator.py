@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import shutil
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -64,6 +65,8 @@ class KubeletEmulator:
         # kubelet's checkpoint: which container holds which device IDs of which resource.
         self.assigned: dict[ContainerKey, dict[str, list[str]]] = {}
         self.responses: dict[ContainerKey, dict[str, pb.ContainerAllocateResponse]] = {}
+        # (rpc name, resource, seconds) of every admission call, as kubelet would see its latency.
+        self.call_times: list[tuple[str, str, float]] = []
         self._server: grpc.aio.Server | None = None
         self._pr_server: grpc.aio.Server | None = None
         self._changed = asyncio.Condition()
@@ -182,14 +185,18 @@ class KubeletEmulator:
             chosen = available[:count]
             try:
                 if view.options.get_preferred_allocation_available:
+                    t0 = time.perf_counter()
                     pref = await view.stub.GetPreferredAllocation(pb.PreferredAllocationRequest(container_requests=[
                         pb.ContainerPreferredAllocationRequest(available_deviceIDs=available, allocation_size=count)
                     ]), timeout=10)
+                    self.call_times.append(("GetPreferredAllocation", resource, time.perf_counter() - t0))
                     chosen = list(pref.container_responses[0].deviceIDs)
                     if len(chosen) != count or not set(chosen) <= set(available):
                         raise AdmissionError(resource, None, f"plugin preferred unusable devices {chosen}")
+                t0 = time.perf_counter()
                 resp = await view.stub.Allocate(pb.AllocateRequest(
                     container_requests=[pb.ContainerAllocateRequest(devices_ids=chosen)]), timeout=10)
+                self.call_times.append(("Allocate", resource, time.perf_counter() - t0))
             except grpc.aio.AioRpcError as e:
                 raise AdmissionError(resource, e.code(), e.details() or "") from None
             self.assigned.setdefault(key, {})[resource] = chosen
