@@ -32,7 +32,7 @@ EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
 
 # Extended resources are whole numbers; the API server writes them as canonical decimal strings. Anything with a
 # fraction, sign, exponent or suffix ("1.5", "-2", "1e3", "2Gi", "1k") is refused rather than guessed at.
-_QUANTITY_RE = re.compile(r"^[0-9]{1,12}$")
+_QUANTITY_RE = re.compile(r"[0-9]{1,12}")
 
 
 class PodError(ValueError):
@@ -128,7 +128,7 @@ def parse_quantity(value: Any) -> int:
         if value < 0:
             raise ValueError("negative")
         return value
-    if isinstance(value, str) and _QUANTITY_RE.match(value):
+    if isinstance(value, str) and _QUANTITY_RE.fullmatch(value):
         return int(value, 10)
     raise ValueError("not a non-negative integer")
 

@@ -7,6 +7,8 @@ from datetime import datetime, timezone
 from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from structlog.testing import capture_logs
 
 from alnair_agent.constants import RESOURCE_COMPUTE, RESOURCE_MEMORY
@@ -30,11 +32,22 @@ def test_good_quantities(value: Any, units: int) -> None:
     assert parse_quantity(value) == units
 
 
-@pytest.mark.parametrize("value", ["1.5", "-2", "abc", "2Gi", "1k", "1e3", "", " 1", "+1", "0x10", True, -1, None,
-                                   1.0, "1" * 13])
+@pytest.mark.parametrize("value", ["1.5", "-2", "abc", "2Gi", "1k", "1e3", "", " 1", "1\n", "+1", "0x10",
+                                   "\u0661", True, -1, None, 1.0, "1" * 13])
 def test_bad_quantities(value: Any) -> None:
     with pytest.raises(ValueError):
         parse_quantity(value)
+
+
+@given(st.integers(0, 10**12 - 1))
+def test_every_plain_non_negative_integer_parses(n: int) -> None:
+    assert parse_quantity(str(n)) == n
+
+
+@given(st.text(min_size=1, max_size=8).filter(lambda t: not t.isascii() or not t.isdigit()))
+def test_anything_but_digits_is_refused(text: str) -> None:
+    with pytest.raises(ValueError):
+        parse_quantity(text)
 
 
 def test_requests_come_from_limits_with_requests_as_fallback() -> None:

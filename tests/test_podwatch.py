@@ -9,6 +9,8 @@ from collections.abc import AsyncIterator
 from datetime import datetime, timedelta, timezone
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from kubernetes_asyncio.client import ApiClient
 from structlog.testing import capture_logs
 
@@ -72,6 +74,18 @@ def test_match_same_time_falls_back_to_namespace_pod_and_container_order() -> No
     a = req("a", memory=1, namespace="zz")
     assert match_request([b1, a, b0], RESOURCE_MEMORY, 1, set()) == b0
     assert match_request([b1, a, b0], RESOURCE_MEMORY, 1, {b0.key}) == b1
+
+
+@given(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 3), st.integers(0, 5), st.booleans()), max_size=12),
+       st.integers(0, 3))
+def test_match_is_the_earliest_eligible_request(rows: list[tuple[int, int, int, bool]], count: int) -> None:
+    reqs = [req(f"p{i}", memory=mem, compute=cpu, at=T0 + timedelta(seconds=at))
+            for i, (mem, cpu, at, _) in enumerate(rows)]
+    taken = {r.key for r, (_, _, _, is_taken) in zip(reqs, rows) if is_taken}
+    eligible = sorted((r for r in reqs if r.memory_units == count and r.key not in taken),
+                      key=ContainerRequest.sort_key)
+    expected = eligible[0] if eligible and count > 0 else None
+    assert match_request(reqs, RESOURCE_MEMORY, count, taken) == expected
 
 
 # -- the watch -----------------------------------------------------------------------------------------------
