@@ -1,0 +1,106 @@
+/* Internal interface between the shim's modules:
+ *   hooks.c   the hook table, the real-function table, the dlsym and cuGetProcAddress routes
+ *   init.c    one-time initialisation (environment, region), fork handling, the one warning line
+ *   region.c  the shared region: slot claim, dead-slot reclaim, container-wide sums, the grant line
+ *   memory.c  allocation and free hooks, the per-pointer size table, memory-info hooks (CUDA and NVML)
+ *   launch.c  launch hooks: tokens, per-function cost estimates, the in-flight bound, capture tracking */
+#ifndef ALNAIR_H
+#define ALNAIR_H
+
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <time.h>
+
+#include "cuda_abi.h"
+#include "region_layout.h"
+
+#define ALNAIR_API __attribute__((visibility("default")))
+#define LIKELY(x) __builtin_expect(!!(x), 1)
+#define UNLIKELY(x) __builtin_expect(!!(x), 0)
+
+/* ---- hooks.c ---------------------------------------------------------------------------------------------- */
+enum alnair_lib { ALNAIR_LIB_CU, ALNAIR_LIB_NVML };
+enum alnair_hook_id {
+#define ALNAIR_HOOK(name, lib, base, vmin, vmax, pt) H_##name,
+#include "hooks.def"
+#undef ALNAIR_HOOK
+    H_COUNT
+};
+
+/* Real functions, indexed by hook id. Filled once (pthread_once) from the real library, and per variant by the
+ * cuGetProcAddress route. Read with relaxed loads on the hot path. */
+extern void *_Atomic alnair_real_fn[H_COUNT];
+void *alnair_real_slow(int id);
+static inline void *alnair_real(int id)
+{
+    void *p = atomic_load_explicit(&alnair_real_fn[id], memory_order_relaxed);
+    return LIKELY(p != NULL) ? p : alnair_real_slow(id);
+}
+/* REAL(cuMemAlloc_v2) is the real function, typed like the hook of the same name. */
+#define REAL(name) ((__typeof__(&name))alnair_real(H_##name))
+#define REAL_OR_FAIL(fn, name)                   \
+    __typeof__(&name) fn = REAL(name);           \
+    if (UNLIKELY(fn == NULL))                    \
+        return CUDA_ERROR_NOT_FOUND;
+
+/* Unhooked driver functions the shim itself calls (events, capture state), resolved with the real table. */
+struct alnair_aux {
+    CUresult (*cuEventCreate)(CUevent *, unsigned int);
+    CUresult (*cuEventRecord)(CUevent, CUstream);
+    CUresult (*cuEventRecord_ptsz)(CUevent, CUstream);
+    CUresult (*cuEventQuery)(CUevent);
+    CUresult (*cuEventElapsedTime)(float *, CUevent, CUevent);
+    CUresult (*cuEventDestroy)(CUevent);
+    CUresult (*cuStreamIsCapturing)(CUstream, CUstreamCaptureStatus *);
+    CUresult (*cuStreamIsCapturing_ptsz)(CUstream, CUstreamCaptureStatus *);
+    CUresult (*cuCtxGetCurrent)(CUcontext *);
+};
+extern struct alnair_aux alnair_aux;
+void alnair_cuda_resolve(void); /* pthread_once: libcuda's real table + aux */
+void *alnair_real_dlsym(void *handle, const char *name);
+
+/* ---- init.c ----------------------------------------------------------------------------------------------- */
+void alnair_init(void); /* pthread_once: environment + region; cheap after the first call */
+void alnair_warn(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+uint64_t alnair_now_ns(void); /* CLOCK_MONOTONIC (vDSO, no syscall) */
+void alnair_sleep_ns(uint64_t ns);
+extern _Atomic unsigned alnair_fork_gen; /* bumped in a forked child: thread-local state of the parent is void */
+
+/* ---- region.c --------------------------------------------------------------------------------------------- */
+/* NULL: no limits at all, every call passes straight through. Otherwise the container's shared region, or a
+ * private in-process one built from ALNAIR_MEMORY_LIMIT / ALNAIR_COMPUTE_LIMIT when the shared one is refused. */
+extern struct alnair_region *alnair_region;
+extern int alnair_region_shared; /* 1: the container's file; 0: private (env limits, this process alone) */
+void alnair_region_setup(void);  /* called by alnair_init */
+struct alnair_region_slot *alnair_slot_slow(void);
+extern struct alnair_region_slot *_Atomic alnair_my_slot;
+static inline struct alnair_region_slot *alnair_slot(void)
+{
+    struct alnair_region_slot *s = atomic_load_explicit(&alnair_my_slot, memory_order_relaxed);
+    return LIKELY(s != NULL) ? s : alnair_slot_slow();
+}
+void alnair_region_after_fork_child(void);
+uint64_t alnair_memory_used_all(void);     /* sum of memory_used over the slots, saturating */
+int alnair_reclaim_dead_slots(void);        /* returns how many were reclaimed */
+int64_t alnair_tokens_available(uint64_t now); /* granted(now) - sum(taken + forfeited) */
+uint64_t alnair_token_rate(void);
+/* Device memory charged for each context (ALNAIR_CONTEXT_BYTES, read once at init). */
+#ifndef ALNAIR_DEFAULT_CONTEXT_BYTES
+#define ALNAIR_DEFAULT_CONTEXT_BYTES (256ull << 20)
+#endif
+extern uint64_t alnair_context_bytes;
+
+/* ---- memory.c --------------------------------------------------------------------------------------------- */
+void alnair_memory_after_fork_child(void);
+
+/* ---- launch.c --------------------------------------------------------------------------------------------- */
+void alnair_launch_after_fork_child(void);
+
+/* atomics on region fields (the layout's plain integers) */
+#define RLOAD(p) __atomic_load_n(&(p), __ATOMIC_ACQUIRE)
+#define RSTORE(p, v) __atomic_store_n(&(p), (v), __ATOMIC_RELEASE)
+#define RADD(p, v) __atomic_add_fetch(&(p), (v), __ATOMIC_ACQ_REL)
+#define RSUB(p, v) __atomic_sub_fetch(&(p), (v), __ATOMIC_ACQ_REL)
+
+#endif /* ALNAIR_H */

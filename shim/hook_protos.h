@@ -1,0 +1,73 @@
+/* Prototypes of every hooked function, as the real libraries define them. Each module that defines a hook
+ * includes this, so the compiler checks the definitions against one list; hooks.c takes their addresses. */
+#ifndef ALNAIR_HOOK_PROTOS_H
+#define ALNAIR_HOOK_PROTOS_H
+#include "alnair.h"
+
+#define P ALNAIR_API
+P CUresult cuGetProcAddress(const char *symbol, void **pfn, int cudaVersion, cuuint64_t flags);
+P CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int cudaVersion, cuuint64_t flags,
+                               CUdriverProcAddressQueryResult *symbolStatus);
+
+P CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytesize);
+P CUresult cuMemAllocPitch_v2(CUdeviceptr *dptr, size_t *pPitch, size_t WidthInBytes, size_t Height,
+                              unsigned int ElementSizeBytes);
+P CUresult cuMemAllocManaged(CUdeviceptr *dptr, size_t bytesize, unsigned int flags);
+P CUresult cuMemFree_v2(CUdeviceptr dptr);
+P CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size, const CUmemAllocationProp *prop,
+                       unsigned long long flags);
+P CUresult cuMemRelease(CUmemGenericAllocationHandle handle);
+P CUresult cuMemAllocAsync(CUdeviceptr *dptr, size_t bytesize, CUstream hStream);
+P CUresult cuMemAllocAsync_ptsz(CUdeviceptr *dptr, size_t bytesize, CUstream hStream);
+P CUresult cuMemAllocFromPoolAsync(CUdeviceptr *dptr, size_t bytesize, CUmemoryPool pool, CUstream hStream);
+P CUresult cuMemAllocFromPoolAsync_ptsz(CUdeviceptr *dptr, size_t bytesize, CUmemoryPool pool, CUstream hStream);
+P CUresult cuMemFreeAsync(CUdeviceptr dptr, CUstream hStream);
+P CUresult cuMemFreeAsync_ptsz(CUdeviceptr dptr, CUstream hStream);
+P CUresult cuArrayCreate_v2(CUarray *pHandle, const CUDA_ARRAY_DESCRIPTOR *pAllocateArray);
+P CUresult cuArray3DCreate_v2(CUarray *pHandle, const CUDA_ARRAY3D_DESCRIPTOR *pAllocateArray);
+P CUresult cuArrayDestroy(CUarray hArray);
+P CUresult cuMipmappedArrayCreate(CUmipmappedArray *pHandle, const CUDA_ARRAY3D_DESCRIPTOR *pDesc,
+                                  unsigned int numMipmapLevels);
+P CUresult cuMipmappedArrayDestroy(CUmipmappedArray hMipmappedArray);
+P CUresult cuMemGetInfo_v2(size_t *free, size_t *total);
+P CUresult cuDeviceTotalMem_v2(size_t *bytes, CUdevice dev);
+
+P CUresult cuCtxCreate_v2(CUcontext *pctx, unsigned int flags, CUdevice dev);
+P CUresult cuCtxCreate_v3(CUcontext *pctx, CUexecAffinityParam *paramsArray, int numParams, unsigned int flags,
+                          CUdevice dev);
+P CUresult cuCtxCreate_v4(CUcontext *pctx, CUctxCreateParams *ctxCreateParams, unsigned int flags, CUdevice dev);
+P CUresult cuCtxDestroy_v2(CUcontext ctx);
+P CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev);
+P CUresult cuDevicePrimaryCtxRelease_v2(CUdevice dev);
+P CUresult cuDevicePrimaryCtxReset_v2(CUdevice dev);
+
+#define LAUNCH_ARGS                                                                                             \
+    CUfunction f, unsigned int gridDimX, unsigned int gridDimY, unsigned int gridDimZ, unsigned int blockDimX, \
+        unsigned int blockDimY, unsigned int blockDimZ, unsigned int sharedMemBytes, CUstream hStream
+P CUresult cuLaunchKernel(LAUNCH_ARGS, void **kernelParams, void **extra);
+P CUresult cuLaunchKernel_ptsz(LAUNCH_ARGS, void **kernelParams, void **extra);
+P CUresult cuLaunchKernelEx(const CUlaunchConfig *config, CUfunction f, void **kernelParams, void **extra);
+P CUresult cuLaunchKernelEx_ptsz(const CUlaunchConfig *config, CUfunction f, void **kernelParams, void **extra);
+P CUresult cuLaunchCooperativeKernel(LAUNCH_ARGS, void **kernelParams);
+P CUresult cuLaunchCooperativeKernel_ptsz(LAUNCH_ARGS, void **kernelParams);
+P CUresult cuGraphLaunch(CUgraphExec hGraphExec, CUstream hStream);
+P CUresult cuGraphLaunch_ptsz(CUgraphExec hGraphExec, CUstream hStream);
+#undef LAUNCH_ARGS
+
+P CUresult cuStreamBeginCapture(CUstream hStream);
+P CUresult cuStreamBeginCapture_ptsz(CUstream hStream);
+P CUresult cuStreamBeginCapture_v2(CUstream hStream, CUstreamCaptureMode mode);
+P CUresult cuStreamBeginCapture_v2_ptsz(CUstream hStream, CUstreamCaptureMode mode);
+P CUresult cuStreamBeginCaptureToGraph(CUstream hStream, CUgraph hGraph, const CUgraphNode *dependencies,
+                                       const CUgraphEdgeData *dependencyData, size_t numDependencies,
+                                       CUstreamCaptureMode mode);
+P CUresult cuStreamBeginCaptureToGraph_ptsz(CUstream hStream, CUgraph hGraph, const CUgraphNode *dependencies,
+                                            const CUgraphEdgeData *dependencyData, size_t numDependencies,
+                                            CUstreamCaptureMode mode);
+P CUresult cuStreamEndCapture(CUstream hStream, CUgraph *phGraph);
+P CUresult cuStreamEndCapture_ptsz(CUstream hStream, CUgraph *phGraph);
+
+P nvmlReturn_t nvmlDeviceGetMemoryInfo(nvmlDevice_t device, nvmlMemory_t *memory);
+P nvmlReturn_t nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t device, nvmlMemory_v2_t *memory);
+#undef P
+#endif

@@ -1,0 +1,521 @@
+/* Launches: tokens (GPU-time ns) are taken from the region before each launch, and the work in flight is bounded.
+ *
+ * Cost of a launch = the shim's estimate of its GPU time, per CUfunction (per CUgraphExec for graph launches):
+ *   - each thread keeps at most one sample in flight: an event pair around one launch (the first launch of a
+ *     function not yet measured, then 1 in SAMPLE_EVERY launches); when the end event has completed, the elapsed
+ *     time updates the function's estimate (moving average, 1/4 weight to the new sample). Unmeasured: 20 us.
+ *   - true-up: every FENCE_EVERY launches (or FENCE_EVERY_NS of estimated work) the thread records a fence event on
+ *     the stream. When a fence was recorded while the previous fence on the same stream was still pending, the GPU
+ *     ran the work between them back to back, so their elapsed time is exactly the GPU time of that work: the
+ *     difference to what was charged is taken as a debt (added to this slot's tokens_taken) or given back as credit
+ *     to this process's prepaid balance. Estimates steer; the true-up keeps a saturated queue honest.
+ *   - in-flight bound: a thread never has more than INFLIGHT_MAX_NS (one token burst) of charged work, nor more than
+ *     NFENCE fences, not yet completed by the GPU; past that it sleeps until the GPU catches up. Without this an
+ *     enqueue-time meter lets a tenant bank seconds of work in the driver's queue.
+ * Tokens: a process-wide prepaid balance is drawn with one atomic per launch; when it runs out the thread takes
+ * max(cost, CHUNK) from the region's grant line (forfeiting anything above TOKEN_BURST_NS), or sleeps with backoff
+ * (20 us .. 1 ms, sized from the grant rate) and records the time in wait_ns. No lock anywhere on this path.
+ * While any stream capture is under way in this process, the shim records and queries no events of its own (that
+ * would break a global-mode capture) and launches into a capturing stream take no tokens: the graph launch pays.
+ * With no compute limit the launch only bumps the slot's launch counter (when there is a region) and calls on. */
+#define _GNU_SOURCE
+#include <string.h>
+
+#include "hook_protos.h"
+
+#define DEFAULT_COST_NS 20000ull
+#define MIN_COST_NS 1000ull
+#define CHUNK_NS 1000000ull
+#define SAMPLE_EVERY 64u
+#define FENCE_EVERY 32u
+#define FENCE_EVERY_NS 2000000ull
+#define NFENCE 16u
+#define INFLIGHT_MAX_NS ALNAIR_TOKEN_BURST_NS
+#define EST_BITS 13
+#define EST_SLOTS (1u << EST_BITS)
+
+static _Atomic int64_t g_balance; /* prepaid tokens of this process (already in our slot's tokens_taken) */
+static _Atomic int g_captures;    /* stream captures under way in this process */
+
+struct est {
+    _Atomic uintptr_t key;
+    _Atomic uint64_t ns; /* 0: not measured yet */
+};
+static struct est g_est[EST_SLOTS];
+
+static struct est *est_find(uintptr_t key)
+{
+    if (key == 0)
+        return NULL;
+    size_t i = (size_t)((key * 0x9E3779B97F4A7C15ull) >> (64 - EST_BITS));
+    for (unsigned n = 0; n < 32; n++, i = (i + 1) & (EST_SLOTS - 1)) {
+        uintptr_t k = atomic_load_explicit(&g_est[i].key, memory_order_acquire);
+        if (k == key)
+            return &g_est[i];
+        if (k == 0) {
+            uintptr_t zero = 0;
+            if (atomic_compare_exchange_strong(&g_est[i].key, &zero, key) || zero == key)
+                return &g_est[i];
+        }
+    }
+    return NULL; /* table crowded here: the default cost applies */
+}
+
+struct fence {
+    CUevent ev;
+    uint64_t charged; /* this thread's charged total when recorded */
+    CUstream stream;
+    int backed; /* the previous fence on this stream was still pending when this one was recorded */
+};
+
+struct tstate {
+    unsigned gen;
+    CUcontext ctx;
+    uint64_t launches, charged, completed_charged, last_fence_charged;
+    unsigned since_fence;
+    CUevent s_start, s_end;
+    uintptr_t s_key;
+    int s_busy;
+    struct fence f[NFENCE];
+    unsigned fhead, fcount;
+    int prev_valid;
+    unsigned prev_idx;
+    uint64_t prev_charged;
+    CUstream prev_stream;
+};
+static __thread struct tstate T __attribute__((tls_model("initial-exec")));
+
+void alnair_launch_after_fork_child(void)
+{
+    atomic_store(&g_balance, 0);
+    atomic_store(&g_captures, 0);
+    memset(&T, 0, sizeof T); /* the parent's events are not ours; other threads' TLS is reset by generation */
+    T.gen = atomic_load(&alnair_fork_gen);
+}
+
+static inline int metered(void)
+{
+    struct alnair_region *r = alnair_region;
+    if (r == NULL)
+        return 0;
+    uint32_t c = __atomic_load_n(&r->agent.compute_limit, __ATOMIC_RELAXED);
+    return c - 1u < 99u; /* 1..99 percent */
+}
+
+static inline void count_launch(void)
+{
+    if (alnair_region != NULL) {
+        struct alnair_region_slot *s = alnair_slot();
+        if (s != NULL)
+            __atomic_fetch_add(&s->launches, 1, __ATOMIC_RELAXED);
+    }
+}
+
+/* ---- tokens ------------------------------------------------------------------------------------------------ */
+static void forfeit_excess(struct alnair_region_slot *s, int64_t avail, uint64_t now)
+{
+    uint64_t excess = (uint64_t)avail - ALNAIR_TOKEN_BURST_NS;
+    RADD(s->tokens_forfeited, excess);
+    /* Another process may have forfeited the same excess at the same moment: give back what went below the burst
+     * (a correction within microseconds of the add; the counter is otherwise only ever grown). */
+    int64_t after = alnair_tokens_available(now);
+    if (after < (int64_t)ALNAIR_TOKEN_BURST_NS) {
+        uint64_t back = (uint64_t)((int64_t)ALNAIR_TOKEN_BURST_NS - after);
+        if (back > excess)
+            back = excess;
+        RSUB(s->tokens_forfeited, back);
+    }
+}
+
+static __attribute__((noinline)) void refill(uint64_t owe)
+{
+    struct alnair_region_slot *s = alnair_slot();
+    if (s == NULL)
+        return;
+    uint64_t need = owe < ALNAIR_TOKEN_BURST_NS / 2 ? owe : ALNAIR_TOKEN_BURST_NS / 2; /* a huge kernel runs on debt */
+    uint64_t t0 = 0, now;
+    for (;;) {
+        now = alnair_now_ns();
+        int64_t avail = alnair_tokens_available(now);
+        if (avail > (int64_t)ALNAIR_TOKEN_BURST_NS) {
+            forfeit_excess(s, avail, now);
+            avail = alnair_tokens_available(now);
+        }
+        if (avail >= (int64_t)need) {
+            uint64_t grab = owe + CHUNK_NS;
+            if ((uint64_t)avail < grab)
+                grab = (uint64_t)avail > owe ? (uint64_t)avail : owe;
+            RADD(s->tokens_taken, grab);
+            atomic_fetch_add(&g_balance, (int64_t)grab);
+            break;
+        }
+        if (t0 == 0)
+            t0 = now;
+        uint64_t rate = alnair_token_rate();
+        uint64_t deficit = (uint64_t)((int64_t)need - avail);
+        uint64_t nap = rate ? (uint64_t)((unsigned __int128)deficit * 1000000000u / rate) : 1000000u;
+        alnair_sleep_ns(nap < 20000u ? 20000u : nap > 1000000u ? 1000000u : nap);
+    }
+    if (t0 != 0)
+        RADD(s->wait_ns, now - t0);
+}
+
+static inline void take_tokens(uint64_t cost)
+{
+    int64_t left = atomic_fetch_sub_explicit(&g_balance, (int64_t)cost, memory_order_relaxed) - (int64_t)cost;
+    if (LIKELY(left >= 0))
+        return;
+    refill((uint64_t)-left < cost ? (uint64_t)-left : cost);
+}
+
+/* ---- events of our own --------------------------------------------------------------------------------------- */
+static void drop_events(void)
+{
+    CUevent *evs[NFENCE + 2];
+    unsigned n = 0;
+    for (unsigned i = 0; i < NFENCE; i++)
+        evs[n++] = &T.f[i].ev;
+    evs[n++] = &T.s_start;
+    evs[n++] = &T.s_end;
+    for (unsigned i = 0; i < n; i++) {
+        if (*evs[i] != NULL && alnair_aux.cuEventDestroy != NULL)
+            alnair_aux.cuEventDestroy(*evs[i]);
+        *evs[i] = NULL;
+    }
+    T.fcount = T.fhead = 0;
+    T.s_busy = 0;
+    T.prev_valid = 0;
+    T.completed_charged = T.charged;
+}
+
+static int ensure_ctx(void)
+{
+    CUcontext c = NULL;
+    if (alnair_aux.cuCtxGetCurrent == NULL || alnair_aux.cuEventCreate == NULL || alnair_aux.cuEventQuery == NULL ||
+        alnair_aux.cuEventRecord == NULL || alnair_aux.cuCtxGetCurrent(&c) != CUDA_SUCCESS || c == NULL)
+        return -1;
+    if (c != T.ctx) {
+        drop_events();
+        T.ctx = c;
+    }
+    return 0;
+}
+
+static int get_event(CUevent *ev)
+{
+    return *ev != NULL ? 0 : alnair_aux.cuEventCreate(ev, CU_EVENT_DEFAULT) == CUDA_SUCCESS ? 0 : -1;
+}
+
+static int record(CUevent ev, CUstream s, int pt)
+{
+    return (pt ? alnair_aux.cuEventRecord_ptsz : alnair_aux.cuEventRecord)(ev, s) == CUDA_SUCCESS ? 0 : -1;
+}
+
+static uint64_t elapsed_ns(CUevent a, CUevent b)
+{
+    float ms = 0;
+    if (alnair_aux.cuEventElapsedTime == NULL || alnair_aux.cuEventElapsedTime(&ms, a, b) != CUDA_SUCCESS || !(ms >= 0))
+        return UINT64_MAX;
+    return (uint64_t)((double)ms * 1e6);
+}
+
+static void true_up(uint64_t actual, uint64_t charged)
+{
+    if (actual > charged) {
+        struct alnair_region_slot *s = alnair_slot();
+        if (s != NULL)
+            RADD(s->tokens_taken, actual - charged);
+    } else {
+        atomic_fetch_add(&g_balance, (int64_t)(charged - actual));
+    }
+}
+
+static void poll_fences(void)
+{
+    while (T.fcount > 0) {
+        struct fence *f = &T.f[T.fhead];
+        CUresult q = alnair_aux.cuEventQuery(f->ev);
+        if (q == CUDA_ERROR_NOT_READY)
+            break;
+        if (q == CUDA_SUCCESS) {
+            if (f->backed && T.prev_valid && T.prev_stream == f->stream) {
+                uint64_t actual = elapsed_ns(T.f[T.prev_idx].ev, f->ev);
+                if (actual != UINT64_MAX)
+                    true_up(actual, f->charged - T.prev_charged);
+            }
+            T.prev_valid = 1;
+            T.prev_idx = T.fhead;
+            T.prev_charged = f->charged;
+            T.prev_stream = f->stream;
+        } else {
+            T.prev_valid = 0;
+        }
+        T.completed_charged = f->charged;
+        T.fhead = (T.fhead + 1) % NFENCE;
+        T.fcount--;
+    }
+}
+
+/* Sleep until at most `max_ns` of charged work and fewer than `max_fences` fences are pending on the GPU. */
+static void wait_inflight(uint64_t max_ns, unsigned max_fences)
+{
+    uint64_t t0 = 0, nap = 20000;
+    poll_fences();
+    while (T.fcount > 0 && (T.charged - T.completed_charged > max_ns || T.fcount >= max_fences)) {
+        if (t0 == 0)
+            t0 = alnair_now_ns();
+        alnair_sleep_ns(nap);
+        nap = nap * 2 > 1000000 ? 1000000 : nap * 2;
+        poll_fences();
+    }
+    if (t0 != 0) {
+        struct alnair_region_slot *s = alnair_slot();
+        if (s != NULL)
+            RADD(s->wait_ns, alnair_now_ns() - t0);
+    }
+}
+
+static void record_fence(CUstream s, int pt)
+{
+    if (ensure_ctx() != 0)
+        return;
+    wait_inflight(UINT64_MAX, NFENCE);
+    unsigned idx = (T.fhead + T.fcount) % NFENCE;
+    if (T.prev_valid && T.prev_idx == idx)
+        T.prev_valid = 0;
+    struct fence *f = &T.f[idx];
+    if (get_event(&f->ev) != 0)
+        return;
+    int backed = 0;
+    if (T.fcount > 0) {
+        struct fence *newest = &T.f[(idx + NFENCE - 1) % NFENCE];
+        backed = newest->stream == s && alnair_aux.cuEventQuery(newest->ev) == CUDA_ERROR_NOT_READY;
+    }
+    if (record(f->ev, s, pt) != 0)
+        return;
+    f->charged = T.charged;
+    f->stream = s;
+    f->backed = backed;
+    T.fcount++;
+    T.last_fence_charged = T.charged;
+    T.since_fence = 0;
+}
+
+static void poll_sample(void)
+{
+    CUresult q = alnair_aux.cuEventQuery(T.s_end);
+    if (q == CUDA_ERROR_NOT_READY)
+        return;
+    T.s_busy = 0;
+    if (q != CUDA_SUCCESS)
+        return;
+    uint64_t ns = elapsed_ns(T.s_start, T.s_end);
+    struct est *e = est_find(T.s_key);
+    if (ns == UINT64_MAX || e == NULL)
+        return;
+    if (ns < MIN_COST_NS)
+        ns = MIN_COST_NS;
+    uint64_t old = atomic_load_explicit(&e->ns, memory_order_relaxed);
+    atomic_store_explicit(&e->ns, old ? (3 * old + ns) / 4 : ns, memory_order_relaxed);
+}
+
+/* ---- the metered path ------------------------------------------------------------------------------------------ */
+struct pre {
+    uintptr_t key;
+    uint64_t cost;
+    CUstream stream;
+    int pt, sampled, skip;
+};
+
+static int capturing(CUstream s, int pt)
+{
+    if (LIKELY(atomic_load_explicit(&g_captures, memory_order_relaxed) == 0))
+        return 0;
+    CUresult (*fn)(CUstream, CUstreamCaptureStatus *) =
+        pt ? alnair_aux.cuStreamIsCapturing_ptsz : alnair_aux.cuStreamIsCapturing;
+    CUstreamCaptureStatus st = CU_STREAM_CAPTURE_STATUS_NONE;
+    if (fn == NULL || fn(s, &st) != CUDA_SUCCESS)
+        return 1; /* cannot tell (e.g. the legacy stream during a capture): do not touch it */
+    return st != CU_STREAM_CAPTURE_STATUS_NONE;
+}
+
+static __attribute__((noinline)) void pre_launch(struct pre *p, uintptr_t key, CUstream s, int pt)
+{
+    unsigned gen = atomic_load_explicit(&alnair_fork_gen, memory_order_relaxed);
+    if (UNLIKELY(T.gen != gen)) {
+        memset(&T, 0, sizeof T);
+        T.gen = gen;
+    }
+    p->key = key;
+    p->stream = s;
+    p->pt = pt;
+    p->sampled = 0;
+    p->skip = capturing(s, pt);
+    if (p->skip)
+        return;
+    struct est *e = est_find(key);
+    uint64_t est = e ? atomic_load_explicit(&e->ns, memory_order_relaxed) : 0;
+    p->cost = est ? est : DEFAULT_COST_NS;
+    take_tokens(p->cost);
+    int quiet = atomic_load_explicit(&g_captures, memory_order_relaxed) == 0;
+    if (quiet && T.fcount > 0 && T.charged - T.completed_charged > INFLIGHT_MAX_NS)
+        wait_inflight(INFLIGHT_MAX_NS, NFENCE);
+    T.launches++;
+    if (quiet && !T.s_busy && e != NULL && (est == 0 || T.launches % SAMPLE_EVERY == 0) && ensure_ctx() == 0 &&
+        get_event(&T.s_start) == 0 && get_event(&T.s_end) == 0 && record(T.s_start, s, pt) == 0)
+        p->sampled = 1;
+}
+
+static __attribute__((noinline)) void post_launch(struct pre *p, CUresult rc)
+{
+    count_launch();
+    if (p->skip)
+        return;
+    if (rc != CUDA_SUCCESS) {
+        atomic_fetch_add(&g_balance, (int64_t)p->cost); /* nothing ran: the tokens stay ours */
+        return;
+    }
+    if (p->sampled && record(T.s_end, p->stream, p->pt) == 0) {
+        T.s_busy = 1;
+        T.s_key = p->key;
+    }
+    T.charged += p->cost;
+    T.since_fence++;
+    if (atomic_load_explicit(&g_captures, memory_order_relaxed) != 0)
+        return;
+    if (T.since_fence >= FENCE_EVERY || T.charged - T.last_fence_charged >= FENCE_EVERY_NS)
+        record_fence(p->stream, p->pt);
+    if (T.s_busy && (T.launches & 7u) == 0)
+        poll_sample();
+}
+
+#define LAUNCH_BODY(name, key, stream, pt, call)      \
+    do {                                              \
+        REAL_OR_FAIL(fn, name);                       \
+        if (LIKELY(!metered())) {                     \
+            count_launch();                           \
+            return call;                              \
+        }                                             \
+        struct pre p_;                                \
+        pre_launch(&p_, (uintptr_t)(key), (stream), (pt)); \
+        CUresult rc_ = call;                          \
+        post_launch(&p_, rc_);                        \
+        return rc_;                                   \
+    } while (0)
+
+#define KARGS f, gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, blockDimZ, sharedMemBytes, hStream
+#define KPARAMS                                                                                                \
+    CUfunction f, unsigned int gridDimX, unsigned int gridDimY, unsigned int gridDimZ, unsigned int blockDimX, \
+        unsigned int blockDimY, unsigned int blockDimZ, unsigned int sharedMemBytes, CUstream hStream
+
+ALNAIR_API CUresult cuLaunchKernel(KPARAMS, void **kernelParams, void **extra)
+{
+    LAUNCH_BODY(cuLaunchKernel, f, hStream, 0, fn(KARGS, kernelParams, extra));
+}
+
+ALNAIR_API CUresult cuLaunchKernel_ptsz(KPARAMS, void **kernelParams, void **extra)
+{
+    LAUNCH_BODY(cuLaunchKernel_ptsz, f, hStream, 1, fn(KARGS, kernelParams, extra));
+}
+
+ALNAIR_API CUresult cuLaunchCooperativeKernel(KPARAMS, void **kernelParams)
+{
+    LAUNCH_BODY(cuLaunchCooperativeKernel, f, hStream, 0, fn(KARGS, kernelParams));
+}
+
+ALNAIR_API CUresult cuLaunchCooperativeKernel_ptsz(KPARAMS, void **kernelParams)
+{
+    LAUNCH_BODY(cuLaunchCooperativeKernel_ptsz, f, hStream, 1, fn(KARGS, kernelParams));
+}
+
+ALNAIR_API CUresult cuLaunchKernelEx(const CUlaunchConfig *config, CUfunction f, void **kernelParams, void **extra)
+{
+    LAUNCH_BODY(cuLaunchKernelEx, f, config ? config->hStream : NULL, 0, fn(config, f, kernelParams, extra));
+}
+
+ALNAIR_API CUresult cuLaunchKernelEx_ptsz(const CUlaunchConfig *config, CUfunction f, void **kernelParams,
+                                          void **extra)
+{
+    LAUNCH_BODY(cuLaunchKernelEx_ptsz, f, config ? config->hStream : NULL, 1, fn(config, f, kernelParams, extra));
+}
+
+ALNAIR_API CUresult cuGraphLaunch(CUgraphExec hGraphExec, CUstream hStream)
+{
+    LAUNCH_BODY(cuGraphLaunch, hGraphExec, hStream, 0, fn(hGraphExec, hStream));
+}
+
+ALNAIR_API CUresult cuGraphLaunch_ptsz(CUgraphExec hGraphExec, CUstream hStream)
+{
+    LAUNCH_BODY(cuGraphLaunch_ptsz, hGraphExec, hStream, 1, fn(hGraphExec, hStream));
+}
+
+/* ---- stream capture bookkeeping -------------------------------------------------------------------------- */
+static CUresult began(CUresult rc)
+{
+    if (rc == CUDA_SUCCESS)
+        atomic_fetch_add(&g_captures, 1);
+    return rc;
+}
+
+static CUresult ended(CUresult rc)
+{
+    if (rc == CUDA_SUCCESS || rc == CUDA_ERROR_STREAM_CAPTURE_INVALIDATED) {
+        int c = atomic_load(&g_captures);
+        while (c > 0 && !atomic_compare_exchange_weak(&g_captures, &c, c - 1)) {
+        }
+    }
+    return rc;
+}
+
+ALNAIR_API CUresult cuStreamBeginCapture(CUstream hStream)
+{
+    REAL_OR_FAIL(fn, cuStreamBeginCapture);
+    return began(fn(hStream));
+}
+
+ALNAIR_API CUresult cuStreamBeginCapture_ptsz(CUstream hStream)
+{
+    REAL_OR_FAIL(fn, cuStreamBeginCapture_ptsz);
+    return began(fn(hStream));
+}
+
+ALNAIR_API CUresult cuStreamBeginCapture_v2(CUstream hStream, CUstreamCaptureMode mode)
+{
+    REAL_OR_FAIL(fn, cuStreamBeginCapture_v2);
+    return began(fn(hStream, mode));
+}
+
+ALNAIR_API CUresult cuStreamBeginCapture_v2_ptsz(CUstream hStream, CUstreamCaptureMode mode)
+{
+    REAL_OR_FAIL(fn, cuStreamBeginCapture_v2_ptsz);
+    return began(fn(hStream, mode));
+}
+
+ALNAIR_API CUresult cuStreamBeginCaptureToGraph(CUstream hStream, CUgraph hGraph, const CUgraphNode *dependencies,
+                                                const CUgraphEdgeData *dependencyData, size_t numDependencies,
+                                                CUstreamCaptureMode mode)
+{
+    REAL_OR_FAIL(fn, cuStreamBeginCaptureToGraph);
+    return began(fn(hStream, hGraph, dependencies, dependencyData, numDependencies, mode));
+}
+
+ALNAIR_API CUresult cuStreamBeginCaptureToGraph_ptsz(CUstream hStream, CUgraph hGraph,
+                                                     const CUgraphNode *dependencies,
+                                                     const CUgraphEdgeData *dependencyData, size_t numDependencies,
+                                                     CUstreamCaptureMode mode)
+{
+    REAL_OR_FAIL(fn, cuStreamBeginCaptureToGraph_ptsz);
+    return began(fn(hStream, hGraph, dependencies, dependencyData, numDependencies, mode));
+}
+
+ALNAIR_API CUresult cuStreamEndCapture(CUstream hStream, CUgraph *phGraph)
+{
+    REAL_OR_FAIL(fn, cuStreamEndCapture);
+    return ended(fn(hStream, phGraph));
+}
+
+ALNAIR_API CUresult cuStreamEndCapture_ptsz(CUstream hStream, CUgraph *phGraph)
+{
+    REAL_OR_FAIL(fn, cuStreamEndCapture_ptsz);
+    return ended(fn(hStream, phGraph));
+}

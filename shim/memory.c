@@ -1,0 +1,527 @@
+/* Device memory: every allocation API reserves its bytes container-wide before calling the driver, every free
+ * gives them back, and the memory-info calls (CUDA and NVML) report the limit.
+ *
+ * Reserve (optimistic, race-free against the limit): add the bytes to our own slot's memory_used, sum all slots;
+ * over the limit: reclaim dead processes' slots and sum again; still over: take the bytes back out and fail with
+ * CUDA_ERROR_OUT_OF_MEMORY without calling the driver. Two processes racing can both back out (a spurious
+ * out-of-memory under contention), never both succeed past the limit. Sizes are remembered per pointer / handle
+ * in a process-local table so the free gives back exactly what the allocation took; a failed driver call gives
+ * its reservation back at once, so nothing leaks. Arithmetic saturates: a size that overflows is over any limit,
+ * and memory_used never wraps below zero. */
+#define _GNU_SOURCE
+#include <stdlib.h>
+#include <string.h>
+
+#include "hook_protos.h"
+
+enum { K_DEV = 1, K_HANDLE, K_ARRAY, K_MIPMAP, K_CTX, K_PCTX };
+
+struct entry {
+    uint64_t key;
+    uint64_t size;
+    uint32_t kind; /* 0: empty, UINT32_MAX: deleted */
+    uint32_t refs; /* primary contexts: retains */
+};
+
+static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
+static struct entry *table;
+static size_t cap, live, tomb;
+
+static size_t hash(uint64_t key, uint32_t kind)
+{
+    uint64_t h = (key ^ ((uint64_t)kind << 59)) * 0x9E3779B97F4A7C15ull;
+    return (size_t)(h >> 20);
+}
+
+static struct entry *find(uint64_t key, uint32_t kind)
+{
+    if (cap == 0)
+        return NULL;
+    for (size_t i = hash(key, kind) & (cap - 1), n = 0; n < cap; i = (i + 1) & (cap - 1), n++) {
+        if (table[i].kind == 0)
+            return NULL;
+        if (table[i].kind == kind && table[i].key == key)
+            return &table[i];
+    }
+    return NULL;
+}
+
+static int grow(void)
+{
+    size_t ncap = cap ? cap * 2 : 1024;
+    while ((live + 1) * 2 > ncap)
+        ncap *= 2;
+    struct entry *nt = calloc(ncap, sizeof *nt);
+    if (nt == NULL)
+        return -1;
+    for (size_t i = 0; i < cap; i++) {
+        if (table[i].kind == 0 || table[i].kind == UINT32_MAX)
+            continue;
+        size_t j = hash(table[i].key, table[i].kind) & (ncap - 1);
+        while (nt[j].kind != 0)
+            j = (j + 1) & (ncap - 1);
+        nt[j] = table[i];
+    }
+    free(table);
+    table = nt;
+    cap = ncap;
+    tomb = 0;
+    return 0;
+}
+
+static struct entry *insert(uint64_t key, uint32_t kind, uint64_t size)
+{
+    if ((live + tomb + 1) * 2 > cap && grow() != 0)
+        return NULL;
+    size_t i = hash(key, kind) & (cap - 1);
+    while (table[i].kind != 0 && table[i].kind != UINT32_MAX && !(table[i].kind == kind && table[i].key == key))
+        i = (i + 1) & (cap - 1);
+    if (table[i].kind == UINT32_MAX)
+        tomb--;
+    if (table[i].kind == 0 || table[i].kind == UINT32_MAX)
+        live++;
+    table[i] = (struct entry){.key = key, .size = size, .kind = kind, .refs = 1};
+    return &table[i];
+}
+
+static void erase(struct entry *e)
+{
+    e->kind = UINT32_MAX;
+    live--;
+    tomb++;
+}
+
+void alnair_memory_after_fork_child(void)
+{
+    pthread_mutex_init(&mu, NULL);
+    if (table != NULL)
+        memset(table, 0, cap * sizeof *table); /* the parent's allocations are not the child's */
+    live = tomb = 0;
+}
+
+/* ---- reserve / release --------------------------------------------------------------------------------------- */
+static void unreserve(uint64_t size)
+{
+    struct alnair_region_slot *s = alnair_slot();
+    if (s == NULL || size == 0)
+        return;
+    uint64_t old = RLOAD(s->memory_used), nv;
+    do
+        nv = old > size ? old - size : 0;
+    while (!__atomic_compare_exchange_n(&s->memory_used, &old, nv, 1, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE));
+}
+
+/* 0: reserved (or no region); -1: over the limit, nothing reserved. */
+static int reserve(uint64_t size)
+{
+    struct alnair_region *r = alnair_region;
+    if (r == NULL)
+        return 0;
+    struct alnair_region_slot *s = alnair_slot();
+    if (s == NULL)
+        return 0;
+    uint64_t limit = RLOAD(r->agent.memory_limit);
+    if (limit != 0 && size > limit)
+        return -1;
+    uint64_t old = RLOAD(s->memory_used), nv;
+    do
+        if (__builtin_add_overflow(old, size, &nv))
+            return -1;
+    while (!__atomic_compare_exchange_n(&s->memory_used, &old, nv, 1, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE));
+    if (limit == 0 || alnair_memory_used_all() <= limit)
+        return 0;
+    if (alnair_reclaim_dead_slots() > 0 && alnair_memory_used_all() <= limit)
+        return 0;
+    unreserve(size);
+    return -1;
+}
+
+static void track(uint32_t kind, uint64_t key, uint64_t size)
+{
+    pthread_mutex_lock(&mu);
+    struct entry *e = find(key, kind);
+    if (e != NULL) { /* the driver handed out a key we still hold: the old one was freed behind our back */
+        uint64_t stale = e->size;
+        e->size = size;
+        pthread_mutex_unlock(&mu);
+        unreserve(stale);
+        return;
+    }
+    if (insert(key, kind, size) == NULL) {
+        pthread_mutex_unlock(&mu);
+        unreserve(size); /* cannot remember it: do not count what we could never give back */
+        return;
+    }
+    pthread_mutex_unlock(&mu);
+}
+
+static void untrack(uint32_t kind, uint64_t key)
+{
+    pthread_mutex_lock(&mu);
+    struct entry *e = find(key, kind);
+    uint64_t size = 0;
+    if (e != NULL) {
+        size = e->size;
+        erase(e);
+    }
+    pthread_mutex_unlock(&mu);
+    unreserve(size);
+}
+
+static inline uint64_t mul_sat(uint64_t a, uint64_t b)
+{
+    uint64_t c;
+    return __builtin_mul_overflow(a, b, &c) ? UINT64_MAX : c;
+}
+
+/* The common shape: reserve, call the driver, keep or give back. */
+#define ALLOC_BODY(kind, bytes, call, keyexpr)           \
+    do {                                                 \
+        if (alnair_region == NULL)                       \
+            return (call);                               \
+        uint64_t bytes_ = (bytes);                       \
+        if (reserve(bytes_) != 0)                        \
+            return CUDA_ERROR_OUT_OF_MEMORY;             \
+        CUresult rc_ = (call);                           \
+        if (rc_ != CUDA_SUCCESS)                         \
+            unreserve(bytes_);                           \
+        else                                             \
+            track((kind), (uint64_t)(keyexpr), bytes_);  \
+        return rc_;                                      \
+    } while (0)
+
+#define FREE_BODY(kind, key, call)                       \
+    do {                                                 \
+        CUresult rc_ = (call);                           \
+        if (rc_ == CUDA_SUCCESS && alnair_region != NULL) \
+            untrack((kind), (uint64_t)(key));            \
+        return rc_;                                      \
+    } while (0)
+
+/* ---- linear allocations ---------------------------------------------------------------------------------- */
+ALNAIR_API CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytesize)
+{
+    REAL_OR_FAIL(fn, cuMemAlloc_v2);
+    ALLOC_BODY(K_DEV, bytesize, fn(dptr, bytesize), *dptr);
+}
+
+ALNAIR_API CUresult cuMemAllocManaged(CUdeviceptr *dptr, size_t bytesize, unsigned int flags)
+{
+    REAL_OR_FAIL(fn, cuMemAllocManaged);
+    ALLOC_BODY(K_DEV, bytesize, fn(dptr, bytesize, flags), *dptr);
+}
+
+ALNAIR_API CUresult cuMemAllocPitch_v2(CUdeviceptr *dptr, size_t *pPitch, size_t WidthInBytes, size_t Height,
+                                       unsigned int ElementSizeBytes)
+{
+    REAL_OR_FAIL(fn, cuMemAllocPitch_v2);
+    if (alnair_region == NULL)
+        return fn(dptr, pPitch, WidthInBytes, Height, ElementSizeBytes);
+    /* reserve the most the pitch can be (rows padded to 512 bytes), then keep what the driver really took */
+    uint64_t row = WidthInBytes > UINT64_MAX - 511 ? UINT64_MAX : (WidthInBytes + 511) & ~511ull;
+    uint64_t most = mul_sat(row, Height);
+    if (reserve(most) != 0)
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    CUresult rc = fn(dptr, pPitch, WidthInBytes, Height, ElementSizeBytes);
+    if (rc != CUDA_SUCCESS) {
+        unreserve(most);
+        return rc;
+    }
+    uint64_t real = mul_sat(*pPitch, Height);
+    if (real < most) {
+        unreserve(most - real);
+        most = real;
+    }
+    track(K_DEV, *dptr, most);
+    return rc;
+}
+
+ALNAIR_API CUresult cuMemFree_v2(CUdeviceptr dptr)
+{
+    REAL_OR_FAIL(fn, cuMemFree_v2);
+    FREE_BODY(K_DEV, dptr, fn(dptr));
+}
+
+ALNAIR_API CUresult cuMemAllocAsync(CUdeviceptr *dptr, size_t bytesize, CUstream hStream)
+{
+    REAL_OR_FAIL(fn, cuMemAllocAsync);
+    ALLOC_BODY(K_DEV, bytesize, fn(dptr, bytesize, hStream), *dptr);
+}
+
+ALNAIR_API CUresult cuMemAllocAsync_ptsz(CUdeviceptr *dptr, size_t bytesize, CUstream hStream)
+{
+    REAL_OR_FAIL(fn, cuMemAllocAsync_ptsz);
+    ALLOC_BODY(K_DEV, bytesize, fn(dptr, bytesize, hStream), *dptr);
+}
+
+ALNAIR_API CUresult cuMemAllocFromPoolAsync(CUdeviceptr *dptr, size_t bytesize, CUmemoryPool pool, CUstream hStream)
+{
+    REAL_OR_FAIL(fn, cuMemAllocFromPoolAsync);
+    ALLOC_BODY(K_DEV, bytesize, fn(dptr, bytesize, pool, hStream), *dptr);
+}
+
+ALNAIR_API CUresult cuMemAllocFromPoolAsync_ptsz(CUdeviceptr *dptr, size_t bytesize, CUmemoryPool pool,
+                                                 CUstream hStream)
+{
+    REAL_OR_FAIL(fn, cuMemAllocFromPoolAsync_ptsz);
+    ALLOC_BODY(K_DEV, bytesize, fn(dptr, bytesize, pool, hStream), *dptr);
+}
+
+ALNAIR_API CUresult cuMemFreeAsync(CUdeviceptr dptr, CUstream hStream)
+{
+    REAL_OR_FAIL(fn, cuMemFreeAsync);
+    FREE_BODY(K_DEV, dptr, fn(dptr, hStream));
+}
+
+ALNAIR_API CUresult cuMemFreeAsync_ptsz(CUdeviceptr dptr, CUstream hStream)
+{
+    REAL_OR_FAIL(fn, cuMemFreeAsync_ptsz);
+    FREE_BODY(K_DEV, dptr, fn(dptr, hStream));
+}
+
+/* ---- virtual memory management: the physical allocation is what counts --------------------------------- */
+ALNAIR_API CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size, const CUmemAllocationProp *prop,
+                                unsigned long long flags)
+{
+    REAL_OR_FAIL(fn, cuMemCreate);
+    ALLOC_BODY(K_HANDLE, size, fn(handle, size, prop, flags), *handle);
+}
+
+ALNAIR_API CUresult cuMemRelease(CUmemGenericAllocationHandle handle)
+{
+    REAL_OR_FAIL(fn, cuMemRelease);
+    FREE_BODY(K_HANDLE, handle, fn(handle));
+}
+
+/* ---- arrays: bytes estimated from the descriptor (element size x channels x extent, mip levels summed) ----- */
+static uint64_t format_bytes(CUarray_format f)
+{
+    switch (f) {
+    case 0x01: case 0x08: return 1;              /* (un)signed int8 */
+    case 0x02: case 0x09: case 0x10: return 2;   /* (un)signed int16, half */
+    case 0x03: case 0x0a: case 0x20: return 4;   /* (un)signed int32, float */
+    default: return 4;                           /* newer and block-compressed formats: at most this per channel */
+    }
+}
+
+static uint64_t extent_bytes(size_t w, size_t h, size_t d, CUarray_format f, unsigned ch)
+{
+    uint64_t b = mul_sat(format_bytes(f), ch ? ch : 1);
+    b = mul_sat(b, w ? w : 1);
+    b = mul_sat(b, h ? h : 1);
+    return mul_sat(b, d ? d : 1);
+}
+
+static uint64_t array3d_bytes(const CUDA_ARRAY3D_DESCRIPTOR *d, unsigned levels)
+{
+    if (d == NULL)
+        return 0;
+    uint64_t sum = 0;
+    size_t w = d->Width, h = d->Height, z = d->Depth;
+    for (unsigned l = 0; l < (levels ? levels : 1); l++) {
+        uint64_t b = extent_bytes(w, h, z, d->Format, d->NumChannels), t;
+        sum = __builtin_add_overflow(sum, b, &t) ? UINT64_MAX : t;
+        w = w > 1 ? w / 2 : 1;
+        h = h > 1 ? h / 2 : h;
+        if (!(d->Flags & 0x1)) /* CUDA_ARRAY3D_LAYERED: the layer count does not shrink */
+            z = z > 1 ? z / 2 : z;
+    }
+    return sum;
+}
+
+ALNAIR_API CUresult cuArrayCreate_v2(CUarray *pHandle, const CUDA_ARRAY_DESCRIPTOR *pAllocateArray)
+{
+    REAL_OR_FAIL(fn, cuArrayCreate_v2);
+    const CUDA_ARRAY_DESCRIPTOR *d = pAllocateArray;
+    ALLOC_BODY(K_ARRAY, d ? extent_bytes(d->Width, d->Height, 1, d->Format, d->NumChannels) : 0,
+               fn(pHandle, pAllocateArray), (uintptr_t)*pHandle);
+}
+
+ALNAIR_API CUresult cuArray3DCreate_v2(CUarray *pHandle, const CUDA_ARRAY3D_DESCRIPTOR *pAllocateArray)
+{
+    REAL_OR_FAIL(fn, cuArray3DCreate_v2);
+    ALLOC_BODY(K_ARRAY, array3d_bytes(pAllocateArray, 1), fn(pHandle, pAllocateArray), (uintptr_t)*pHandle);
+}
+
+ALNAIR_API CUresult cuArrayDestroy(CUarray hArray)
+{
+    REAL_OR_FAIL(fn, cuArrayDestroy);
+    FREE_BODY(K_ARRAY, (uintptr_t)hArray, fn(hArray));
+}
+
+ALNAIR_API CUresult cuMipmappedArrayCreate(CUmipmappedArray *pHandle, const CUDA_ARRAY3D_DESCRIPTOR *pDesc,
+                                           unsigned int numMipmapLevels)
+{
+    REAL_OR_FAIL(fn, cuMipmappedArrayCreate);
+    ALLOC_BODY(K_MIPMAP, array3d_bytes(pDesc, numMipmapLevels), fn(pHandle, pDesc, numMipmapLevels),
+               (uintptr_t)*pHandle);
+}
+
+ALNAIR_API CUresult cuMipmappedArrayDestroy(CUmipmappedArray hMipmappedArray)
+{
+    REAL_OR_FAIL(fn, cuMipmappedArrayDestroy);
+    FREE_BODY(K_MIPMAP, (uintptr_t)hMipmappedArray, fn(hMipmappedArray));
+}
+
+/* ---- contexts: each one's own device memory counts (ALNAIR_CONTEXT_BYTES) -------------------------------- */
+ALNAIR_API CUresult cuCtxCreate_v2(CUcontext *pctx, unsigned int flags, CUdevice dev)
+{
+    REAL_OR_FAIL(fn, cuCtxCreate_v2);
+    ALLOC_BODY(K_CTX, alnair_context_bytes, fn(pctx, flags, dev), (uintptr_t)*pctx);
+}
+
+ALNAIR_API CUresult cuCtxCreate_v3(CUcontext *pctx, CUexecAffinityParam *paramsArray, int numParams,
+                                   unsigned int flags, CUdevice dev)
+{
+    REAL_OR_FAIL(fn, cuCtxCreate_v3);
+    ALLOC_BODY(K_CTX, alnair_context_bytes, fn(pctx, paramsArray, numParams, flags, dev), (uintptr_t)*pctx);
+}
+
+ALNAIR_API CUresult cuCtxCreate_v4(CUcontext *pctx, CUctxCreateParams *ctxCreateParams, unsigned int flags,
+                                   CUdevice dev)
+{
+    REAL_OR_FAIL(fn, cuCtxCreate_v4);
+    ALLOC_BODY(K_CTX, alnair_context_bytes, fn(pctx, ctxCreateParams, flags, dev), (uintptr_t)*pctx);
+}
+
+ALNAIR_API CUresult cuCtxDestroy_v2(CUcontext ctx)
+{
+    REAL_OR_FAIL(fn, cuCtxDestroy_v2);
+    FREE_BODY(K_CTX, (uintptr_t)ctx, fn(ctx));
+}
+
+/* The primary context is charged on its first retain in this process and given back when our retains drop to 0
+ * or it is reset. No lock is held across the driver call. */
+ALNAIR_API CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev)
+{
+    REAL_OR_FAIL(fn, cuDevicePrimaryCtxRetain);
+    if (alnair_region == NULL)
+        return fn(pctx, dev);
+    pthread_mutex_lock(&mu);
+    struct entry *e = find((uint64_t)(uint32_t)dev, K_PCTX);
+    int first = e == NULL;
+    pthread_mutex_unlock(&mu);
+    uint64_t bytes = first ? alnair_context_bytes : 0;
+    if (first && reserve(bytes) != 0)
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    CUresult rc = fn(pctx, dev);
+    int kept = 0;
+    pthread_mutex_lock(&mu);
+    e = find((uint64_t)(uint32_t)dev, K_PCTX);
+    if (rc == CUDA_SUCCESS) {
+        if (e != NULL)
+            e->refs++; /* a later retain, or another thread's first retain won the race */
+        else if (insert((uint64_t)(uint32_t)dev, K_PCTX, bytes) != NULL)
+            kept = 1;
+    }
+    pthread_mutex_unlock(&mu);
+    if (first && !kept)
+        unreserve(bytes);
+    return rc;
+}
+
+static void primary_drop(CUdevice dev, int all)
+{
+    pthread_mutex_lock(&mu);
+    struct entry *e = find((uint64_t)(uint32_t)dev, K_PCTX);
+    uint64_t give = 0;
+    if (e != NULL && (all || --e->refs == 0)) {
+        give = e->size;
+        erase(e);
+    }
+    pthread_mutex_unlock(&mu);
+    unreserve(give);
+}
+
+ALNAIR_API CUresult cuDevicePrimaryCtxRelease_v2(CUdevice dev)
+{
+    REAL_OR_FAIL(fn, cuDevicePrimaryCtxRelease_v2);
+    CUresult rc = fn(dev);
+    if (rc == CUDA_SUCCESS && alnair_region != NULL)
+        primary_drop(dev, 0);
+    return rc;
+}
+
+ALNAIR_API CUresult cuDevicePrimaryCtxReset_v2(CUdevice dev)
+{
+    REAL_OR_FAIL(fn, cuDevicePrimaryCtxReset_v2);
+    CUresult rc = fn(dev);
+    if (rc == CUDA_SUCCESS && alnair_region != NULL)
+        primary_drop(dev, 1);
+    return rc;
+}
+
+/* ---- reporting the limit ------------------------------------------------------------------------------------ */
+/* total = min(limit, real total); free = total - used container-wide, clamped to [0, real free]. */
+static int limited_view(uint64_t real_total, uint64_t real_free, uint64_t *total, uint64_t *free_, uint64_t *used)
+{
+    struct alnair_region *r = alnair_region;
+    uint64_t limit = r ? RLOAD(r->agent.memory_limit) : 0;
+    if (limit == 0)
+        return 0;
+    uint64_t t = limit < real_total ? limit : real_total;
+    uint64_t u = alnair_memory_used_all();
+    if (u > t)
+        u = t;
+    uint64_t f = t - u;
+    if (f > real_free)
+        f = real_free;
+    *total = t;
+    *free_ = f;
+    *used = u;
+    return 1;
+}
+
+ALNAIR_API CUresult cuMemGetInfo_v2(size_t *free_, size_t *total)
+{
+    REAL_OR_FAIL(fn, cuMemGetInfo_v2);
+    CUresult rc = fn(free_, total);
+    uint64_t t, f, u;
+    if (rc == CUDA_SUCCESS && free_ != NULL && total != NULL && limited_view(*total, *free_, &t, &f, &u)) {
+        *total = t;
+        *free_ = f;
+    }
+    return rc;
+}
+
+ALNAIR_API CUresult cuDeviceTotalMem_v2(size_t *bytes, CUdevice dev)
+{
+    REAL_OR_FAIL(fn, cuDeviceTotalMem_v2);
+    CUresult rc = fn(bytes, dev);
+    struct alnair_region *r = alnair_region;
+    uint64_t limit = r ? RLOAD(r->agent.memory_limit) : 0;
+    if (rc == CUDA_SUCCESS && bytes != NULL && limit != 0 && limit < *bytes)
+        *bytes = limit;
+    return rc;
+}
+
+ALNAIR_API nvmlReturn_t nvmlDeviceGetMemoryInfo(nvmlDevice_t device, nvmlMemory_t *memory)
+{
+    __typeof__(&nvmlDeviceGetMemoryInfo) fn = REAL(nvmlDeviceGetMemoryInfo);
+    if (fn == NULL)
+        return 12; /* NVML_ERROR_LIBRARY_NOT_FOUND */
+    nvmlReturn_t rc = fn(device, memory);
+    uint64_t t, f, u;
+    if (rc == NVML_SUCCESS && memory != NULL && limited_view(memory->total, memory->free, &t, &f, &u)) {
+        memory->total = t;
+        memory->free = f;
+        memory->used = u;
+    }
+    return rc;
+}
+
+ALNAIR_API nvmlReturn_t nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t device, nvmlMemory_v2_t *memory)
+{
+    __typeof__(&nvmlDeviceGetMemoryInfo_v2) fn = REAL(nvmlDeviceGetMemoryInfo_v2);
+    if (fn == NULL)
+        return 12;
+    nvmlReturn_t rc = fn(device, memory);
+    uint64_t t, f, u;
+    if (rc == NVML_SUCCESS && memory != NULL && limited_view(memory->total, memory->free, &t, &f, &u)) {
+        memory->total = t;
+        memory->free = f;
+        memory->used = u;
+        memory->reserved = 0;
+    }
+    return rc;
+}

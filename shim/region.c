@@ -1,0 +1,326 @@
+/* The region: the container's shared file (or, when that is refused, a private in-process stand-in built from
+ * ALNAIR_MEMORY_LIMIT / ALNAIR_COMPUTE_LIMIT), slot claim, dead-slot reclaim, container-wide sums, the grant line.
+ *
+ * Slot protocol (the shim's side of alnair_agent/region_layout.py):
+ *   claim    CAS pid 0 -> -mypid (negative: being set up, the agent ignores it), write start_time and
+ *            memory_used = 0, then store pid = mypid. Token and launch counters are never zeroed: a new owner
+ *            continues the old owner's counters, so the container's sum of taken + forfeited never falls (a
+ *            reclaimed slot must not hand its consumption back as fresh tokens); readers see the pid change.
+ *   reclaim  a slot whose owner is dead (kill(pid, 0) fails with ESRCH, a zombie, or its start time differs from
+ *            /proc/<pid>/stat field 22: the pid was reused) is taken by CAS pid -> -mypid, its memory_used set to 0,
+ *            then pid = 0. Done at claim time and whenever an allocation would otherwise exceed the limit.
+ *   exec     a slot holding our own pid (and start time) that is not ours belongs to this process's image before
+ *            exec, whose device memory died with it: reclaimed at claim time. */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "alnair.h"
+
+struct alnair_region *alnair_region;
+int alnair_region_shared;
+uint64_t alnair_context_bytes = ALNAIR_DEFAULT_CONTEXT_BYTES;
+struct alnair_region_slot *_Atomic alnair_my_slot;
+static pthread_mutex_t claim_mu = PTHREAD_MUTEX_INITIALIZER;
+static struct alnair_region_slot overflow_slot; /* when all slots are taken: counted by this process alone */
+static int overflow_warned;
+
+/* ---- environment ----------------------------------------------------------------------------------------- */
+/* 1: set and well-formed; 0: unset; -1: malformed (a warning names the variable and value). */
+static int env_u64(const char *var, uint64_t max, uint64_t *out)
+{
+    const char *s = getenv(var);
+    if (s == NULL || *s == '\0')
+        return 0;
+    char *end = NULL;
+    errno = 0;
+    unsigned long long v = strtoull(s, &end, 10);
+    if (errno != 0 || end == s || *end != '\0' || s[0] == '-' || v > max) {
+        alnair_warn("alnair: %s='%s' is not an integer in 0..%llu; that limit is not enforced", var, s,
+                    (unsigned long long)max);
+        return -1;
+    }
+    *out = v;
+    return 1;
+}
+
+static uint64_t read_start_time(pid_t pid, char *state)
+{
+    char path[64], buf[1024];
+    snprintf(path, sizeof path, "/proc/%d/stat", (int)pid);
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0)
+        return 0;
+    ssize_t n = read(fd, buf, sizeof buf - 1);
+    close(fd);
+    if (n <= 0)
+        return 0;
+    buf[n] = '\0';
+    char *p = strrchr(buf, ')');
+    if (p == NULL)
+        return 0;
+    p++;
+    /* after ')': field 3 (state) is token 0, field 22 (starttime) is token 19 */
+    int field = 0;
+    char *save = NULL;
+    for (char *tok = strtok_r(p, " ", &save); tok != NULL; tok = strtok_r(NULL, " ", &save), field++) {
+        if (field == 0 && state)
+            *state = tok[0];
+        if (field == 19)
+            return strtoull(tok, NULL, 10);
+    }
+    return 0;
+}
+
+/* ---- opening ---------------------------------------------------------------------------------------------- */
+static struct alnair_region *open_shared(const char *path, char *why, size_t whylen, int *missing)
+{
+    *missing = 0;
+    int fd = open(path, O_RDWR | O_CLOEXEC);
+    if (fd < 0) {
+        *missing = errno == ENOENT;
+        snprintf(why, whylen, "cannot open: %s", strerror(errno));
+        return NULL;
+    }
+    struct stat st;
+    if (fstat(fd, &st) != 0 || st.st_size != (off_t)ALNAIR_REGION_SIZE) {
+        snprintf(why, whylen, "size %lld bytes, expected %u", (long long)st.st_size, ALNAIR_REGION_SIZE);
+        close(fd);
+        return NULL;
+    }
+    void *m = mmap(NULL, ALNAIR_REGION_SIZE, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    close(fd);
+    if (m == MAP_FAILED) {
+        snprintf(why, whylen, "cannot map: %s", strerror(errno));
+        return NULL;
+    }
+    struct alnair_region *r = m;
+    uint32_t magic = RLOAD(r->header.magic), version = RLOAD(r->header.version);
+    if (magic != ALNAIR_REGION_MAGIC || version != ALNAIR_REGION_VERSION || r->header.size != ALNAIR_REGION_SIZE ||
+        r->header.slot_count != ALNAIR_REGION_MAX_SLOTS || r->header.slot_size != ALNAIR_REGION_SLOT_SIZE) {
+        snprintf(why, whylen, "magic 0x%08x version %u size %llu, expected 0x%08x version %u size %u", magic, version,
+                 (unsigned long long)r->header.size, ALNAIR_REGION_MAGIC, ALNAIR_REGION_VERSION, ALNAIR_REGION_SIZE);
+        munmap(m, ALNAIR_REGION_SIZE);
+        return NULL;
+    }
+    return r;
+}
+
+static struct alnair_region *private_region(uint64_t memory_limit, uint32_t compute_limit)
+{
+    void *m = mmap(NULL, ALNAIR_REGION_SIZE, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (m == MAP_FAILED)
+        return NULL;
+    struct alnair_region *r = m;
+    r->header.magic = ALNAIR_REGION_MAGIC;
+    r->header.version = ALNAIR_REGION_VERSION;
+    r->header.size = ALNAIR_REGION_SIZE;
+    r->header.slot_count = ALNAIR_REGION_MAX_SLOTS;
+    r->header.slot_size = ALNAIR_REGION_SLOT_SIZE;
+    r->agent.memory_limit = memory_limit;
+    r->agent.compute_limit = compute_limit;
+    /* the shim runs its own grant line: it extrapolates by itself, nothing needs to tick */
+    r->agent.tokens_granted = 0;
+    r->agent.granted_at_ns = alnair_now_ns();
+    r->agent.token_rate = (uint64_t)compute_limit * ALNAIR_NS_PER_PERCENT;
+    return r;
+}
+
+void alnair_region_setup(void)
+{
+    uint64_t ctx = 0;
+    if (env_u64("ALNAIR_CONTEXT_BYTES", UINT64_MAX, &ctx) == 1)
+        alnair_context_bytes = ctx;
+
+    const char *explicit_path = getenv("ALNAIR_REGION");
+    const char *path = explicit_path && *explicit_path ? explicit_path : "/run/alnair/region";
+    char why[256];
+    int missing = 0;
+    struct alnair_region *r = open_shared(path, why, sizeof why, &missing);
+    if (r != NULL) {
+        alnair_region = r;
+        alnair_region_shared = 1;
+        return;
+    }
+    int mem_set = getenv("ALNAIR_MEMORY_LIMIT") != NULL, comp_set = getenv("ALNAIR_COMPUTE_LIMIT") != NULL;
+    if (missing && explicit_path == NULL && !mem_set && !comp_set)
+        return; /* not in an Alnair container at all: no limits, no noise */
+
+    uint64_t mem = 0, comp = 0;
+    if (env_u64("ALNAIR_MEMORY_LIMIT", UINT64_MAX, &mem) != 1)
+        mem = 0;
+    if (env_u64("ALNAIR_COMPUTE_LIMIT", 100, &comp) != 1)
+        comp = 0;
+    if (comp >= 100)
+        comp = 0;
+    if (mem == 0 && comp == 0) {
+        alnair_warn("alnair: region %s refused (%s) and no ALNAIR_MEMORY_LIMIT / ALNAIR_COMPUTE_LIMIT: no limits "
+                    "enforced", path, why);
+        return;
+    }
+    alnair_region = private_region(mem, (uint32_t)comp);
+    alnair_region_shared = 0;
+    alnair_warn("alnair: region %s refused (%s); enforcing ALNAIR_MEMORY_LIMIT=%llu bytes and "
+                "ALNAIR_COMPUTE_LIMIT=%llu%% for this process alone",
+                path, why, (unsigned long long)mem, (unsigned long long)comp);
+}
+
+/* ---- slots ------------------------------------------------------------------------------------------------ */
+static int owner_dead(int32_t pid, uint64_t start_time)
+{
+    pid_t p = pid < 0 ? -pid : pid;
+    if (p <= 0)
+        return 0;
+    if (kill(p, 0) != 0 && errno == ESRCH)
+        return 1;
+    char state = 0;
+    uint64_t now_start = read_start_time(p, &state);
+    if (state == 'Z' || state == 'X')
+        return 1;
+    /* a pid reused by another process; only for settled slots (a negative pid is still being set up) */
+    return pid > 0 && start_time != 0 && now_start != 0 && now_start != start_time;
+}
+
+static int reclaim(struct alnair_region_slot *s, int32_t seen)
+{
+    int32_t mine = -(int32_t)getpid();
+    if (!__atomic_compare_exchange_n(&s->pid, &seen, mine, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
+        return 0;
+    RSTORE(s->memory_used, 0);
+    RSTORE(s->pid, 0);
+    return 1;
+}
+
+int alnair_reclaim_dead_slots(void)
+{
+    struct alnair_region *r = alnair_region;
+    if (r == NULL || !alnair_region_shared)
+        return 0;
+    int32_t me = (int32_t)getpid(), n = 0;
+    for (unsigned i = 0; i < ALNAIR_REGION_MAX_SLOTS; i++) {
+        struct alnair_region_slot *s = &r->slots[i];
+        int32_t pid = RLOAD(s->pid);
+        if (pid == 0 || pid == me || pid == -me)
+            continue;
+        if (owner_dead(pid, RLOAD(s->start_time)))
+            n += reclaim(s, pid);
+    }
+    return n;
+}
+
+struct alnair_region_slot *alnair_slot_slow(void)
+{
+    struct alnair_region *r = alnair_region;
+    if (r == NULL)
+        return NULL;
+    pthread_mutex_lock(&claim_mu);
+    struct alnair_region_slot *mine = atomic_load(&alnair_my_slot);
+    if (mine == NULL) {
+        int32_t me = (int32_t)getpid();
+        uint64_t start = read_start_time(me, NULL);
+        if (!alnair_region_shared) {
+            mine = &r->slots[0];
+            mine->pid = me;
+            mine->start_time = start;
+        } else {
+            for (unsigned i = 0; i < ALNAIR_REGION_MAX_SLOTS; i++) { /* our own image before exec */
+                int32_t pid = RLOAD(r->slots[i].pid);
+                if (pid == me || pid == -me)
+                    reclaim(&r->slots[i], pid);
+            }
+            alnair_reclaim_dead_slots();
+            for (unsigned i = 0; i < ALNAIR_REGION_MAX_SLOTS && mine == NULL; i++) {
+                struct alnair_region_slot *s = &r->slots[i];
+                int32_t zero = 0;
+                if (!__atomic_compare_exchange_n(&s->pid, &zero, -me, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
+                    continue;
+                RSTORE(s->start_time, start);
+                RSTORE(s->memory_used, 0);
+                RSTORE(s->pid, me);
+                mine = s;
+            }
+            if (mine == NULL) {
+                if (!overflow_warned)
+                    alnair_warn("alnair: all %u region slots are taken; this process's memory is counted by it alone",
+                                ALNAIR_REGION_MAX_SLOTS);
+                overflow_warned = 1;
+                mine = &overflow_slot;
+            }
+        }
+        atomic_store(&alnair_my_slot, mine);
+    }
+    pthread_mutex_unlock(&claim_mu);
+    return mine;
+}
+
+void alnair_region_after_fork_child(void)
+{
+    pthread_mutex_init(&claim_mu, NULL);
+    struct alnair_region_slot *old = atomic_load(&alnair_my_slot);
+    atomic_store(&alnair_my_slot, NULL); /* the child claims its own slot on first use */
+    if (alnair_region != NULL && !alnair_region_shared && old != NULL) {
+        old->memory_used = 0; /* private copy: the parent's device memory is not the child's */
+    }
+    memset(&overflow_slot, 0, sizeof overflow_slot);
+}
+
+/* ---- sums and the grant line ------------------------------------------------------------------------------ */
+static inline uint64_t sat_add(uint64_t a, uint64_t b)
+{
+    uint64_t c;
+    return __builtin_add_overflow(a, b, &c) ? UINT64_MAX : c;
+}
+
+uint64_t alnair_memory_used_all(void)
+{
+    struct alnair_region *r = alnair_region;
+    uint64_t sum = 0;
+    if (r == NULL)
+        return 0;
+    for (unsigned i = 0; i < ALNAIR_REGION_MAX_SLOTS; i++)
+        sum = sat_add(sum, RLOAD(r->slots[i].memory_used));
+    if (atomic_load_explicit(&alnair_my_slot, memory_order_relaxed) == &overflow_slot)
+        sum = sat_add(sum, RLOAD(overflow_slot.memory_used));
+    return sum;
+}
+
+uint64_t alnair_token_rate(void)
+{
+    struct alnair_region *r = alnair_region;
+    return r ? RLOAD(r->agent.token_rate) : 0;
+}
+
+int64_t alnair_tokens_available(uint64_t now)
+{
+    struct alnair_region *r = alnair_region;
+    uint64_t tokens, at, rate;
+    for (unsigned spins = 0;; spins++) {
+        uint32_t s1 = RLOAD(r->agent.grant_seq);
+        tokens = RLOAD(r->agent.tokens_granted);
+        at = RLOAD(r->agent.granted_at_ns);
+        rate = RLOAD(r->agent.token_rate);
+        uint32_t s2 = RLOAD(r->agent.grant_seq);
+        if (s1 == s2 && !(s1 & 1))
+            break;
+        if (spins > 64)
+            alnair_sleep_ns(1000); /* the agent is mid-write (or died there): never spin a core */
+    }
+    unsigned __int128 grown = now > at ? (unsigned __int128)rate * (now - at) / 1000000000u : 0;
+    unsigned __int128 granted = (unsigned __int128)tokens + grown;
+    unsigned __int128 used = 0;
+    for (unsigned i = 0; i < ALNAIR_REGION_MAX_SLOTS; i++)
+        used += (unsigned __int128)RLOAD(r->slots[i].tokens_taken) + RLOAD(r->slots[i].tokens_forfeited);
+    __int128 d = (__int128)granted - (__int128)used;
+    if (d > INT64_MAX)
+        return INT64_MAX;
+    if (d < INT64_MIN)
+        return INT64_MIN;
+    return (int64_t)d;
+}

@@ -1,0 +1,417 @@
+/* simapp: a CUDA driver-API program for the shim tests. It reaches the driver one of three ways, chosen by the
+ * first argument `route=direct|dlsym|gpa` (direct: linked symbols; dlsym: dlopen + dlsym on the libcuda handle;
+ * gpa: cuGetProcAddress_v2 with `ver=N` and, with `pt=1`, the per-thread default stream flag), then runs the
+ * operations given as arguments and prints one line per operation. See the tests for the vocabulary. */
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "cuda_abi.h"
+
+/* prototypes of the simulated driver's exports this program links against */
+#define KP CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, CUstream
+CUresult cuInit(unsigned);
+CUresult cuGetProcAddress_v2(const char *, void **, int, cuuint64_t, CUdriverProcAddressQueryResult *);
+CUresult cuDevicePrimaryCtxRetain(CUcontext *, CUdevice);
+CUresult cuDevicePrimaryCtxRelease_v2(CUdevice);
+CUresult cuCtxSetCurrent(CUcontext);
+CUresult cuCtxCreate_v2(CUcontext *, unsigned, CUdevice);
+CUresult cuCtxDestroy_v2(CUcontext);
+CUresult cuMemAlloc_v2(CUdeviceptr *, size_t);
+CUresult cuMemFree_v2(CUdeviceptr);
+CUresult cuMemAllocManaged(CUdeviceptr *, size_t, unsigned);
+CUresult cuMemAllocPitch_v2(CUdeviceptr *, size_t *, size_t, size_t, unsigned);
+CUresult cuMemAllocAsync(CUdeviceptr *, size_t, CUstream);
+CUresult cuMemAllocAsync_ptsz(CUdeviceptr *, size_t, CUstream);
+CUresult cuMemAllocFromPoolAsync(CUdeviceptr *, size_t, CUmemoryPool, CUstream);
+CUresult cuMemAllocFromPoolAsync_ptsz(CUdeviceptr *, size_t, CUmemoryPool, CUstream);
+CUresult cuMemFreeAsync(CUdeviceptr, CUstream);
+CUresult cuMemFreeAsync_ptsz(CUdeviceptr, CUstream);
+CUresult cuMemCreate(CUmemGenericAllocationHandle *, size_t, const CUmemAllocationProp *, unsigned long long);
+CUresult cuMemRelease(CUmemGenericAllocationHandle);
+CUresult cuArrayCreate_v2(CUarray *, const CUDA_ARRAY_DESCRIPTOR *);
+CUresult cuArray3DCreate_v2(CUarray *, const CUDA_ARRAY3D_DESCRIPTOR *);
+CUresult cuArrayDestroy(CUarray);
+CUresult cuMipmappedArrayCreate(CUmipmappedArray *, const CUDA_ARRAY3D_DESCRIPTOR *, unsigned);
+CUresult cuMipmappedArrayDestroy(CUmipmappedArray);
+CUresult cuMemGetInfo_v2(size_t *, size_t *);
+CUresult cuDeviceTotalMem_v2(size_t *, CUdevice);
+CUresult cuModuleGetFunction(CUfunction *, void *, const char *);
+CUresult cuLaunchKernel(KP, void **, void **);
+CUresult cuLaunchKernel_ptsz(KP, void **, void **);
+CUresult cuLaunchKernelEx(const CUlaunchConfig *, CUfunction, void **, void **);
+CUresult cuLaunchKernelEx_ptsz(const CUlaunchConfig *, CUfunction, void **, void **);
+CUresult cuLaunchCooperativeKernel(KP, void **);
+CUresult cuLaunchCooperativeKernel_ptsz(KP, void **);
+CUresult cuGraphLaunch(CUgraphExec, CUstream);
+CUresult cuGraphLaunch_ptsz(CUgraphExec, CUstream);
+CUresult cuStreamBeginCapture_v2(CUstream, CUstreamCaptureMode);
+CUresult cuStreamBeginCapture_v2_ptsz(CUstream, CUstreamCaptureMode);
+CUresult cuStreamEndCapture(CUstream, CUgraph *);
+CUresult cuStreamEndCapture_ptsz(CUstream, CUgraph *);
+CUresult cuGraphInstantiateWithFlags(CUgraphExec *, CUgraph, unsigned long long);
+CUresult cuStreamSynchronize(CUstream);
+CUresult cuStreamSynchronize_ptsz(CUstream);
+CUresult cuStreamCreate(CUstream *, unsigned);
+
+/* X(field, type, plain symbol, per-thread symbol, base name for cuGetProcAddress) */
+#define APIS(X)                                                                                                  \
+    X(Init, CUresult (*)(unsigned), cuInit, cuInit, "cuInit")                                                  \
+    X(PrimaryRetain, CUresult (*)(CUcontext *, CUdevice), cuDevicePrimaryCtxRetain, cuDevicePrimaryCtxRetain,   \
+      "cuDevicePrimaryCtxRetain")                                                                                \
+    X(PrimaryRelease, CUresult (*)(CUdevice), cuDevicePrimaryCtxRelease_v2, cuDevicePrimaryCtxRelease_v2,       \
+      "cuDevicePrimaryCtxRelease")                                                                               \
+    X(SetCurrent, CUresult (*)(CUcontext), cuCtxSetCurrent, cuCtxSetCurrent, "cuCtxSetCurrent")                 \
+    X(CtxCreate, void *, cuCtxCreate_v2, cuCtxCreate_v2, "cuCtxCreate")                                         \
+    X(CtxDestroy, CUresult (*)(CUcontext), cuCtxDestroy_v2, cuCtxDestroy_v2, "cuCtxDestroy")                    \
+    X(MemAlloc, CUresult (*)(CUdeviceptr *, size_t), cuMemAlloc_v2, cuMemAlloc_v2, "cuMemAlloc")                \
+    X(MemFree, CUresult (*)(CUdeviceptr), cuMemFree_v2, cuMemFree_v2, "cuMemFree")                              \
+    X(Managed, CUresult (*)(CUdeviceptr *, size_t, unsigned), cuMemAllocManaged, cuMemAllocManaged,             \
+      "cuMemAllocManaged")                                                                                       \
+    X(Pitch, CUresult (*)(CUdeviceptr *, size_t *, size_t, size_t, unsigned), cuMemAllocPitch_v2,               \
+      cuMemAllocPitch_v2, "cuMemAllocPitch")                                                                     \
+    X(AllocAsync, CUresult (*)(CUdeviceptr *, size_t, CUstream), cuMemAllocAsync, cuMemAllocAsync_ptsz,         \
+      "cuMemAllocAsync")                                                                                         \
+    X(AllocPool, CUresult (*)(CUdeviceptr *, size_t, CUmemoryPool, CUstream), cuMemAllocFromPoolAsync,          \
+      cuMemAllocFromPoolAsync_ptsz, "cuMemAllocFromPoolAsync")                                                   \
+    X(FreeAsync, CUresult (*)(CUdeviceptr, CUstream), cuMemFreeAsync, cuMemFreeAsync_ptsz, "cuMemFreeAsync")    \
+    X(MemCreate, CUresult (*)(CUmemGenericAllocationHandle *, size_t, const CUmemAllocationProp *,              \
+                              unsigned long long),                                                               \
+      cuMemCreate, cuMemCreate, "cuMemCreate")                                                                   \
+    X(MemRelease, CUresult (*)(CUmemGenericAllocationHandle), cuMemRelease, cuMemRelease, "cuMemRelease")       \
+    X(ArrayCreate, CUresult (*)(CUarray *, const CUDA_ARRAY_DESCRIPTOR *), cuArrayCreate_v2, cuArrayCreate_v2,  \
+      "cuArrayCreate")                                                                                           \
+    X(Array3DCreate, CUresult (*)(CUarray *, const CUDA_ARRAY3D_DESCRIPTOR *), cuArray3DCreate_v2,              \
+      cuArray3DCreate_v2, "cuArray3DCreate")                                                                     \
+    X(ArrayDestroy, CUresult (*)(CUarray), cuArrayDestroy, cuArrayDestroy, "cuArrayDestroy")                    \
+    X(MipCreate, CUresult (*)(CUmipmappedArray *, const CUDA_ARRAY3D_DESCRIPTOR *, unsigned),                  \
+      cuMipmappedArrayCreate, cuMipmappedArrayCreate, "cuMipmappedArrayCreate")                                  \
+    X(MipDestroy, CUresult (*)(CUmipmappedArray), cuMipmappedArrayDestroy, cuMipmappedArrayDestroy,             \
+      "cuMipmappedArrayDestroy")                                                                                 \
+    X(MemGetInfo, CUresult (*)(size_t *, size_t *), cuMemGetInfo_v2, cuMemGetInfo_v2, "cuMemGetInfo")           \
+    X(TotalMem, CUresult (*)(size_t *, CUdevice), cuDeviceTotalMem_v2, cuDeviceTotalMem_v2, "cuDeviceTotalMem") \
+    X(GetFunction, CUresult (*)(CUfunction *, void *, const char *), cuModuleGetFunction, cuModuleGetFunction,  \
+      "cuModuleGetFunction")                                                                                     \
+    X(Launch, CUresult (*)(KP, void **, void **), cuLaunchKernel, cuLaunchKernel_ptsz, "cuLaunchKernel")        \
+    X(LaunchEx, CUresult (*)(const CUlaunchConfig *, CUfunction, void **, void **), cuLaunchKernelEx,           \
+      cuLaunchKernelEx_ptsz, "cuLaunchKernelEx")                                                                 \
+    X(Coop, CUresult (*)(KP, void **), cuLaunchCooperativeKernel, cuLaunchCooperativeKernel_ptsz,               \
+      "cuLaunchCooperativeKernel")                                                                               \
+    X(GraphLaunch, CUresult (*)(CUgraphExec, CUstream), cuGraphLaunch, cuGraphLaunch_ptsz, "cuGraphLaunch")     \
+    X(BeginCapture, CUresult (*)(CUstream, CUstreamCaptureMode), cuStreamBeginCapture_v2,                       \
+      cuStreamBeginCapture_v2_ptsz, "cuStreamBeginCapture")                                                      \
+    X(EndCapture, CUresult (*)(CUstream, CUgraph *), cuStreamEndCapture, cuStreamEndCapture_ptsz,               \
+      "cuStreamEndCapture")                                                                                      \
+    X(Instantiate, CUresult (*)(CUgraphExec *, CUgraph, unsigned long long), cuGraphInstantiateWithFlags,       \
+      cuGraphInstantiateWithFlags, "cuGraphInstantiateWithFlags")                                                \
+    X(StreamSync, CUresult (*)(CUstream), cuStreamSynchronize, cuStreamSynchronize_ptsz, "cuStreamSynchronize") \
+    X(StreamCreate, CUresult (*)(CUstream *, unsigned), cuStreamCreate, cuStreamCreate, "cuStreamCreate")
+
+static struct {
+#define FIELD(f, t, plain, ptv, base) __typeof__(t) f;
+    APIS(FIELD)
+#undef FIELD
+} api;
+
+static int route_dlsym, route_gpa, per_thread, version = 12000;
+
+static void *resolve(const char *plain, const char *ptv, const char *base, void *direct_plain, void *direct_pt)
+{
+    static void *h;
+    if (!route_dlsym && !route_gpa)
+        return per_thread ? direct_pt : direct_plain;
+    if (h == NULL)
+        h = dlopen("libcuda.so.1", RTLD_NOW);
+    if (h == NULL) {
+        fprintf(stderr, "dlopen libcuda.so.1: %s\n", dlerror());
+        exit(2);
+    }
+    if (route_dlsym)
+        return dlsym(h, per_thread ? ptv : plain);
+    static CUresult (*gpa)(const char *, void **, int, cuuint64_t, CUdriverProcAddressQueryResult *);
+    if (gpa == NULL)
+        gpa = (__typeof__(gpa))dlsym(h, "cuGetProcAddress_v2");
+    void *p = NULL;
+    CUdriverProcAddressQueryResult st = 0;
+    gpa(base, &p, version, per_thread ? CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM : 0, &st);
+    return p;
+}
+
+static uint64_t mono(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+static uint64_t cpu(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+enum kind { DEV, ASYNC, HANDLE, ARRAY, MIP, CTX };
+struct held { enum kind k; uint64_t v; };
+static struct held held[4096];
+static int nheld;
+static CUfunction kfn;
+static CUcontext ctx;
+
+static void hold(enum kind k, uint64_t v) { if (nheld < 4096) held[nheld++] = (struct held){k, v}; }
+
+static CUresult release(struct held h)
+{
+    switch (h.k) {
+    case DEV: return api.MemFree(h.v);
+    case ASYNC: return api.FreeAsync(h.v, NULL);
+    case HANDLE: return api.MemRelease(h.v);
+    case ARRAY: return api.ArrayDestroy((CUarray)(uintptr_t)h.v);
+    case MIP: return api.MipDestroy((CUmipmappedArray)(uintptr_t)h.v);
+    case CTX: return api.CtxDestroy((CUcontext)(uintptr_t)h.v);
+    }
+    return -1;
+}
+
+static CUresult launch(const char *how, uint64_t dur, CUstream s)
+{
+    void *params[] = {&dur};
+    if (!strcmp(how, "launch"))
+        return api.Launch(kfn, 1, 1, 1, 1, 1, 1, 0, s, params, NULL);
+    if (!strcmp(how, "coop"))
+        return api.Coop(kfn, 1, 1, 1, 1, 1, 1, 0, s, params);
+    CUlaunchConfig c = {1, 1, 1, 1, 1, 1, 0, s, NULL, 0};
+    return api.LaunchEx(&c, kfn, params, NULL);
+}
+
+static void do_init(void)
+{
+    CUcontext c;
+    CUresult rc = api.Init(0);
+    CUresult rc2 = api.PrimaryRetain(&c, 0);
+    if (rc2 == CUDA_SUCCESS)
+        api.SetCurrent(c);
+    api.GetFunction(&kfn, (void *)1, "sleep_kernel");
+    printf("init rc=%d retain=%d\n", rc, rc2);
+}
+
+static void run_ops(int argc, char **argv, int start);
+
+static void run_op(const char *op, int argc, char **argv, int i)
+{
+    unsigned long long a = 0, b = 0, c = 0;
+    CUresult rc;
+    if (!strcmp(op, "init")) {
+        do_init();
+    } else if (!strcmp(op, "ctx")) {
+        CUcontext x = NULL;
+        if (!route_gpa || version < 11040)
+            rc = ((CUresult(*)(CUcontext *, unsigned, CUdevice))api.CtxCreate)(&x, 0, 0);
+        else if (version < 12050)
+            rc = ((CUresult(*)(CUcontext *, void *, int, unsigned, CUdevice))api.CtxCreate)(&x, NULL, 0, 0, 0);
+        else
+            rc = ((CUresult(*)(CUcontext *, void *, unsigned, CUdevice))api.CtxCreate)(&x, NULL, 0, 0);
+        if (rc == CUDA_SUCCESS)
+            hold(CTX, (uintptr_t)x);
+        ctx = x;
+        printf("ctx rc=%d\n", rc);
+    } else if (sscanf(op, "alloc:%llu", &a) == 1) {
+        CUdeviceptr p = 0;
+        rc = api.MemAlloc(&p, a);
+        if (rc == CUDA_SUCCESS)
+            hold(DEV, p);
+        printf("alloc %llu rc=%d ptr=0x%llx\n", a, rc, (unsigned long long)p);
+    } else if (sscanf(op, "managed:%llu", &a) == 1) {
+        CUdeviceptr p = 0;
+        rc = api.Managed(&p, a, 1);
+        if (rc == CUDA_SUCCESS)
+            hold(DEV, p);
+        printf("managed %llu rc=%d ptr=0x%llx\n", a, rc, (unsigned long long)p);
+    } else if (sscanf(op, "async:%llu", &a) == 1) {
+        CUdeviceptr p = 0;
+        rc = api.AllocAsync(&p, a, NULL);
+        if (rc == CUDA_SUCCESS)
+            hold(ASYNC, p);
+        printf("async %llu rc=%d ptr=0x%llx\n", a, rc, (unsigned long long)p);
+    } else if (sscanf(op, "pool:%llu", &a) == 1) {
+        CUdeviceptr p = 0;
+        rc = api.AllocPool(&p, a, NULL, NULL);
+        if (rc == CUDA_SUCCESS)
+            hold(ASYNC, p);
+        printf("pool %llu rc=%d ptr=0x%llx\n", a, rc, (unsigned long long)p);
+    } else if (sscanf(op, "pitch:%llu:%llu", &a, &b) == 2) {
+        CUdeviceptr p = 0;
+        size_t pitch = 0;
+        rc = api.Pitch(&p, &pitch, a, b, 4);
+        if (rc == CUDA_SUCCESS)
+            hold(DEV, p);
+        printf("pitch %llux%llu rc=%d pitch=%zu\n", a, b, rc, pitch);
+    } else if (sscanf(op, "vmm:%llu", &a) == 1) {
+        CUmemGenericAllocationHandle h = 0;
+        rc = api.MemCreate(&h, a, NULL, 0);
+        if (rc == CUDA_SUCCESS)
+            hold(HANDLE, h);
+        printf("vmm %llu rc=%d\n", a, rc);
+    } else if (sscanf(op, "array:%llu:%llu", &a, &b) == 2) {
+        CUDA_ARRAY_DESCRIPTOR d = {a, b, 0x20, 4};
+        CUarray x = NULL;
+        rc = api.ArrayCreate(&x, &d);
+        if (rc == CUDA_SUCCESS)
+            hold(ARRAY, (uintptr_t)x);
+        printf("array %llux%llu rc=%d\n", a, b, rc);
+    } else if (sscanf(op, "array3d:%llu:%llu:%llu", &a, &b, &c) == 3) {
+        CUDA_ARRAY3D_DESCRIPTOR d = {a, b, c, 0x20, 4, 0};
+        CUarray x = NULL;
+        rc = api.Array3DCreate(&x, &d);
+        if (rc == CUDA_SUCCESS)
+            hold(ARRAY, (uintptr_t)x);
+        printf("array3d %llux%llux%llu rc=%d\n", a, b, c, rc);
+    } else if (sscanf(op, "mipmap:%llu:%llu:%llu", &a, &b, &c) == 3) {
+        CUDA_ARRAY3D_DESCRIPTOR d = {a, b, 0, 0x20, 4, 0};
+        CUmipmappedArray x = NULL;
+        rc = api.MipCreate(&x, &d, (unsigned)c);
+        if (rc == CUDA_SUCCESS)
+            hold(MIP, (uintptr_t)x);
+        printf("mipmap %llux%llu/%llu rc=%d\n", a, b, c, rc);
+    } else if (!strcmp(op, "free")) {
+        rc = nheld ? release(held[--nheld]) : -1;
+        printf("free rc=%d\n", rc);
+    } else if (!strcmp(op, "freeall")) {
+        int bad = 0;
+        while (nheld)
+            bad += release(held[--nheld]) != CUDA_SUCCESS;
+        printf("freeall bad=%d\n", bad);
+    } else if (!strcmp(op, "info")) {
+        size_t f = 0, t = 0;
+        rc = api.MemGetInfo(&f, &t);
+        printf("info rc=%d free=%zu total=%zu\n", rc, f, t);
+    } else if (!strcmp(op, "totalmem")) {
+        size_t t = 0;
+        rc = api.TotalMem(&t, 0);
+        printf("totalmem rc=%d total=%zu\n", rc, t);
+    } else if (!strcmp(op, "nvml")) {
+        void *h = dlopen("libnvidia-ml.so.1", RTLD_NOW);
+        nvmlReturn_t (*v1)(nvmlDevice_t, nvmlMemory_t *) = h ? dlsym(h, "nvmlDeviceGetMemoryInfo") : NULL;
+        nvmlReturn_t (*v2)(nvmlDevice_t, nvmlMemory_v2_t *) = h ? dlsym(h, "nvmlDeviceGetMemoryInfo_v2") : NULL;
+        nvmlMemory_t m1 = {0};
+        nvmlMemory_v2_t m2 = {0};
+        int r1 = v1 ? v1((nvmlDevice_t)0x10, &m1) : -1, r2 = v2 ? v2((nvmlDevice_t)0x10, &m2) : -1;
+        printf("nvml rc=%d total=%llu free=%llu used=%llu v2rc=%d total=%llu free=%llu used=%llu\n", r1, m1.total,
+               m1.free, m1.used, r2, m2.total, m2.free, m2.used);
+    } else if (sscanf(op, "launch:%llu:%llu", &a, &b) == 2 || sscanf(op, "launchex:%llu:%llu", &a, &b) == 2 ||
+               sscanf(op, "coop:%llu:%llu", &a, &b) == 2) {
+        char how[16];
+        sscanf(op, "%15[a-z]", how);
+        int bad = 0;
+        for (unsigned long long k = 0; k < a; k++)
+            bad += launch(how, b, NULL) != CUDA_SUCCESS;
+        printf("%s %llu bad=%d\n", how, a, bad);
+    } else if (sscanf(op, "graph:%llu:%llu", &a, &b) == 2) {
+        CUstream s;
+        CUgraph g = NULL;
+        CUgraphExec e = NULL;
+        api.StreamCreate(&s, 0);
+        CUresult r1 = api.BeginCapture(s, 0);
+        CUresult r2 = launch("launch", b, s);
+        CUresult r3 = api.EndCapture(s, &g);
+        CUresult r4 = api.Instantiate(&e, g, 0);
+        int bad = 0;
+        for (unsigned long long k = 0; k < a; k++)
+            bad += api.GraphLaunch(e, NULL) != CUDA_SUCCESS;
+        printf("graph %llu rc=%d,%d,%d,%d bad=%d\n", a, r1, r2, r3, r4, bad);
+    } else if (!strcmp(op, "sync")) {
+        printf("sync rc=%d\n", api.StreamSync(NULL));
+    } else if (sscanf(op, "run:%llu:%llu", &a, &b) == 2) {
+        /* launch kernels of b ns back to back for a ms of wall time, then wait for the GPU */
+        uint64_t t0 = mono(), c0 = cpu(), n = 0;
+        while (mono() - t0 < a * 1000000ull) {
+            launch("launch", b, NULL);
+            n++;
+        }
+        api.StreamSync(NULL);
+        uint64_t wall = mono() - t0, used = cpu() - c0;
+        printf("run launches=%llu gpu_ns=%llu wall_ns=%llu cpu_ns=%llu\n", (unsigned long long)n,
+               (unsigned long long)(n * b), (unsigned long long)wall, (unsigned long long)used);
+    } else if (sscanf(op, "sleep:%llu", &a) == 1) {
+        usleep((useconds_t)(a * 1000));
+    } else if (!strcmp(op, "hold")) {
+        printf("holding\n");
+        fflush(stdout);
+        char line[16];
+        if (fgets(line, sizeof line, stdin) == NULL) {
+        }
+    } else if (!strcmp(op, "fork") || !strcmp(op, "spawn")) {
+        fflush(stdout);
+        pid_t pid = fork();
+        if (pid == 0) {
+            if (!strcmp(op, "spawn")) {
+                char **args = calloc((size_t)argc + 2, sizeof *args);
+                int n = 0;
+                args[n++] = argv[0];
+                args[n++] = argv[1]; /* the route */
+                for (int k = i + 1; k < argc; k++)
+                    args[n++] = argv[k];
+                execv("/proc/self/exe", args);
+                _exit(127);
+            }
+            run_ops(argc, argv, i + 1);
+            fflush(stdout);
+            _exit(0);
+        }
+        int st = 0;
+        waitpid(pid, &st, 0);
+        printf("%s child=%d status=%d\n", op, pid, st);
+        fflush(stdout);
+        exit(0);
+    } else if (!strcmp(op, "hooks")) {
+        int (*count)(void) = dlsym(RTLD_DEFAULT, "alnair_hook_count");
+        const char *(*name)(int) = dlsym(RTLD_DEFAULT, "alnair_hook_name");
+        void *(*real)(int) = dlsym(RTLD_DEFAULT, "alnair_hook_real");
+        void *(*addr)(int) = dlsym(RTLD_DEFAULT, "alnair_hook_address");
+        void *h = dlopen("libcuda.so.1", RTLD_NOW);
+        for (int k = 0; count && k < count(); k++) {
+            void *viadl = h ? dlsym(h, name(k)) : NULL; /* the wrapped dlsym: our hook, or real when unlimited */
+            printf("hook %s real=%d exported=%d dlsym_is_hook=%d\n", name(k), real(k) != NULL,
+                   dlsym(RTLD_DEFAULT, name(k)) == addr(k), viadl == addr(k));
+        }
+    } else if (!strcmp(op, "pid")) {
+        printf("pid %d\n", getpid());
+    } else if (route_dlsym || route_gpa || !strcmp(op, "")) {
+        printf("unknown %s\n", op);
+    } else {
+        printf("unknown %s\n", op);
+    }
+    fflush(stdout);
+}
+
+static void run_ops(int argc, char **argv, int start)
+{
+    for (int i = start; i < argc; i++) {
+        run_op(argv[i], argc, argv, i);
+    }
+}
+
+int main(int argc, char **argv)
+{
+    int i = 1;
+    for (; i < argc && strchr(argv[i], '='); i++) {
+        if (!strcmp(argv[i], "route=dlsym"))
+            route_dlsym = 1;
+        else if (!strcmp(argv[i], "route=gpa"))
+            route_gpa = 1;
+        else if (!strcmp(argv[i], "pt=1"))
+            per_thread = 1;
+        else if (!strncmp(argv[i], "ver=", 4))
+            version = atoi(argv[i] + 4);
+    }
+#define RESOLVE(f, t, plain, ptv, base) api.f = (t)resolve(#plain, #ptv, base, (void *)&plain, (void *)&ptv);
+    APIS(RESOLVE)
+#undef RESOLVE
+    setvbuf(stdout, NULL, _IOLBF, 0);
+    run_ops(argc, argv, i);
+    return 0;
+}

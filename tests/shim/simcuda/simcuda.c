@@ -1,0 +1,522 @@
+/* simcuda: a simulated CUDA driver (libcuda.so.1) for testing the Alnair shim on machines without a GPU.
+ *
+ * - Device memory of SIMCUDA_MEMORY_BYTES (default 80 GiB), counted per process; allocations return fake,
+ *   deterministic addresses (no host memory behind them).
+ * - Kernels take GPU time: a launch's duration is *(uint64_t *)kernelParams[0] ns when given, else gridDimX us.
+ *   Each stream is a timeline in real (CLOCK_MONOTONIC) time: a launch starts when the stream is free and ends
+ *   `duration` later; events, queries and synchronize follow that timeline, so GPU busy time is measurable.
+ *   A stream holds at most 1024 launches in flight; the 1025th blocks (sleeps) like the real driver's queue.
+ * - Stream capture records launches into a graph; a graph launch runs their summed duration.
+ * - cuGetProcAddress(_v2) maps (symbol, cudaVersion, per-thread flag) to variants like the real driver does,
+ *   from its own table (never through dlsym).
+ * - SIMCUDA_STATS=path: at exit, "name count" lines: calls per entry point, busy_ns, peak memory.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "cuda_abi.h"
+
+#define API __attribute__((visibility("default")))
+
+/* ---- call counters ---------------------------------------------------------------------------------------- */
+#define MAXNAMES 160
+static const char *cnames[MAXNAMES];
+static _Atomic unsigned long long ccount[MAXNAMES];
+static pthread_mutex_t cmu = PTHREAD_MUTEX_INITIALIZER;
+static _Atomic unsigned long long busy_ns, peak_mem;
+
+static void count_call(const char *name)
+{
+    for (int i = 0; i < MAXNAMES; i++) {
+        const char *n = __atomic_load_n(&cnames[i], __ATOMIC_ACQUIRE);
+        if (n == name) {
+            ccount[i]++;
+            return;
+        }
+        if (n == NULL) {
+            pthread_mutex_lock(&cmu);
+            if (cnames[i] == NULL)
+                __atomic_store_n(&cnames[i], name, __ATOMIC_RELEASE);
+            pthread_mutex_unlock(&cmu);
+            if (cnames[i] == name) {
+                ccount[i]++;
+                return;
+            }
+        }
+    }
+}
+#define CALLED() count_call(__func__)
+
+static uint64_t now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+static void sleep_until(uint64_t t)
+{
+    for (uint64_t n = now_ns(); n < t; n = now_ns()) {
+        uint64_t d = t - n;
+        struct timespec ts = {.tv_sec = (time_t)(d / 1000000000ull), .tv_nsec = (long)(d % 1000000000ull)};
+        nanosleep(&ts, NULL);
+    }
+}
+
+static void write_stats(void)
+{
+    const char *path = getenv("SIMCUDA_STATS");
+    if (path == NULL)
+        return;
+    FILE *f = fopen(path, "w");
+    if (f == NULL)
+        return;
+    for (int i = 0; i < MAXNAMES && cnames[i]; i++)
+        fprintf(f, "%s %llu\n", cnames[i], (unsigned long long)ccount[i]);
+    fprintf(f, "busy_ns %llu\npeak_mem %llu\n", (unsigned long long)busy_ns, (unsigned long long)peak_mem);
+    fclose(f);
+}
+
+__attribute__((constructor)) static void sim_init(void)
+{
+    atexit(write_stats);
+}
+
+/* ---- memory ----------------------------------------------------------------------------------------------- */
+static pthread_mutex_t mmu = PTHREAD_MUTEX_INITIALIZER;
+struct alloc {
+    uint64_t key, size;
+};
+static struct alloc *allocs;
+static size_t nallocs, capallocs;
+static uint64_t mem_used, next_addr = 0x7f0000000000ull, next_handle = 1;
+
+static uint64_t mem_total(void)
+{
+    const char *s = getenv("SIMCUDA_MEMORY_BYTES");
+    return s ? strtoull(s, NULL, 10) : 80ull << 30;
+}
+
+static CUresult sim_alloc(unsigned long long *key, uint64_t size, int handle)
+{
+    if (key == NULL || size == 0)
+        return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&mmu);
+    if (size > mem_total() - mem_used) {
+        pthread_mutex_unlock(&mmu);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    if (nallocs == capallocs) {
+        capallocs = capallocs ? capallocs * 2 : 256;
+        allocs = realloc(allocs, capallocs * sizeof *allocs);
+    }
+    uint64_t k = handle ? next_handle++ : next_addr;
+    if (!handle)
+        next_addr += (size + 0xFFFFF) & ~0xFFFFFull;
+    allocs[nallocs++] = (struct alloc){k | ((uint64_t)handle << 62), size};
+    mem_used += size;
+    if (mem_used > peak_mem)
+        peak_mem = mem_used;
+    pthread_mutex_unlock(&mmu);
+    *key = k;
+    return CUDA_SUCCESS;
+}
+
+static CUresult sim_free(uint64_t key, int handle)
+{
+    pthread_mutex_lock(&mmu);
+    for (size_t i = 0; i < nallocs; i++) {
+        if (allocs[i].key == (key | ((uint64_t)handle << 62))) {
+            mem_used -= allocs[i].size;
+            allocs[i] = allocs[--nallocs];
+            pthread_mutex_unlock(&mmu);
+            return CUDA_SUCCESS;
+        }
+    }
+    pthread_mutex_unlock(&mmu);
+    return CUDA_ERROR_INVALID_VALUE;
+}
+
+API CUresult cuMemAlloc_v2(CUdeviceptr *p, size_t n) { CALLED(); return sim_alloc(p, n, 0); }
+API CUresult cuMemAllocManaged(CUdeviceptr *p, size_t n, unsigned f) { (void)f; CALLED(); return sim_alloc(p, n, 0); }
+API CUresult cuMemAllocPitch_v2(CUdeviceptr *p, size_t *pitch, size_t w, size_t h, unsigned e)
+{
+    CALLED();
+    (void)e;
+    size_t pp = (w + 255) & ~(size_t)255;
+    CUresult rc = sim_alloc(p, pp * h, 0);
+    if (rc == CUDA_SUCCESS)
+        *pitch = pp;
+    return rc;
+}
+API CUresult cuMemFree_v2(CUdeviceptr p) { CALLED(); return sim_free(p, 0); }
+API CUresult cuMemAllocAsync(CUdeviceptr *p, size_t n, CUstream s) { (void)s; CALLED(); return sim_alloc(p, n, 0); }
+API CUresult cuMemAllocAsync_ptsz(CUdeviceptr *p, size_t n, CUstream s) { (void)s; CALLED(); return sim_alloc(p, n, 0); }
+API CUresult cuMemAllocFromPoolAsync(CUdeviceptr *p, size_t n, CUmemoryPool pl, CUstream s) { (void)pl; (void)s; CALLED(); return sim_alloc(p, n, 0); }
+API CUresult cuMemAllocFromPoolAsync_ptsz(CUdeviceptr *p, size_t n, CUmemoryPool pl, CUstream s) { (void)pl; (void)s; CALLED(); return sim_alloc(p, n, 0); }
+API CUresult cuMemFreeAsync(CUdeviceptr p, CUstream s) { (void)s; CALLED(); return sim_free(p, 0); }
+API CUresult cuMemFreeAsync_ptsz(CUdeviceptr p, CUstream s) { (void)s; CALLED(); return sim_free(p, 0); }
+API CUresult cuMemCreate(CUmemGenericAllocationHandle *h, size_t n, const CUmemAllocationProp *prop, unsigned long long f)
+{
+    (void)prop; (void)f; CALLED();
+    return sim_alloc(h, n, 1);
+}
+API CUresult cuMemRelease(CUmemGenericAllocationHandle h) { CALLED(); return sim_free(h, 1); }
+
+static uint64_t fmt_bytes(CUarray_format f)
+{
+    switch (f) {
+    case 0x01: case 0x08: return 1;
+    case 0x02: case 0x09: case 0x10: return 2;
+    default: return 4;
+    }
+}
+API CUresult cuArrayCreate_v2(CUarray *a, const CUDA_ARRAY_DESCRIPTOR *d)
+{
+    CALLED();
+    if (d == NULL || a == NULL)
+        return CUDA_ERROR_INVALID_VALUE;
+    unsigned long long k;
+    CUresult rc = sim_alloc(&k, d->Width * (d->Height ? d->Height : 1) * d->NumChannels * fmt_bytes(d->Format), 0);
+    if (rc == CUDA_SUCCESS)
+        *a = (CUarray)(uintptr_t)k;
+    return rc;
+}
+API CUresult cuArray3DCreate_v2(CUarray *a, const CUDA_ARRAY3D_DESCRIPTOR *d)
+{
+    CALLED();
+    if (d == NULL || a == NULL)
+        return CUDA_ERROR_INVALID_VALUE;
+    unsigned long long k;
+    CUresult rc = sim_alloc(&k, d->Width * (d->Height ? d->Height : 1) * (d->Depth ? d->Depth : 1) * d->NumChannels *
+                                    fmt_bytes(d->Format), 0);
+    if (rc == CUDA_SUCCESS)
+        *a = (CUarray)(uintptr_t)k;
+    return rc;
+}
+API CUresult cuArrayDestroy(CUarray a) { CALLED(); return sim_free((uint64_t)(uintptr_t)a, 0); }
+API CUresult cuMipmappedArrayCreate(CUmipmappedArray *a, const CUDA_ARRAY3D_DESCRIPTOR *d, unsigned levels)
+{
+    CALLED();
+    if (d == NULL || a == NULL)
+        return CUDA_ERROR_INVALID_VALUE;
+    unsigned long long k; uint64_t sz = d->Width * (d->Height ? d->Height : 1) * (d->Depth ? d->Depth : 1) * d->NumChannels * fmt_bytes(d->Format);
+    (void)levels;
+    CUresult rc = sim_alloc(&k, sz + sz / 3, 0);
+    if (rc == CUDA_SUCCESS)
+        *a = (CUmipmappedArray)(uintptr_t)k;
+    return rc;
+}
+API CUresult cuMipmappedArrayDestroy(CUmipmappedArray a) { CALLED(); return sim_free((uint64_t)(uintptr_t)a, 0); }
+
+API CUresult cuMemGetInfo_v2(size_t *f, size_t *t)
+{
+    CALLED();
+    if (f == NULL || t == NULL)
+        return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&mmu);
+    *t = mem_total();
+    *f = *t - mem_used;
+    pthread_mutex_unlock(&mmu);
+    return CUDA_SUCCESS;
+}
+API CUresult cuDeviceTotalMem_v2(size_t *b, CUdevice d) { (void)d; CALLED(); if (!b) return CUDA_ERROR_INVALID_VALUE; *b = mem_total(); return CUDA_SUCCESS; }
+
+/* ---- init, devices, contexts -------------------------------------------------------------------------------- */
+struct CUctx_st { int dev; int primary; };
+static struct CUctx_st primary_ctx = {0, 1};
+static int primary_refs;
+static __thread CUcontext cur_ctx;
+
+API CUresult cuInit(unsigned f) { (void)f; CALLED(); return CUDA_SUCCESS; }
+API CUresult cuDriverGetVersion(int *v)
+{
+    CALLED();
+    const char *s = getenv("SIMCUDA_DRIVER_VERSION");
+    *v = s ? atoi(s) : 13000;
+    return CUDA_SUCCESS;
+}
+API CUresult cuDeviceGet(CUdevice *d, int o) { CALLED(); if (o != 0) return CUDA_ERROR_INVALID_VALUE; *d = 0; return CUDA_SUCCESS; }
+API CUresult cuDeviceGetCount(int *n) { CALLED(); *n = 1; return CUDA_SUCCESS; }
+API CUresult cuDeviceGetName(char *name, int len, CUdevice d) { (void)d; CALLED(); snprintf(name, (size_t)len, "simcuda"); return CUDA_SUCCESS; }
+API CUresult cuCtxCreate_v2(CUcontext *c, unsigned f, CUdevice d)
+{
+    (void)f; CALLED();
+    *c = calloc(1, sizeof **c);
+    (*c)->dev = d;
+    cur_ctx = *c;
+    return CUDA_SUCCESS;
+}
+API CUresult cuCtxCreate_v3(CUcontext *c, CUexecAffinityParam *p, int n, unsigned f, CUdevice d) { (void)p; (void)n; CALLED(); return cuCtxCreate_v2(c, f, d); }
+API CUresult cuCtxCreate_v4(CUcontext *c, CUctxCreateParams *p, unsigned f, CUdevice d) { (void)p; CALLED(); return cuCtxCreate_v2(c, f, d); }
+API CUresult cuCtxDestroy_v2(CUcontext c) { CALLED(); if (!c || c->primary) return CUDA_ERROR_INVALID_VALUE; if (cur_ctx == c) cur_ctx = NULL; free(c); return CUDA_SUCCESS; }
+API CUresult cuDevicePrimaryCtxRetain(CUcontext *c, CUdevice d) { (void)d; CALLED(); primary_refs++; *c = &primary_ctx; return CUDA_SUCCESS; }
+API CUresult cuDevicePrimaryCtxRelease_v2(CUdevice d) { (void)d; CALLED(); if (primary_refs == 0) return CUDA_ERROR_INVALID_VALUE; primary_refs--; return CUDA_SUCCESS; }
+API CUresult cuDevicePrimaryCtxReset_v2(CUdevice d) { (void)d; CALLED(); primary_refs = 0; return CUDA_SUCCESS; }
+API CUresult cuCtxSetCurrent(CUcontext c) { CALLED(); cur_ctx = c; return CUDA_SUCCESS; }
+API CUresult cuCtxGetCurrent(CUcontext *c) { *c = cur_ctx; return CUDA_SUCCESS; }
+
+/* ---- modules and functions ------------------------------------------------------------------------------------ */
+struct CUfunc_st { char name[32]; };
+API CUresult cuModuleLoadData(void **m, const void *img) { (void)img; CALLED(); *m = (void *)0x1; return CUDA_SUCCESS; }
+API CUresult cuModuleGetFunction(CUfunction *f, void *m, const char *name)
+{
+    (void)m; CALLED();
+    *f = calloc(1, sizeof **f);
+    snprintf((*f)->name, sizeof (*f)->name, "%s", name);
+    return CUDA_SUCCESS;
+}
+
+/* ---- streams, timelines, capture ------------------------------------------------------------------------------- */
+#define QDEPTH 1024
+struct graph { uint64_t dur; };
+struct CUstream_st {
+    pthread_mutex_t mu;
+    uint64_t busy_until;
+    uint64_t ends[QDEPTH];
+    unsigned qpos;
+    int capturing;
+    struct graph *capture;
+};
+static struct CUstream_st legacy_stream = {.mu = PTHREAD_MUTEX_INITIALIZER};
+static __thread struct CUstream_st *ptds_stream;
+
+static struct CUstream_st *S(CUstream s, int pt)
+{
+    if (s != NULL && s != (CUstream)0x1 && s != (CUstream)0x2)
+        return s;
+    if (s == (CUstream)0x2 || (s == NULL && pt)) { /* CU_STREAM_PER_THREAD, or 0 through a _ptsz entry */
+        if (ptds_stream == NULL) {
+            ptds_stream = calloc(1, sizeof *ptds_stream);
+            pthread_mutex_init(&ptds_stream->mu, NULL);
+        }
+        return ptds_stream;
+    }
+    return &legacy_stream;
+}
+
+API CUresult cuStreamCreate(CUstream *s, unsigned f)
+{
+    (void)f; CALLED();
+    *s = calloc(1, sizeof **s);
+    pthread_mutex_init(&(*s)->mu, NULL);
+    return CUDA_SUCCESS;
+}
+API CUresult cuStreamDestroy_v2(CUstream s) { CALLED(); (void)s; return CUDA_SUCCESS; }
+
+static uint64_t stream_tail(struct CUstream_st *s)
+{
+    pthread_mutex_lock(&s->mu);
+    uint64_t t = s->busy_until;
+    pthread_mutex_unlock(&s->mu);
+    return t;
+}
+static CUresult stream_sync(CUstream s, int pt) { sleep_until(stream_tail(S(s, pt))); return CUDA_SUCCESS; }
+API CUresult cuStreamSynchronize(CUstream s) { CALLED(); return stream_sync(s, 0); }
+API CUresult cuStreamSynchronize_ptsz(CUstream s) { CALLED(); return stream_sync(s, 1); }
+API CUresult cuStreamQuery(CUstream s) { CALLED(); return stream_tail(S(s, 0)) <= now_ns() ? CUDA_SUCCESS : CUDA_ERROR_NOT_READY; }
+API CUresult cuCtxSynchronize(void) { CALLED(); sleep_until(stream_tail(&legacy_stream)); if (ptds_stream) sleep_until(stream_tail(ptds_stream)); return CUDA_SUCCESS; }
+
+static CUresult run(CUstream hs, int pt, uint64_t dur)
+{
+    struct CUstream_st *s = S(hs, pt);
+    for (;;) {
+        pthread_mutex_lock(&s->mu);
+        if (s->capturing) {
+            s->capture->dur += dur;
+            pthread_mutex_unlock(&s->mu);
+            return CUDA_SUCCESS;
+        }
+        uint64_t now = now_ns(), oldest = s->ends[s->qpos];
+        if (oldest > now) { /* queue full: block until its oldest launch finishes */
+            pthread_mutex_unlock(&s->mu);
+            sleep_until(oldest);
+            continue;
+        }
+        uint64_t start = s->busy_until > now ? s->busy_until : now;
+        s->busy_until = start + dur;
+        s->ends[s->qpos] = s->busy_until;
+        s->qpos = (s->qpos + 1) % QDEPTH;
+        busy_ns += dur;
+        pthread_mutex_unlock(&s->mu);
+        return CUDA_SUCCESS;
+    }
+}
+
+static uint64_t duration(unsigned gx, void **params)
+{
+    return params && params[0] ? *(uint64_t *)params[0] : (uint64_t)gx * 1000u;
+}
+
+#define KP CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz, unsigned sh, CUstream hs
+#define UNUSED_K (void)f, (void)gy, (void)gz, (void)bx, (void)by, (void)bz, (void)sh
+API CUresult cuLaunchKernel(KP, void **p, void **e) { (void)e; UNUSED_K; CALLED(); if (!f) return CUDA_ERROR_INVALID_VALUE; return run(hs, 0, duration(gx, p)); }
+API CUresult cuLaunchKernel_ptsz(KP, void **p, void **e) { (void)e; UNUSED_K; CALLED(); if (!f) return CUDA_ERROR_INVALID_VALUE; return run(hs, 1, duration(gx, p)); }
+API CUresult cuLaunchCooperativeKernel(KP, void **p) { UNUSED_K; CALLED(); if (!f) return CUDA_ERROR_INVALID_VALUE; return run(hs, 0, duration(gx, p)); }
+API CUresult cuLaunchCooperativeKernel_ptsz(KP, void **p) { UNUSED_K; CALLED(); if (!f) return CUDA_ERROR_INVALID_VALUE; return run(hs, 1, duration(gx, p)); }
+API CUresult cuLaunchKernelEx(const CUlaunchConfig *c, CUfunction f, void **p, void **e) { (void)e; CALLED(); if (!f || !c) return CUDA_ERROR_INVALID_VALUE; return run(c->hStream, 0, duration(c->gridDimX, p)); }
+API CUresult cuLaunchKernelEx_ptsz(const CUlaunchConfig *c, CUfunction f, void **p, void **e) { (void)e; CALLED(); if (!f || !c) return CUDA_ERROR_INVALID_VALUE; return run(c->hStream, 1, duration(c->gridDimX, p)); }
+
+static CUresult begin_capture(CUstream hs, int pt)
+{
+    struct CUstream_st *s = S(hs, pt);
+    pthread_mutex_lock(&s->mu);
+    CUresult rc = CUDA_ERROR_INVALID_VALUE;
+    if (!s->capturing) {
+        s->capturing = 1;
+        s->capture = calloc(1, sizeof *s->capture);
+        rc = CUDA_SUCCESS;
+    }
+    pthread_mutex_unlock(&s->mu);
+    return rc;
+}
+static CUresult end_capture(CUstream hs, int pt, CUgraph *g)
+{
+    struct CUstream_st *s = S(hs, pt);
+    pthread_mutex_lock(&s->mu);
+    CUresult rc = 401; /* CUDA_ERROR_ILLEGAL_STATE */
+    if (s->capturing) {
+        s->capturing = 0;
+        *g = (CUgraph)s->capture;
+        s->capture = NULL;
+        rc = CUDA_SUCCESS;
+    }
+    pthread_mutex_unlock(&s->mu);
+    return rc;
+}
+API CUresult cuStreamBeginCapture(CUstream s) { CALLED(); return begin_capture(s, 0); }
+API CUresult cuStreamBeginCapture_ptsz(CUstream s) { CALLED(); return begin_capture(s, 1); }
+API CUresult cuStreamBeginCapture_v2(CUstream s, CUstreamCaptureMode m) { (void)m; CALLED(); return begin_capture(s, 0); }
+API CUresult cuStreamBeginCapture_v2_ptsz(CUstream s, CUstreamCaptureMode m) { (void)m; CALLED(); return begin_capture(s, 1); }
+API CUresult cuStreamEndCapture(CUstream s, CUgraph *g) { CALLED(); return end_capture(s, 0, g); }
+API CUresult cuStreamEndCapture_ptsz(CUstream s, CUgraph *g) { CALLED(); return end_capture(s, 1, g); }
+static CUresult is_capturing(CUstream hs, int pt, CUstreamCaptureStatus *st)
+{
+    struct CUstream_st *s = S(hs, pt);
+    pthread_mutex_lock(&s->mu);
+    *st = s->capturing ? 1 : 0;
+    pthread_mutex_unlock(&s->mu);
+    return CUDA_SUCCESS;
+}
+API CUresult cuStreamIsCapturing(CUstream s, CUstreamCaptureStatus *st) { CALLED(); return is_capturing(s, 0, st); }
+API CUresult cuStreamIsCapturing_ptsz(CUstream s, CUstreamCaptureStatus *st) { CALLED(); return is_capturing(s, 1, st); }
+API CUresult cuGraphInstantiateWithFlags(CUgraphExec *e, CUgraph g, unsigned long long f)
+{
+    (void)f; CALLED();
+    struct graph *x = malloc(sizeof *x);
+    *x = *(struct graph *)g;
+    *e = (CUgraphExec)x;
+    return CUDA_SUCCESS;
+}
+API CUresult cuGraphLaunch(CUgraphExec e, CUstream s) { CALLED(); if (!e) return CUDA_ERROR_INVALID_VALUE; return run(s, 0, ((struct graph *)e)->dur); }
+API CUresult cuGraphLaunch_ptsz(CUgraphExec e, CUstream s) { CALLED(); if (!e) return CUDA_ERROR_INVALID_VALUE; return run(s, 1, ((struct graph *)e)->dur); }
+
+/* ---- events ------------------------------------------------------------------------------------------------ */
+struct CUevent_st { uint64_t t; int recorded; };
+API CUresult cuEventCreate(CUevent *e, unsigned f) { (void)f; CALLED(); *e = calloc(1, sizeof **e); return CUDA_SUCCESS; }
+API CUresult cuEventDestroy_v2(CUevent e) { CALLED(); free(e); return CUDA_SUCCESS; }
+static CUresult event_record(CUevent e, CUstream hs, int pt)
+{
+    if (e == NULL)
+        return CUDA_ERROR_INVALID_VALUE;
+    struct CUstream_st *s = S(hs, pt);
+    pthread_mutex_lock(&s->mu);
+    uint64_t now = now_ns();
+    e->t = s->busy_until > now ? s->busy_until : now;
+    e->recorded = 1;
+    pthread_mutex_unlock(&s->mu);
+    return CUDA_SUCCESS;
+}
+API CUresult cuEventRecord(CUevent e, CUstream s) { CALLED(); return event_record(e, s, 0); }
+API CUresult cuEventRecord_ptsz(CUevent e, CUstream s) { CALLED(); return event_record(e, s, 1); }
+API CUresult cuEventQuery(CUevent e) { CALLED(); if (!e) return CUDA_ERROR_INVALID_VALUE; return e->t <= now_ns() ? CUDA_SUCCESS : CUDA_ERROR_NOT_READY; }
+API CUresult cuEventSynchronize(CUevent e) { CALLED(); sleep_until(e->t); return CUDA_SUCCESS; }
+API CUresult cuEventElapsedTime(float *ms, CUevent a, CUevent b)
+{
+    CALLED();
+    if (!a || !b || !a->recorded || !b->recorded)
+        return CUDA_ERROR_INVALID_VALUE;
+    uint64_t now = now_ns();
+    if (a->t > now || b->t > now)
+        return CUDA_ERROR_NOT_READY;
+    *ms = (float)(((double)b->t - (double)a->t) / 1e6);
+    return CUDA_SUCCESS;
+}
+API CUresult cuEventElapsedTime_v2(float *ms, CUevent a, CUevent b) { return cuEventElapsedTime(ms, a, b); }
+
+/* ---- cuGetProcAddress --------------------------------------------------------------------------------------- */
+struct proc { const char *base; int vmin; int pt; void *fn; };
+#define PR(base, vmin, pt, fn) {base, vmin, pt, (void *)&fn}
+API CUresult cuGetProcAddress(const char *sym, void **pfn, int ver, cuuint64_t flags);
+API CUresult cuGetProcAddress_v2(const char *sym, void **pfn, int ver, cuuint64_t flags, CUdriverProcAddressQueryResult *st);
+static const struct proc procs[] = {
+    PR("cuInit", 2000, 0, cuInit), PR("cuDriverGetVersion", 2020, 0, cuDriverGetVersion),
+    PR("cuGetProcAddress", 11030, 0, cuGetProcAddress), PR("cuGetProcAddress", 12000, 0, cuGetProcAddress_v2),
+    PR("cuDeviceGet", 2000, 0, cuDeviceGet), PR("cuDeviceGetCount", 2000, 0, cuDeviceGetCount),
+    PR("cuDeviceGetName", 2000, 0, cuDeviceGetName), PR("cuDeviceTotalMem", 3020, 0, cuDeviceTotalMem_v2),
+    PR("cuCtxCreate", 3020, 0, cuCtxCreate_v2), PR("cuCtxCreate", 11040, 0, cuCtxCreate_v3),
+    PR("cuCtxCreate", 12050, 0, cuCtxCreate_v4), PR("cuCtxDestroy", 4000, 0, cuCtxDestroy_v2),
+    PR("cuDevicePrimaryCtxRetain", 7000, 0, cuDevicePrimaryCtxRetain),
+    PR("cuDevicePrimaryCtxRelease", 11000, 0, cuDevicePrimaryCtxRelease_v2),
+    PR("cuDevicePrimaryCtxReset", 11000, 0, cuDevicePrimaryCtxReset_v2),
+    PR("cuCtxSetCurrent", 4000, 0, cuCtxSetCurrent), PR("cuCtxGetCurrent", 4000, 0, cuCtxGetCurrent),
+    PR("cuCtxSynchronize", 2000, 0, cuCtxSynchronize),
+    PR("cuModuleLoadData", 2000, 0, cuModuleLoadData), PR("cuModuleGetFunction", 2000, 0, cuModuleGetFunction),
+    PR("cuMemAlloc", 3020, 0, cuMemAlloc_v2), PR("cuMemAllocPitch", 3020, 0, cuMemAllocPitch_v2),
+    PR("cuMemAllocManaged", 6000, 0, cuMemAllocManaged), PR("cuMemFree", 3020, 0, cuMemFree_v2),
+    PR("cuMemCreate", 10020, 0, cuMemCreate), PR("cuMemRelease", 10020, 0, cuMemRelease),
+    PR("cuMemAllocAsync", 11020, 0, cuMemAllocAsync), PR("cuMemAllocAsync", 11020, 1, cuMemAllocAsync_ptsz),
+    PR("cuMemAllocFromPoolAsync", 11020, 0, cuMemAllocFromPoolAsync),
+    PR("cuMemAllocFromPoolAsync", 11020, 1, cuMemAllocFromPoolAsync_ptsz),
+    PR("cuMemFreeAsync", 11020, 0, cuMemFreeAsync), PR("cuMemFreeAsync", 11020, 1, cuMemFreeAsync_ptsz),
+    PR("cuArrayCreate", 3020, 0, cuArrayCreate_v2), PR("cuArray3DCreate", 3020, 0, cuArray3DCreate_v2),
+    PR("cuArrayDestroy", 2000, 0, cuArrayDestroy), PR("cuMipmappedArrayCreate", 5000, 0, cuMipmappedArrayCreate),
+    PR("cuMipmappedArrayDestroy", 5000, 0, cuMipmappedArrayDestroy), PR("cuMemGetInfo", 3020, 0, cuMemGetInfo_v2),
+    PR("cuStreamCreate", 2000, 0, cuStreamCreate), PR("cuStreamDestroy", 4000, 0, cuStreamDestroy_v2),
+    PR("cuStreamSynchronize", 2000, 0, cuStreamSynchronize), PR("cuStreamSynchronize", 7000, 1, cuStreamSynchronize_ptsz),
+    PR("cuStreamQuery", 2000, 0, cuStreamQuery),
+    PR("cuLaunchKernel", 4000, 0, cuLaunchKernel), PR("cuLaunchKernel", 7000, 1, cuLaunchKernel_ptsz),
+    PR("cuLaunchKernelEx", 11060, 0, cuLaunchKernelEx), PR("cuLaunchKernelEx", 11060, 1, cuLaunchKernelEx_ptsz),
+    PR("cuLaunchCooperativeKernel", 9000, 0, cuLaunchCooperativeKernel),
+    PR("cuLaunchCooperativeKernel", 9000, 1, cuLaunchCooperativeKernel_ptsz),
+    PR("cuGraphLaunch", 10000, 0, cuGraphLaunch), PR("cuGraphLaunch", 10000, 1, cuGraphLaunch_ptsz),
+    PR("cuGraphInstantiateWithFlags", 11040, 0, cuGraphInstantiateWithFlags),
+    PR("cuStreamBeginCapture", 10000, 0, cuStreamBeginCapture), PR("cuStreamBeginCapture", 10000, 1, cuStreamBeginCapture_ptsz),
+    PR("cuStreamBeginCapture", 10010, 0, cuStreamBeginCapture_v2), PR("cuStreamBeginCapture", 10010, 1, cuStreamBeginCapture_v2_ptsz),
+    PR("cuStreamEndCapture", 10000, 0, cuStreamEndCapture), PR("cuStreamEndCapture", 10000, 1, cuStreamEndCapture_ptsz),
+    PR("cuStreamIsCapturing", 10000, 0, cuStreamIsCapturing), PR("cuStreamIsCapturing", 10000, 1, cuStreamIsCapturing_ptsz),
+    PR("cuEventCreate", 2000, 0, cuEventCreate), PR("cuEventDestroy", 4000, 0, cuEventDestroy_v2),
+    PR("cuEventRecord", 2000, 0, cuEventRecord), PR("cuEventRecord", 7000, 1, cuEventRecord_ptsz),
+    PR("cuEventQuery", 2000, 0, cuEventQuery), PR("cuEventSynchronize", 2000, 0, cuEventSynchronize),
+    PR("cuEventElapsedTime", 2000, 0, cuEventElapsedTime), PR("cuEventElapsedTime", 12080, 0, cuEventElapsedTime_v2),
+};
+
+static CUresult lookup(const char *sym, void **pfn, int ver, cuuint64_t flags, CUdriverProcAddressQueryResult *st)
+{
+    if (sym == NULL || pfn == NULL)
+        return CUDA_ERROR_INVALID_VALUE;
+    const struct proc *best = NULL;
+    int exists = 0;
+    for (int pass = (flags & CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM) ? 1 : 0; pass >= 0 && !best; pass--) {
+        for (size_t i = 0; i < sizeof procs / sizeof procs[0]; i++) {
+            if (strcmp(procs[i].base, sym) != 0 || procs[i].pt != pass)
+                continue;
+            exists = 1;
+            if (procs[i].vmin <= ver && (best == NULL || procs[i].vmin > best->vmin))
+                best = &procs[i];
+        }
+    }
+    *pfn = best ? best->fn : NULL;
+    if (st)
+        *st = best ? 0 : exists ? 2 : 1; /* SUCCESS, VERSION_NOT_SUFFICIENT, SYMBOL_NOT_FOUND */
+    return best ? CUDA_SUCCESS : CUDA_ERROR_NOT_FOUND;
+}
+API CUresult cuGetProcAddress(const char *sym, void **pfn, int ver, cuuint64_t flags) { CALLED(); return lookup(sym, pfn, ver, flags, NULL); }
+API CUresult cuGetProcAddress_v2(const char *sym, void **pfn, int ver, cuuint64_t flags, CUdriverProcAddressQueryResult *st) { CALLED(); return lookup(sym, pfn, ver, flags, st); }
