@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import Counter
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -22,6 +23,7 @@ from alnair_agent.constants import (
     CONTAINER_RUN_DIR,
     CONTAINER_SHIM_DIR,
     CONTAINER_SHIM_PATH,
+    DEVICE_ID_SEPARATOR,
     ENV_ALLOCATION_ID,
     ENV_COMPUTE_LIMIT,
     ENV_LD_PRELOAD,
@@ -130,19 +132,20 @@ class Allocator:
     def rooms(self, available: dict[str, set[str]] | None = None) -> list[GpuRoom]:
         """Free units per healthy GPU: offered minus held; for a resource in `available`, kubelet's view too."""
         held = self.held_ids()
-        free: dict[str, dict[str, int]] = {u: {r: 0 for r in RESOURCES} for u in self.inventory.gpus}
-        for resource in RESOURCES:
-            for device_id, _healthy in self.inventory.device_ids(resource):
-                if device_id in held:
-                    continue
-                if available is not None and resource in available and device_id not in available[resource]:
-                    continue
-                free[self.inventory.parse(device_id, resource).gpu_uuid][resource] += 1
-        return [
-            GpuRoom(gpu.uuid, gpu.info.index, free[gpu.uuid], dict(gpu.units))
-            for gpu in self.inventory.gpus.values()
-            if gpu.healthy
-        ]
+        used: Counter[tuple[str, str]] = Counter(filter(None, map(Inventory.owner, held)))
+        offered: Counter[tuple[str, str]] = Counter()
+        for resource, ids in (available or {}).items():
+            offered.update(o for o in map(Inventory.owner, ids - held) if o is not None and o[1] == resource)
+        rooms = []
+        for gpu in self.inventory.gpus.values():
+            if not gpu.healthy:
+                continue
+            free = {}
+            for r in RESOURCES:
+                mine = gpu.units[r] - used[(gpu.uuid, r)]
+                free[r] = min(mine, offered[(gpu.uuid, r)]) if available and r in available else mine
+            rooms.append(GpuRoom(gpu.uuid, gpu.info.index, free, dict(gpu.units)))
+        return rooms
 
     def remove(self, alloc_id: str) -> Allocation | None:
         alloc = self.allocations.pop(alloc_id, None)
@@ -185,8 +188,7 @@ class Allocator:
     async def _preferred(self, resource: str, available: list[str], must_include: list[str], size: int) -> list[str]:
         if size <= 0:
             raise AllocationError(grpc.StatusCode.INVALID_ARGUMENT, f"allocation size {size} for {resource} must be > 0")
-        for device_id in [*available, *must_include]:
-            self._parse(device_id, resource)
+        self._check([*available, *must_include], resource)
         open_alloc, who = await self._identify(resource, size)
         if open_alloc is not None:
             gpu_uuid = open_alloc.gpu_uuid
@@ -194,7 +196,7 @@ class Allocator:
             need = _wants(who) if who is not None else {resource: size}
             gpu_uuid = self._choose(resource, set(available), need, who)
         held = self.held_ids()
-        on_gpu = [i for i in available if i not in held and self._parse(i, resource).gpu_uuid == gpu_uuid]
+        on_gpu = [i for i in available if i not in held and i.startswith(gpu_uuid + DEVICE_ID_SEPARATOR)]
         must = [i for i in must_include if i in on_gpu]
         chosen = must + [i for i in on_gpu if i not in must][: max(0, size - len(must))]
         if len(chosen) < size:
@@ -222,9 +224,9 @@ class Allocator:
                                   f"no healthy GPU has {what} free at once; memory and compute must come from one GPU")
         return room.uuid
 
-    def _parse(self, device_id: str, resource: str):  # type: ignore[no-untyped-def]
+    def _check(self, device_ids: list[str], resource: str) -> None:
         try:
-            return self.inventory.parse(device_id, resource)
+            self.inventory.check(device_ids, resource)
         except UnknownDevice as e:
             raise AllocationError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
 
@@ -240,8 +242,8 @@ class Allocator:
             raise AllocationError(grpc.StatusCode.INVALID_ARGUMENT, f"Allocate for {resource} names no device IDs")
         if len(set(device_ids)) != len(device_ids):
             raise AllocationError(grpc.StatusCode.INVALID_ARGUMENT, f"Allocate for {resource} repeats a device ID")
-        parsed = [self._parse(i, resource) for i in device_ids]
-        gpus = {p.gpu_uuid for p in parsed}
+        self._check(device_ids, resource)
+        gpus = {i.split(DEVICE_ID_SEPARATOR, 1)[0] for i in device_ids}
         if len(gpus) != 1:
             raise AllocationError(grpc.StatusCode.INVALID_ARGUMENT,
                                   f"Allocate for {resource} spans GPUs {sorted(gpus)}; a container's units must "

@@ -52,6 +52,7 @@ class Inventory:
         for info in sorted(gpus, key=lambda g: g.index):
             units = {RESOURCE_MEMORY: info.memory_bytes // memory_unit_bytes, RESOURCE_COMPUTE: COMPUTE_UNITS_PER_GPU}
             self.gpus[info.uuid] = Gpu(info, units)
+        self._known = {r: frozenset(i for i, _ in self.device_ids(r)) for r in (RESOURCE_MEMORY, RESOURCE_COMPUTE)}
 
     def device_ids(self, resource: str) -> list[tuple[str, bool]]:
         """Every device ID of `resource`, with whether its GPU is healthy, in GPU then unit order."""
@@ -75,6 +76,22 @@ class Inventory:
         if not number.isdigit() or not 0 <= int(number) < gpu.units[resource]:
             raise UnknownDevice(f"device ID {text!r}: unit {number!r} out of range 0..{gpu.units[resource] - 1}")
         return DeviceId(uuid, resource, int(number))
+
+    def check(self, device_ids: list[str], resource: str) -> None:
+        """Raise UnknownDevice for the first ID that is not one of ours for `resource` (a set lookup each)."""
+        known = self._known[resource]
+        for device_id in device_ids:
+            if device_id not in known:
+                self.parse(device_id, resource)
+                raise UnknownDevice(f"device ID {device_id!r} is not offered by this node")
+
+    @staticmethod
+    def owner(device_id: str) -> tuple[str, str] | None:
+        """(GPU UUID, resource) a device ID names, without range checks (for counting IDs already vetted)."""
+        parts = device_id.split(DEVICE_ID_SEPARATOR)
+        if len(parts) != 3 or parts[1] not in _KIND_TO_RESOURCE:
+            return None
+        return parts[0], _KIND_TO_RESOURCE[parts[1]]
 
     def set_health(self, uuid: str, healthy: bool) -> bool:
         """Record a health change; True when it changed anything."""

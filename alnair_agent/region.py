@@ -34,6 +34,22 @@ _AGENT = _fields("alnair_region_agent")
 _SLOT = _fields("alnair_region_slot")
 
 
+def _slot_struct() -> tuple[struct.Struct, tuple[int, ...]]:
+    """One struct for a whole slot (padding as 'x'), and where each SlotReading field sits in its tuple."""
+    fmt, pos, names = "<", 0, []
+    for f in sorted(next(fields for name, fields, _, _ in L.BLOCKS if name == "alnair_region_slot"),
+                    key=lambda f: f.offset):
+        fmt += "x" * (f.offset - pos) + L.CTYPES[f.ctype][0]
+        pos = f.offset + L.CTYPES[f.ctype][1]
+        names.append(f.name)
+    fmt += "x" * (L.SLOT_SIZE - pos)
+    wanted = ("pid", "start_time", "memory_used", "launches", "tokens_taken", "tokens_forfeited", "wait_ns")
+    return struct.Struct(fmt), tuple(names.index(n) for n in wanted)
+
+
+_SLOT_STRUCT, _SLOT_READ = _slot_struct()
+
+
 @dataclass(frozen=True)
 class SlotReading:
     """One live process slot as the agent read it (already checked for sane values)."""
@@ -89,7 +105,6 @@ class Region:
         region._aput("memory_limit", memory_limit)
         region._aput("compute_limit", compute_limit)
         region.set_grant_line(rate_for_percent(compute_limit))
-        mm.flush()
         # The container may open the file the moment it exists under its final name: publish it complete.
         os.chmod(tmp, 0o666)
         os.replace(tmp, path)
@@ -190,24 +205,16 @@ class Region:
 
     # -- slots (written by the container: untrusted) --------------------------------------------------------
     def slots(self) -> list[SlotReading]:
-        """The claimed slots. A slot with a negative pid is ignored: only the container could have written it."""
-        out = []
-        for i in range(L.MAX_SLOTS):
-            base = L.SLOTS_OFFSET + i * L.SLOT_SIZE
-            pid = self._get(_SLOT, "pid", base)
-            if pid <= 0:
-                continue
-            out.append(SlotReading(
-                index=i,
-                pid=pid,
-                start_time=self._get(_SLOT, "start_time", base),
-                memory_used=self._get(_SLOT, "memory_used", base),
-                launches=self._get(_SLOT, "launches", base),
-                tokens_taken=self._get(_SLOT, "tokens_taken", base),
-                tokens_forfeited=self._get(_SLOT, "tokens_forfeited", base),
-                wait_ns=self._get(_SLOT, "wait_ns", base),
-            ))
-        return out
+        """The claimed slots. A slot with a pid <= 0 is free (or garbage only the container could have written)."""
+        view = memoryview(self._mm)[L.SLOTS_OFFSET:L.SLOTS_OFFSET + L.MAX_SLOTS * L.SLOT_SIZE]
+        try:
+            return [
+                SlotReading(i, *(values[k] for k in _SLOT_READ))
+                for i, values in enumerate(_SLOT_STRUCT.iter_unpack(view))
+                if values[_SLOT_READ[0]] > 0
+            ]
+        finally:
+            view.release()
 
     def memory_in_use(self) -> int:
         """Bytes the container's live slots claim to hold, clamped to the limit so a liar cannot overflow us."""

@@ -103,10 +103,8 @@ class Workspace:
     def save(self, alloc: Allocation) -> None:
         folder = self.path(alloc.id)
         tmp = folder / (ALLOCATION_FILE_NAME + ".tmp")
-        with open(tmp, "w") as f:
-            json.dump(asdict(alloc), f, sort_keys=True)
-            f.flush()
-            os.fsync(f.fileno())
+        # Atomic against an agent crash (rename); no fsync: after a node crash kubelet re-admits every container.
+        tmp.write_text(json.dumps(asdict(alloc), sort_keys=True))
         os.replace(tmp, folder / ALLOCATION_FILE_NAME)
 
     def open_region(self, alloc_id: str) -> Region:

@@ -39,22 +39,31 @@ async def run(pods: int) -> dict:
     root = short_tmp()
     # 8 GPUs of 80 GiB: room for 100 pods of 4 GiB + 6 % each.
     settings = node_settings(root, sim_gpus=parse_sim_gpus("8x80GiB"), resync_interval_s=1.0)
-    timings: dict[str, list[float]] = {"Allocate": [], "GetPreferredAllocation": [], "admit": []}
+    timings: dict[str, list[float]] = {"Allocate": [], "GetPreferredAllocation": [], "admit": [],
+                                       "reconcile pass": []}
     try:
         async with FakeApiServer() as api, KubeletEmulator(settings.device_plugin_dir,
                                                            settings.pod_resources_socket) as kubelet:
             client = api.api_client()
-            async with running_agent(settings, kubernetes_for(client)):
+            kubernetes = kubernetes_for(client)
+            async with running_agent(settings, kubernetes) as running:
                 await registered(kubelet)
                 for n in range(pods):
                     name = f"pod-{n:03d}"
                     api.add_pod(make_pod(name, node=NODE, containers=[{"name": "main", "memory": 4, "compute": 6}]))
+                # The pods were bound over time in a real cluster: let the watch take them in before timing.
+                while len(kubernetes.pod_source.pending_requests()) < pods:
+                    await asyncio.sleep(0.05)
                 for n in range(pods):
                     start = time.perf_counter()
                     await kubelet.admit("default", f"pod-{n:03d}", "main", {RESOURCE_MEMORY: 4, RESOURCE_COMPUTE: 6})
                     timings["admit"].append((time.perf_counter() - start) * 1e3)
                 for rpc, _resource, seconds in kubelet.call_times:
                     timings[rpc].append(seconds * 1e3)
+                for _ in range(20):  # one reconciliation pass over all 100 allocations (it shares the loop)
+                    t0 = time.perf_counter()
+                    await running.agent.reconciler.once()
+                    timings["reconcile pass"].append((time.perf_counter() - t0) * 1e3)
             await client.close()
     finally:
         remove_tree(root)
