@@ -43,8 +43,9 @@ async def demo(root: Path) -> None:
         log_level="warning",
     )
     stop = asyncio.Event()
-    async with KubeletEmulator(settings.device_plugin_dir, settings.pod_resources_socket) as kubelet:
-        agent = Agent(settings, SimulatedBackend.from_settings(settings), list_held=pod_resources_lister(settings))
+    async with (KubeletEmulator(settings.device_plugin_dir, settings.pod_resources_socket) as kubelet,
+                pod_resources_lister(settings) as list_held):
+        agent = Agent(settings, SimulatedBackend.from_settings(settings), list_held=list_held)
         task = asyncio.create_task(agent.run(stop), name="agent")
         await kubelet.wait_for(lambda k: all(k.healthy_devices(r) for r in (RESOURCE_MEMORY, RESOURCE_COMPUTE)), 10)
         print("Registered with kubelet:")

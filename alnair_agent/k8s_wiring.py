@@ -8,17 +8,15 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from alnair_agent.app import Kubernetes
 from alnair_agent.config import Settings
 from alnair_agent.kube import api_client
-from alnair_agent.podresources import DeviceAssignment, list_assignments
+from alnair_agent.podresources import DeviceAssignment, PodResourcesClient
 from alnair_agent.podwatch import PodWatch
 
 
-def pod_resources_lister(settings: Settings) -> Callable[[], Awaitable[list[DeviceAssignment]]]:
-    socket = settings.pod_resources_socket
-
-    async def list_held() -> list[DeviceAssignment]:
-        return await list_assignments(socket)
-
-    return list_held
+@contextlib.asynccontextmanager
+async def pod_resources_lister(settings: Settings) -> AsyncIterator[Callable[[], Awaitable[list[DeviceAssignment]]]]:
+    """kubelet's pod-resources List over one channel kept for the agent's lifetime."""
+    async with PodResourcesClient(settings.pod_resources_socket) as client:
+        yield client.list
 
 
 @contextlib.asynccontextmanager

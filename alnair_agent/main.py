@@ -19,6 +19,7 @@ from alnair_agent import logs
 from alnair_agent.config import ConfigError, Settings
 from alnair_agent.gpu import make_backend
 from alnair_agent.gpu.backend import GpuBackendError
+from alnair_agent.kube import KubeConfigError
 from alnair_agent.lifecycle import ServiceFailed
 
 log = structlog.get_logger("alnair_agent")
@@ -34,8 +35,8 @@ async def serve(settings: Settings) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         # Only set a flag here: the ordered shutdown happens in the services' own finally blocks.
         loop.add_signal_handler(sig, stop.set)
-    async with connect_kubernetes(settings) as kubernetes:
-        agent = Agent(settings, make_backend(settings), kubernetes, list_held=pod_resources_lister(settings))
+    async with connect_kubernetes(settings) as kubernetes, pod_resources_lister(settings) as list_held:
+        agent = Agent(settings, make_backend(settings), kubernetes, list_held=list_held)
         await agent.run(stop)
 
 
@@ -59,6 +60,9 @@ def main(argv: list[str] | None = None) -> int:
     except GpuBackendError as e:
         log.error("gpu_backend_failed", error=str(e))
         return 1
+    except KubeConfigError as e:
+        log.error("kubernetes_config_unusable", error=str(e))
+        return 2
     except ServiceFailed as e:
         log.error("agent_failed", service=e.name, error=str(e))
         return 1

@@ -51,6 +51,8 @@ class AnnotationSink(Protocol):
 
     async def flush(self, timeout: float) -> bool: ...
 
+    def forget_pod(self, namespace: str, name: str) -> None: ...
+
 
 def figures(alloc: Allocation, region: Region | None, state: str) -> dict[str, object]:
     """The container's figures for its pod annotation (from the region, checked: it is container-written)."""
@@ -187,8 +189,17 @@ class Reconciler:
             self._regions.pop(alloc.id, None)
         self.workspace.remove(alloc.id)
         self.allocator.remove(alloc.id)
+        if self.annotations is not None and alloc.identified and self._pod_gone(alloc):
+            # A later pod of the same name (StatefulSet) must get its annotations written afresh.
+            self.annotations.forget_pod(alloc.namespace, alloc.pod_name)
         log.info("allocation_ended", allocation=alloc.id, pod=f"{alloc.namespace}/{alloc.pod_name}" or None,
                  container=alloc.container or None)
+
+    def _pod_gone(self, alloc: Allocation) -> bool:
+        if self.pods is None or not self.pods.synced:
+            return False
+        pod = self.pods.get(alloc.pod_uid) if alloc.pod_uid else self.pods.find(alloc.namespace, alloc.pod_name)
+        return pod is None
 
     def beat(self) -> None:
         now = time.clock_gettime_ns(time.CLOCK_MONOTONIC)

@@ -98,7 +98,15 @@ class RunningAgent:
 async def running_agent(settings: Settings, kubernetes: Kubernetes | None = None,
                         unseen_grace_s: float | None = None) -> AsyncIterator[RunningAgent]:
     backend = SimulatedBackend.from_settings(settings)
-    agent = Agent(settings, backend, kubernetes, list_held=pod_resources_lister(settings),
+    async with pod_resources_lister(settings) as list_held:
+        async with _agent(settings, backend, kubernetes, list_held, unseen_grace_s) as running:
+            yield running
+
+
+@contextlib.asynccontextmanager
+async def _agent(settings: Settings, backend: SimulatedBackend, kubernetes: Kubernetes | None, list_held,  # type: ignore[no-untyped-def]
+                 unseen_grace_s: float | None) -> AsyncIterator[RunningAgent]:
+    agent = Agent(settings, backend, kubernetes, list_held=list_held,
                   unseen_grace_s=unseen_grace_s)
     stop = asyncio.Event()
     task = asyncio.create_task(agent.run(stop), name="agent-under-test")

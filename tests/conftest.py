@@ -1,4 +1,4 @@
-"""Shared test fixtures: every test fails if it leaves asyncio tasks behind."""
+"""Shared test fixtures: every async test fails if it leaves asyncio tasks behind."""
 
 from __future__ import annotations
 
@@ -6,16 +6,22 @@ import asyncio
 
 import pytest
 
+try:
+    import pytest_asyncio
+except ImportError:  # the GPU machine has no pytest-asyncio; the tests it runs (-m gpu) are synchronous
+    pytest_asyncio = None
 
-@pytest.fixture(autouse=True)
-async def _no_leftover_tasks():
-    """Fail a test that leaves tasks running on its loop: a leaked task is a leaked service."""
-    before = set(asyncio.all_tasks())
-    yield
-    await asyncio.sleep(0)
-    left = [t for t in asyncio.all_tasks() - before if not t.done() and t is not asyncio.current_task()]
-    for t in left:
-        t.cancel()
-    if left:
-        await asyncio.gather(*left, return_exceptions=True)
-        pytest.fail(f"test left {len(left)} task(s) running: {[t.get_name() for t in left]}")
+if pytest_asyncio is not None:
+
+    @pytest_asyncio.fixture(autouse=True)
+    async def _no_leftover_tasks():
+        """Fail a test that leaves tasks running on its loop: a leaked task is a leaked service."""
+        before = set(asyncio.all_tasks())
+        yield
+        await asyncio.sleep(0)
+        left = [t for t in asyncio.all_tasks() - before if not t.done() and t is not asyncio.current_task()]
+        for t in left:
+            t.cancel()
+        if left:
+            await asyncio.gather(*left, return_exceptions=True)
+            pytest.fail(f"test left {len(left)} task(s) running: {[t.get_name() for t in left]}")
