@@ -120,7 +120,19 @@ static struct {
 
 static int route_dlsym, route_gpa, per_thread, version = 12000;
 
-static void *resolve(const char *plain, const char *ptv, const char *base, void *direct_plain, void *direct_pt)
+/* ver=N applies to the functions under test; the rest (init, contexts, ...) are looked up as a CUDA 12 program */
+static int versioned(const char *field)
+{
+    static const char *const under_test[] = {"CtxCreate", "Launch", "LaunchEx", "Coop", "GraphLaunch", "MemAlloc",
+                                             "MemFree", "MemGetInfo", NULL};
+    for (int i = 0; under_test[i]; i++)
+        if (!strcmp(field, under_test[i]))
+            return 1;
+    return 0;
+}
+
+static void *resolve(const char *field, const char *plain, const char *ptv, const char *base, void *direct_plain,
+                     void *direct_pt)
 {
     static void *h;
     if (!route_dlsym && !route_gpa)
@@ -138,7 +150,7 @@ static void *resolve(const char *plain, const char *ptv, const char *base, void 
         gpa = (__typeof__(gpa))dlsym(h, "cuGetProcAddress_v2");
     void *p = NULL;
     CUdriverProcAddressQueryResult st = 0;
-    gpa(base, &p, version, per_thread ? CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM : 0, &st);
+    gpa(base, &p, versioned(field) ? version : 12000, per_thread ? CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM : 0, &st);
     return p;
 }
 
@@ -326,16 +338,30 @@ static void run_op(const char *op, int argc, char **argv, int i)
     } else if (!strcmp(op, "sync")) {
         printf("sync rc=%d\n", api.StreamSync(NULL));
     } else if (sscanf(op, "run:%llu:%llu", &a, &b) == 2) {
-        /* launch kernels of b ns back to back for a ms of wall time, then wait for the GPU */
-        uint64_t t0 = mono(), c0 = cpu(), n = 0;
+        /* run:MS:DUR[:kind] launches kernels of DUR ns back to back for MS ms of wall time, then waits for the
+         * GPU. kind: launch (default), launchex, coop, graph (a captured one-kernel graph, launched repeatedly) */
+        char how[16] = "launch";
+        sscanf(op, "run:%*u:%*u:%15[a-z]", how);
+        CUgraphExec e = NULL;
+        if (!strcmp(how, "graph")) {
+            CUstream s;
+            CUgraph g = NULL;
+            api.StreamCreate(&s, 0);
+            api.BeginCapture(s, 0);
+            launch("launch", b, s);
+            api.EndCapture(s, &g);
+            api.Instantiate(&e, g, 0);
+        }
+        uint64_t t0 = mono(), c0 = cpu(), n = 0, bad = 0;
         while (mono() - t0 < a * 1000000ull) {
-            launch("launch", b, NULL);
+            bad += (e ? api.GraphLaunch(e, NULL) : launch(how, b, NULL)) != CUDA_SUCCESS;
             n++;
         }
         api.StreamSync(NULL);
         uint64_t wall = mono() - t0, used = cpu() - c0;
-        printf("run launches=%llu gpu_ns=%llu wall_ns=%llu cpu_ns=%llu\n", (unsigned long long)n,
-               (unsigned long long)(n * b), (unsigned long long)wall, (unsigned long long)used);
+        printf("run launches=%llu bad=%llu gpu_ns=%llu wall_ns=%llu cpu_ns=%llu\n", (unsigned long long)n,
+               (unsigned long long)bad, (unsigned long long)(n * b), (unsigned long long)wall,
+               (unsigned long long)used);
     } else if (sscanf(op, "sleep:%llu", &a) == 1) {
         usleep((useconds_t)(a * 1000));
     } else if (!strcmp(op, "hold")) {
@@ -372,16 +398,15 @@ static void run_op(const char *op, int argc, char **argv, int i)
         const char *(*name)(int) = dlsym(RTLD_DEFAULT, "alnair_hook_name");
         void *(*real)(int) = dlsym(RTLD_DEFAULT, "alnair_hook_real");
         void *(*addr)(int) = dlsym(RTLD_DEFAULT, "alnair_hook_address");
-        void *h = dlopen("libcuda.so.1", RTLD_NOW);
+        void *h = dlopen("libcuda.so.1", RTLD_NOW), *hn = dlopen("libnvidia-ml.so.1", RTLD_NOW);
         for (int k = 0; count && k < count(); k++) {
-            void *viadl = h ? dlsym(h, name(k)) : NULL; /* the wrapped dlsym: our hook, or real when unlimited */
+            void *lib = strncmp(name(k), "nvml", 4) == 0 ? hn : h;
+            void *viadl = lib ? dlsym(lib, name(k)) : NULL; /* the wrapped dlsym: our hook, or real when unlimited */
             printf("hook %s real=%d exported=%d dlsym_is_hook=%d\n", name(k), real(k) != NULL,
                    dlsym(RTLD_DEFAULT, name(k)) == addr(k), viadl == addr(k));
         }
     } else if (!strcmp(op, "pid")) {
         printf("pid %d\n", getpid());
-    } else if (route_dlsym || route_gpa || !strcmp(op, "")) {
-        printf("unknown %s\n", op);
     } else {
         printf("unknown %s\n", op);
     }
@@ -408,7 +433,7 @@ int main(int argc, char **argv)
         else if (!strncmp(argv[i], "ver=", 4))
             version = atoi(argv[i] + 4);
     }
-#define RESOLVE(f, t, plain, ptv, base) api.f = (t)resolve(#plain, #ptv, base, (void *)&plain, (void *)&ptv);
+#define RESOLVE(f, t, plain, ptv, base) api.f = (t)resolve(#f, #plain, #ptv, base, (void *)&plain, (void *)&ptv);
     APIS(RESOLVE)
 #undef RESOLVE
     setvbuf(stdout, NULL, _IOLBF, 0);

@@ -395,6 +395,8 @@ API CUresult cuStreamBeginCapture(CUstream s) { CALLED(); return begin_capture(s
 API CUresult cuStreamBeginCapture_ptsz(CUstream s) { CALLED(); return begin_capture(s, 1); }
 API CUresult cuStreamBeginCapture_v2(CUstream s, CUstreamCaptureMode m) { (void)m; CALLED(); return begin_capture(s, 0); }
 API CUresult cuStreamBeginCapture_v2_ptsz(CUstream s, CUstreamCaptureMode m) { (void)m; CALLED(); return begin_capture(s, 1); }
+API CUresult cuStreamBeginCaptureToGraph(CUstream s, CUgraph g, const CUgraphNode *d, const CUgraphEdgeData *e, size_t n, CUstreamCaptureMode m) { (void)g; (void)d; (void)e; (void)n; (void)m; CALLED(); return begin_capture(s, 0); }
+API CUresult cuStreamBeginCaptureToGraph_ptsz(CUstream s, CUgraph g, const CUgraphNode *d, const CUgraphEdgeData *e, size_t n, CUstreamCaptureMode m) { (void)g; (void)d; (void)e; (void)n; (void)m; CALLED(); return begin_capture(s, 1); }
 API CUresult cuStreamEndCapture(CUstream s, CUgraph *g) { CALLED(); return end_capture(s, 0, g); }
 API CUresult cuStreamEndCapture_ptsz(CUstream s, CUgraph *g) { CALLED(); return end_capture(s, 1, g); }
 static CUresult is_capturing(CUstream hs, int pt, CUstreamCaptureStatus *st)
@@ -490,6 +492,8 @@ static const struct proc procs[] = {
     PR("cuGraphInstantiateWithFlags", 11040, 0, cuGraphInstantiateWithFlags),
     PR("cuStreamBeginCapture", 10000, 0, cuStreamBeginCapture), PR("cuStreamBeginCapture", 10000, 1, cuStreamBeginCapture_ptsz),
     PR("cuStreamBeginCapture", 10010, 0, cuStreamBeginCapture_v2), PR("cuStreamBeginCapture", 10010, 1, cuStreamBeginCapture_v2_ptsz),
+    PR("cuStreamBeginCaptureToGraph", 12030, 0, cuStreamBeginCaptureToGraph),
+    PR("cuStreamBeginCaptureToGraph", 12030, 1, cuStreamBeginCaptureToGraph_ptsz),
     PR("cuStreamEndCapture", 10000, 0, cuStreamEndCapture), PR("cuStreamEndCapture", 10000, 1, cuStreamEndCapture_ptsz),
     PR("cuStreamIsCapturing", 10000, 0, cuStreamIsCapturing), PR("cuStreamIsCapturing", 10000, 1, cuStreamIsCapturing_ptsz),
     PR("cuEventCreate", 2000, 0, cuEventCreate), PR("cuEventDestroy", 4000, 0, cuEventDestroy_v2),
