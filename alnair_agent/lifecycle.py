@@ -1,9 +1,12 @@
-"""Named root tasks: the first one to end (or the stop flag) stops all, in order, and every failure is logged."""
+"""Named root tasks under one TaskGroup: the stop flag shuts them down in order; one ending stops all.
+
+A service that raises or returns on its own is logged by name and fails the group (the TaskGroup cancels the
+others); the agent then exits non-zero and the DaemonSet restarts it rather than leave it half alive.
+"""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Coroutine
 from typing import Any
 
@@ -13,7 +16,7 @@ log = structlog.get_logger(__name__)
 
 
 class ServiceFailed(RuntimeError):
-    """A service crashed or ended on its own; the agent stops non-zero so the DaemonSet restarts it."""
+    """A service crashed or ended on its own."""
 
     def __init__(self, name: str, error: BaseException | None) -> None:
         what = f"{type(error).__name__}: {error}" if error else "ended unexpectedly"
@@ -22,41 +25,37 @@ class ServiceFailed(RuntimeError):
         self.error = error
 
 
+async def _guard(name: str, coro: Coroutine[Any, Any, None]) -> None:
+    try:
+        await coro
+    except asyncio.CancelledError:
+        raise
+    except Exception as e:  # noqa: BLE001 - logged by name, then the whole agent stops
+        log.error("service_ended", service=name, error=repr(e))
+        raise ServiceFailed(name, e) from e
+    log.error("service_ended", service=name, error=None)
+    raise ServiceFailed(name, None)
+
+
 async def run_services(services: list[tuple[str, Coroutine[Any, Any, None]]], stop: asyncio.Event,
                        shutdown_timeout: float = 4.0) -> None:
-    """Run the services until `stop` is set or one ends; then cancel the rest in the order given.
+    """Run the services until `stop` is set (then stop them in the order given, each within the time left)
+    or until one ends (then raise ServiceFailed naming it)."""
 
-    Returns normally after a requested stop; raises ServiceFailed naming the first service that ended by itself.
-    """
-    tasks = [asyncio.create_task(coro, name=name) for name, coro in services]
-    stopper = asyncio.create_task(stop.wait(), name="stop-flag")
-    try:
-        done, _ = await asyncio.wait([*tasks, stopper], return_when=asyncio.FIRST_COMPLETED)
-    except asyncio.CancelledError:
-        done = set()
-        raise
-    finally:
-        first_failure: ServiceFailed | None = None
-        for task in tasks:
-            if task in done:
-                error = None if task.cancelled() else task.exception()
-                log.error("service_ended", service=task.get_name(), error=repr(error) if error else None)
-                first_failure = first_failure or ServiceFailed(task.get_name(), error)
-        stopper.cancel()
+    async def stop_in_order(tasks: list[asyncio.Task[None]]) -> None:
+        await stop.wait()
+        log.info("agent_stopping", services=[t.get_name() for t in tasks])
+        deadline = asyncio.get_running_loop().time() + shutdown_timeout
         for task in tasks:
             task.cancel()
-        try:
-            async with asyncio.timeout(shutdown_timeout):
-                for task in tasks:
-                    with contextlib.suppress(asyncio.CancelledError):
-                        try:
-                            await task
-                        except Exception as e:  # noqa: BLE001 - each failure is logged by name, then we go on
-                            if task not in done:
-                                log.error("service_failed_during_shutdown", service=task.get_name(), error=repr(e))
-        except TimeoutError:
-            log.error("shutdown_timeout", pending=[t.get_name() for t in tasks if not t.done()])
-        with contextlib.suppress(asyncio.CancelledError):
-            await stopper
-    if first_failure is not None:
-        raise first_failure
+            remaining = deadline - asyncio.get_running_loop().time()
+            done, _ = await asyncio.wait([task], timeout=max(0.0, remaining))
+            if not done:
+                log.error("service_stop_timeout", service=task.get_name())
+
+    try:
+        async with asyncio.TaskGroup() as group:
+            tasks = [group.create_task(_guard(name, coro), name=name) for name, coro in services]
+            group.create_task(stop_in_order(tasks), name="stop-flag")
+    except* ServiceFailed as failures:
+        raise failures.exceptions[0] from None
