@@ -1,0 +1,474 @@
+"""The scheduler extender as kube-scheduler meets it: which nodes a GPU-sharing pod fits (one GPU per container,
+init containers alone, the rest packed together, unhealthy GPUs skipped), how the cost-saving and
+high-performance profiles rank nodes, and the HTTP extender answering real ExtenderArgs JSON with 200 even for
+garbage; then the `alnair-scheduler` process itself, started, asked and stopped with SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import os
+import signal
+import socket
+import sys
+from collections.abc import AsyncIterator, Iterable, Sequence
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+from structlog.testing import capture_logs
+
+from alnair_agent.constants import NODE_GPU_DEVICES, RESOURCE_COMPUTE, RESOURCE_MEMORY
+from alnair_agent.scheduler.extender import (
+    PROFILE_COST_SAVING,
+    PROFILE_HIGH_PERFORMANCE,
+    AnnotationError,
+    RequestError,
+    check_fit,
+    filter_nodes,
+    parse_node_gpus,
+    parse_pod_request,
+    prioritize_nodes,
+    score,
+)
+from alnair_agent.scheduler.main import main
+from alnair_agent.scheduler.server import build_app
+
+pytestmark = pytest.mark.timeout(30)
+
+# -- realistic Kubernetes JSON, as kube-scheduler sends it --------------------------------------------------------
+
+Spec = tuple[str, Any, Any]  # (container name, memory units, compute units); None leaves the resource out
+
+
+def gpu(index: int, mem: int = 16, mem_free: int | None = None, comp: int = 100, comp_free: int | None = None,
+        healthy: bool = True) -> dict[str, Any]:
+    return {"uuid": f"GPU-{index:08d}-1111-2222-3333-444455556666", "index": index, "name": "NVIDIA A100-SXM4-40GB",
+            "healthy": healthy, "memoryUnits": mem, "memoryUnitsFree": mem if mem_free is None else mem_free,
+            "computeUnits": comp, "computeUnitsFree": comp if comp_free is None else comp_free}
+
+
+def node(name: str, gpus: Sequence[dict[str, Any]] | None = None, annotation: str | None = None) -> dict[str, Any]:
+    """A v1.Node; `gpus` become the agent's annotation (None: no annotation), `annotation` overrides its text."""
+    annotations = {"node.alpha.kubernetes.io/ttl": "0",
+                   "volumes.kubernetes.io/controller-managed-attach-detach": "true"}
+    if annotation is not None:
+        annotations[NODE_GPU_DEVICES] = annotation
+    elif gpus is not None:
+        annotations[NODE_GPU_DEVICES] = json.dumps({"memoryUnitMiB": 1024, "gpus": list(gpus)})
+    offered = {RESOURCE_MEMORY: str(sum(g["memoryUnits"] for g in gpus or ())),
+               RESOURCE_COMPUTE: str(sum(g["computeUnits"] for g in gpus or ()))}
+    return {
+        "kind": "Node", "apiVersion": "v1",
+        "metadata": {"name": name, "uid": f"uid-{name}", "resourceVersion": "41817",
+                     "creationTimestamp": "2026-11-29T08:00:00Z",
+                     "labels": {"kubernetes.io/hostname": name, "kubernetes.io/os": "linux",
+                                "nvidia.com/gpu.present": "true"},
+                     "annotations": annotations},
+        "spec": {"podCIDR": "10.244.1.0/24", "podCIDRs": ["10.244.1.0/24"]},
+        "status": {
+            "capacity": {"cpu": "64", "memory": "527988420Ki", "pods": "110", **offered},
+            "allocatable": {"cpu": "64", "memory": "527886020Ki", "pods": "110", **offered},
+            "conditions": [{"type": "Ready", "status": "True", "lastHeartbeatTime": "2026-11-29T19:40:00Z",
+                            "lastTransitionTime": "2026-11-29T08:01:00Z", "reason": "KubeletReady",
+                            "message": "kubelet is posting ready status"}],
+            "nodeInfo": {"kubeletVersion": "v1.31.2", "containerRuntimeVersion": "containerd://1.7.22",
+                         "operatingSystem": "linux", "architecture": "amd64"},
+        },
+    }
+
+
+def _container(spec: Spec, sidecar: bool = False, requests_only: bool = False) -> dict[str, Any]:
+    name, mem, comp = spec
+    quantities = {r: str(v) if isinstance(v, int) else v
+                  for r, v in ((RESOURCE_MEMORY, mem), (RESOURCE_COMPUTE, comp)) if v is not None}
+    resources: dict[str, Any] = {"requests": {"cpu": "1", **quantities}}
+    if not requests_only:
+        resources["limits"] = dict(quantities)
+    out = {"name": name, "image": "nvcr.io/nvidia/pytorch:24.10-py3", "resources": resources,
+           "terminationMessagePath": "/dev/termination-log", "terminationMessagePolicy": "File",
+           "imagePullPolicy": "IfNotPresent"}
+    if sidecar:
+        out["restartPolicy"] = "Always"
+    return out
+
+
+def pod(containers: Iterable[Spec] = (("train", 4, 50),), init: Iterable[Spec] = (), sidecars: Iterable[Spec] = (),
+        scheduler: str = PROFILE_COST_SAVING, name: str = "trainer-0", requests_only: bool = False) -> dict[str, Any]:
+    """A pending, unbound v1.Pod; sidecars are init containers with restartPolicy Always, listed first."""
+    spec: dict[str, Any] = {
+        "containers": [_container(c, requests_only=requests_only) for c in containers],
+        "restartPolicy": "Never", "terminationGracePeriodSeconds": 30, "dnsPolicy": "ClusterFirst",
+        "serviceAccountName": "default", "schedulerName": scheduler, "priority": 0, "enableServiceLinks": True,
+        "preemptionPolicy": "PreemptLowerPriority",
+        "tolerations": [{"key": "node.kubernetes.io/not-ready", "operator": "Exists", "effect": "NoExecute",
+                         "tolerationSeconds": 300}],
+    }
+    inits = [_container(c, sidecar=True) for c in sidecars] + [_container(c) for c in init]
+    if inits:
+        spec["initContainers"] = inits
+    return {"kind": "Pod", "apiVersion": "v1",
+            "metadata": {"name": name, "namespace": "ml", "uid": "0b4c6a8e-5d1f-4e0a-9b7e-3f2a1c9d8e7f",
+                         "resourceVersion": "52011", "creationTimestamp": "2026-11-29T19:41:00Z",
+                         "labels": {"app": "trainer"}},
+            "spec": spec, "status": {"phase": "Pending", "qosClass": "Burstable"}}
+
+
+def args(p: dict[str, Any], nodes: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """ExtenderArgs with full nodes (nodeCacheCapable: false), as kube-scheduler encodes it."""
+    return {"Pod": p, "Nodes": {"metadata": {}, "items": list(nodes)}, "NodeNames": None}
+
+
+def fit(p: dict[str, Any], gpus: Sequence[dict[str, Any]]) -> tuple[bool, str, bool]:
+    verdict = check_fit(parse_pod_request(p), parse_node_gpus(node("n", gpus)))
+    return verdict.fits, verdict.reason, verdict.resolvable
+
+
+# -- filter: does the pod fit a node's GPUs ---------------------------------------------------------------------
+
+FIT_CASES = [
+    # id, pod kwargs, node GPUs, fits, resolvable (when it does not fit), words the reason must hold
+    ("exactly-the-free-units", {}, [gpu(0, mem_free=4, comp_free=50)], True, True, []),
+    ("memory-short", {}, [gpu(0, mem_free=3)], False, True,
+     ["'train'", "4 memory + 50 compute", "GPU 0: 3/16 memory"]),
+    ("compute-short", {}, [gpu(0, comp_free=49)], False, True, ["'train'", "49/100 compute"]),
+    ("memory-on-one-gpu-compute-on-another", {}, [gpu(0, comp_free=10), gpu(1, mem_free=1)], False, True,
+     ["GPU 0", "GPU 1"]),
+    ("second-gpu-has-room", {}, [gpu(0, mem_free=0), gpu(1)], True, True, []),
+    ("room-only-on-an-unhealthy-gpu", {}, [gpu(0, mem_free=0), gpu(1, healthy=False)], False, True,
+     ["GPU 0: 0/16"]),
+    ("all-gpus-unhealthy", {}, [gpu(0, healthy=False), gpu(1, healthy=False)], False, False,
+     ["no healthy GPU", "2 unhealthy"]),
+    ("no-gpus-at-all", {}, [], False, False, ["no healthy GPU"]),
+    ("larger-than-any-gpu", {"containers": [("train", 24, 50)]}, [gpu(0), gpu(1)], False, False, ["'train'"]),
+    ("compute-only-container", {"containers": [("infer", None, 30)]}, [gpu(0, mem_free=0, comp_free=30)],
+     True, True, []),
+    ("memory-only-container", {"containers": [("infer", 16, None)]}, [gpu(0, comp_free=0)], True, True, []),
+    ("no-alnair-request", {"containers": [("web", None, None)]}, [gpu(0, mem_free=0, comp_free=0)], True, True, []),
+    ("zero-quantities-ask-nothing", {"containers": [("web", 0, "0")]}, [], True, True, []),
+    # init containers run alone, before the others: their units are free again afterwards
+    ("init-fits-alone", {"init": [("setup", 16, 100)], "containers": [("a", 16, 100), ("b", 16, 100)]},
+     [gpu(0), gpu(1)], True, True, []),
+    ("init-too-big", {"init": [("setup", 12, 10)], "containers": [("a", 1, 10)]}, [gpu(0, mem_free=8)], False,
+     True, ["init container 'setup'", "12 memory"]),
+    ("each-init-alone", {"init": [("i1", 16, 100), ("i2", 16, 100)], "containers": [("a", 1, 1)]}, [gpu(0)],
+     True, True, []),
+    # sidecars (restartPolicy Always) keep running beside everything after them
+    ("sidecar-counts-with-containers", {"sidecars": [("proxy", 8, 10)], "containers": [("a", 16, 10), ("b", 16, 10)]},
+     [gpu(0), gpu(1)], False, False, ["'proxy'", "'a'", "'b'", "do not fit the GPUs together"]),
+    ("sidecar-counts-with-later-init", {"sidecars": [("proxy", 8, 10)], "init": [("setup", 12, 10)],
+                                        "containers": [("a", 1, 1)]},
+     [gpu(0, mem_free=16)], False, False, ["'proxy', 'setup'", "together"]),
+    # regular containers run together: first-fit-decreasing into the GPUs
+    ("two-containers-one-gpu", {"containers": [("a", 8, 50), ("b", 8, 50)]}, [gpu(0)], True, True, []),
+    ("two-containers-two-gpus", {"containers": [("a", 10, 60), ("b", 10, 60)]}, [gpu(0), gpu(1)], True, True, []),
+    ("largest-first-packs-what-pod-order-would-not", {"containers": [("a", 2, 1), ("b", 2, 1), ("c", 4, 1),
+                                                                     ("d", 4, 1)]},
+     [gpu(0, mem=6), gpu(1, mem=6)], True, True, []),
+    ("together-too-big", {"containers": [("a", 10, 60), ("b", 10, 60)]}, [gpu(0)], False, False,
+     ["containers 'a', 'b' do not fit the GPUs together", "no room left for container"]),
+    ("together-too-big-for-now", {"containers": [("a", 10, 60), ("b", 10, 60)]}, [gpu(0), gpu(1, mem_free=9)],
+     False, True, ["do not fit the GPUs together"]),
+]
+
+
+@pytest.mark.parametrize("kwargs, gpus, fits, resolvable, words",
+                         [c[1:] for c in FIT_CASES], ids=[c[0] for c in FIT_CASES])
+def test_fit(kwargs: dict[str, Any], gpus: list[dict[str, Any]], fits: bool, resolvable: bool,
+             words: list[str]) -> None:
+    got_fits, reason, got_resolvable = fit(pod(**kwargs), gpus)
+    assert got_fits == fits, reason
+    assert got_resolvable == resolvable, reason
+    assert (reason == "") == fits
+    for word in words:
+        assert word in reason
+
+
+def test_requests_are_the_fallback_for_limits() -> None:
+    request = parse_pod_request(pod(containers=[("a", 4, 20)], requests_only=True))
+    assert [(c.name, c.memory, c.compute) for c in request.containers] == [("a", 4, 20)]
+    both = pod(containers=[("a", 4, 20)])
+    both["spec"]["containers"][0]["resources"]["requests"][RESOURCE_MEMORY] = "1"  # limits win
+    assert parse_pod_request(both).containers[0].memory == 4
+
+
+@pytest.mark.parametrize("resource, value", [(RESOURCE_MEMORY, "1.5"), (RESOURCE_MEMORY, "2Gi"),
+                                             (RESOURCE_COMPUTE, "-10"), (RESOURCE_COMPUTE, "50%")])
+def test_malformed_quantity_names_pod_container_resource_value(resource: str, value: str) -> None:
+    p = pod(containers=[("ok", 1, 1), ("train", 4, 50)])
+    p["spec"]["containers"][1]["resources"]["limits"][resource] = value
+    with pytest.raises(RequestError) as e:
+        parse_pod_request(p)
+    for word in ("ml/trainer-0", "'train'", resource, value):
+        assert word in str(e.value)
+    result = filter_nodes(args(p, [node("gpu-1", [gpu(0)])])).to_json()
+    assert value in result["Error"] and result["Nodes"] is None and result["FailedNodes"] == {}
+
+
+@pytest.mark.parametrize("annotation, words", [
+    (None, ["no ai.centaurus.io/gpu-devices annotation"]),
+    ("{not json", ["unreadable"]),
+    ("[]", ["unreadable", "gpus"]),
+    (json.dumps({"gpus": {}}), ["unreadable", "gpus"]),
+    (json.dumps({"gpus": [{"index": 0}]}), ["gpus[0]", "memoryUnits"]),
+    (json.dumps({"gpus": [gpu(0) | {"memoryUnitsFree": -1}]}), ["memoryUnitsFree = -1"]),
+    (json.dumps({"gpus": [gpu(0) | {"computeUnitsFree": "70"}]}), ["computeUnitsFree = \"70\""]),
+    (json.dumps({"gpus": [gpu(0, mem=16, mem_free=17)]}), ["more units free than offered"]),
+    (json.dumps({"gpus": [gpu(0) | {"healthy": "yes"}]}), ["healthy a boolean"]),
+    (json.dumps({"memoryUnitMiB": 0, "gpus": []}), ["memoryUnitMiB = 0"]),
+])
+def test_missing_or_unreadable_annotation(annotation: str | None, words: list[str]) -> None:
+    n = node("gpu-1", None if annotation is None else [], annotation=annotation)
+    with pytest.raises(AnnotationError) as e:
+        parse_node_gpus(n)
+    for word in words:
+        assert word in str(e.value)
+
+
+def test_annotation_gpus_come_in_index_order_with_defaults() -> None:
+    text = json.dumps({"memoryUnitMiB": 512, "gpus": [
+        gpu(2, mem_free=3), {"memoryUnits": 8, "memoryUnitsFree": 8, "computeUnits": 100, "computeUnitsFree": 5}]})
+    parsed = parse_node_gpus(node("n", annotation=text))
+    assert parsed.memory_unit_mib == 512
+    assert [(g.index, g.healthy, g.memory_free, g.compute_free) for g in parsed.gpus] == [(1, True, 8, 5),
+                                                                                         (2, True, 3, 100)]
+
+
+def test_filter_sorts_nodes_into_passed_failed_and_unresolvable() -> None:
+    nodes = [node("free", [gpu(0)]), node("busy", [gpu(0, mem_free=1)]), node("plain"),
+             node("broken", annotation="{"), node("sick", [gpu(0, healthy=False)])]
+    result = filter_nodes(args(pod(), nodes)).to_json()
+    assert [n["metadata"]["name"] for n in result["Nodes"]["items"]] == ["free"]
+    assert result["Nodes"]["items"][0] == nodes[0]  # passed back untouched
+    assert list(result["FailedNodes"]) == ["busy"]
+    assert sorted(result["FailedAndUnresolvableNodes"]) == ["broken", "plain", "sick"]
+    assert "no ai.centaurus.io/gpu-devices annotation" in result["FailedAndUnresolvableNodes"]["plain"]
+    assert result["Error"] == "" and result["NodeNames"] is None
+
+
+def test_a_pod_without_alnair_requests_passes_every_node() -> None:
+    nodes = [node("plain"), node("broken", annotation="{"), node("full", [gpu(0, mem_free=0, comp_free=0)])]
+    result = filter_nodes(args(pod(containers=[("web", None, None)]), nodes)).to_json()
+    assert [n["metadata"]["name"] for n in result["Nodes"]["items"]] == ["plain", "broken", "full"]
+    assert result["FailedNodes"] == {} and result["FailedAndUnresolvableNodes"] == {}
+
+
+# -- prioritize: pack or spread ---------------------------------------------------------------------------------
+
+# One 16-unit GPU per node; the pod asks 2 memory + 10 compute. Utilization after placing it, memory and compute
+# averaged: idle (2/16+10/100)/2 = 0.11 -> 1; half (10/16+60/100)/2 = 0.61 -> 6; busy (14/16+90/100)/2 = 0.89 -> 9;
+# round-half-up (5/10+60/100)/2 = 0.55 -> 6. High performance scores 10 minus cost saving's score.
+SCORE_NODES = {
+    "idle": [gpu(0)],
+    "half": [gpu(0, mem_free=8, comp_free=50)],
+    "busy": [gpu(0, mem_free=4, comp_free=20)],
+    "two-gpus": [gpu(0, mem_free=0, comp_free=0), gpu(1)],  # (18/32 + 110/200)/2 = 0.556 -> 6
+    "unhealthy-ignored": [gpu(0, mem_free=8, comp_free=50), gpu(1, mem_free=0, comp_free=0, healthy=False)],
+    "round-half-up": [gpu(0, mem=10, mem_free=7, comp_free=50)],
+    "full": [gpu(0, mem_free=1)],  # the pod does not fit: 0 whatever the profile
+}
+SCORES = [
+    (PROFILE_COST_SAVING, {"idle": 1, "half": 6, "busy": 9, "two-gpus": 6, "unhealthy-ignored": 6,
+                           "round-half-up": 6, "full": 0}),
+    (PROFILE_HIGH_PERFORMANCE, {"idle": 9, "half": 4, "busy": 1, "two-gpus": 4, "unhealthy-ignored": 4,
+                                "round-half-up": 4, "full": 0}),
+    ("default-scheduler", {name: 0 for name in SCORE_NODES}),
+    ("", {name: 0 for name in SCORE_NODES}),
+]
+
+
+@pytest.mark.parametrize("profile, expected", SCORES, ids=[s[0] or "no-name" for s in SCORES])
+def test_scores_by_profile(profile: str, expected: dict[str, int]) -> None:
+    request = parse_pod_request(pod(containers=[("train", 2, 10)], scheduler=profile))
+    got = {name: score(request, parse_node_gpus(node(name, gpus))) for name, gpus in SCORE_NODES.items()}
+    assert got == expected
+
+
+def test_cost_saving_packs_and_high_performance_spreads() -> None:
+    nodes = [node(name, gpus) for name, gpus in SCORE_NODES.items() if name in ("idle", "half", "busy")]
+
+    def ranking(profile: str) -> list[str]:
+        hosts = prioritize_nodes(args(pod(containers=[("train", 2, 10)], scheduler=profile), nodes)).hosts
+        return [h.host for h in sorted(hosts, key=lambda h: -h.score)]
+
+    assert ranking(PROFILE_COST_SAVING) == ["busy", "half", "idle"]
+    assert ranking(PROFILE_HIGH_PERFORMANCE) == ["idle", "half", "busy"]
+
+
+def test_only_running_containers_count_towards_utilization() -> None:
+    # The init container's 12 units are free again once it ends; the sidecar's 4 stay with the pod.
+    request = parse_pod_request(pod(containers=[("a", 2, 10)], init=[("setup", 12, 90)],
+                                    sidecars=[("proxy", 4, 10)]))
+    assert score(request, parse_node_gpus(node("n", [gpu(0)]))) == 3  # (6/16 + 20/100)/2 = 0.29 -> 3
+
+
+def test_scores_are_zero_for_nodes_without_the_annotation() -> None:
+    nodes = [node("plain"), node("broken", annotation="nope"), node("ok", [gpu(0)])]
+    result = prioritize_nodes(args(pod(scheduler=PROFILE_HIGH_PERFORMANCE), nodes))
+    assert result.to_json() == [{"Host": "plain", "Score": 0}, {"Host": "broken", "Score": 0},
+                                {"Host": "ok", "Score": 6}]  # (4/16 + 50/100)/2 = 0.375 -> 4; 10 - 4 = 6
+
+
+# -- the HTTP extender, as kube-scheduler calls it --------------------------------------------------------------
+
+@pytest.fixture
+async def client() -> AsyncIterator[TestClient[Any, Any]]:
+    async with TestClient(TestServer(build_app())) as c:
+        yield c
+
+
+async def post(client: TestClient[Any, Any], path: str, body: Any) -> Any:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    resp = await client.post(path, data=io.BytesIO(data), headers={"Content-Type": "application/json"})
+    assert resp.status == 200
+    assert resp.content_type == "application/json"
+    return await resp.json()
+
+
+async def test_http_filter_answers_an_extender_filter_result(client: TestClient[Any, Any]) -> None:
+    nodes = [node("gpu-a", [gpu(0, mem_free=2), gpu(1, mem_free=12, comp_free=70)]),
+             node("gpu-b", [gpu(0, mem_free=2), gpu(1, comp_free=20)]),
+             node("cpu-only")]
+    with capture_logs() as logs:
+        result = await post(client, "/filter", args(pod(), nodes))
+    assert set(result) == {"Nodes", "NodeNames", "FailedNodes", "FailedAndUnresolvableNodes", "Error"}
+    assert result["Error"] == "" and result["NodeNames"] is None
+    assert result["Nodes"]["items"] == nodes[:1]
+    reason = result["FailedNodes"]["gpu-b"]
+    assert "'train'" in reason and "GPU 1: 16/16 memory, 20/100 compute free" in reason
+    assert list(result["FailedAndUnresolvableNodes"]) == ["cpu-only"]
+    assert {"event": "filter", "pod": "ml/trainer-0", "passed": 1, "failed": 1, "unresolvable": 1,
+            "log_level": "info"} in logs
+
+
+@pytest.mark.parametrize("body, words", [
+    (b"", "not JSON"),
+    (b"\x00\xffgarbage", "not JSON"),
+    (b"{\"Pod\": ", "not JSON"),
+    (b"[1, 2]", "must be a JSON object"),
+    (b"null", "must be a JSON object"),
+    (json.dumps({"Nodes": {"items": []}, "NodeNames": None}).encode(), "no Pod"),
+    (json.dumps({"Pod": "trainer-0", "Nodes": {"items": []}}).encode(), "no Pod"),
+    (json.dumps({"Pod": pod(), "Nodes": None, "NodeNames": None}).encode(), "neither Nodes nor NodeNames"),
+    (json.dumps({"Pod": pod(), "Nodes": {"items": "gpu-a"}}).encode(), "no items"),
+    (json.dumps({"Pod": pod(containers=[("train", "lots", 50)]), "Nodes": {"items": []}}).encode(),
+     "pod ml/trainer-0: container 'train': alnair/vgpu-memory = \"lots\""),
+])
+async def test_http_filter_puts_every_failure_in_error(client: TestClient[Any, Any], body: bytes, words: str) -> None:
+    with capture_logs() as logs:
+        result = await post(client, "/filter", body)
+    assert words in result["Error"]
+    assert result["Nodes"] is None and result["NodeNames"] is None and result["FailedNodes"] == {}
+    assert [e["event"] for e in logs] == ["filter_error"]
+
+
+async def test_http_filter_with_node_names_only(client: TestClient[Any, Any]) -> None:
+    names = {"Pod": pod(containers=[("web", None, None)]), "Nodes": None, "NodeNames": ["gpu-a", "gpu-b"]}
+    result = await post(client, "/filter", names)
+    assert result["NodeNames"] == ["gpu-a", "gpu-b"] and result["Nodes"] is None and result["Error"] == ""
+    result = await post(client, "/filter", names | {"Pod": pod()})
+    assert "nodeCacheCapable: false" in result["Error"] and result["NodeNames"] is None
+
+
+async def test_http_field_names_match_case_insensitively_like_go(client: TestClient[Any, Any]) -> None:
+    result = await post(client, "/filter", {"pod": pod(), "nodes": {"items": [node("gpu-a", [gpu(0)])]}})
+    assert [n["metadata"]["name"] for n in result["Nodes"]["items"]] == ["gpu-a"]
+
+
+async def test_http_prioritize_answers_a_host_priority_list(client: TestClient[Any, Any]) -> None:
+    nodes = [node(name, SCORE_NODES[name]) for name in ("idle", "half", "busy")]
+    packed = await post(client, "/prioritize", args(pod(containers=[("train", 2, 10)]), nodes))
+    assert packed == [{"Host": "idle", "Score": 1}, {"Host": "half", "Score": 6}, {"Host": "busy", "Score": 9}]
+    spread = await post(client, "/prioritize",
+                        args(pod(containers=[("train", 2, 10)], scheduler=PROFILE_HIGH_PERFORMANCE), nodes))
+    assert spread == [{"Host": "idle", "Score": 9}, {"Host": "half", "Score": 4}, {"Host": "busy", "Score": 1}]
+
+
+async def test_http_prioritize_failures_give_zero_scores_and_a_log_line(client: TestClient[Any, Any]) -> None:
+    with capture_logs() as logs:
+        assert await post(client, "/prioritize", b"]]garbage[[") == []
+        bad = pod(containers=[("train", 4, "1.5")])
+        scores = await post(client, "/prioritize", args(bad, [node("gpu-a", [gpu(0)]), node("gpu-b", [gpu(0)])]))
+        assert scores == [{"Host": "gpu-a", "Score": 0}, {"Host": "gpu-b", "Score": 0}]
+        names_only = {"Pod": pod(), "NodeNames": ["gpu-a"]}
+        assert await post(client, "/prioritize", names_only) == [{"Host": "gpu-a", "Score": 0}]
+    errors = [e for e in logs if e["event"] == "prioritize_error"]
+    assert len(errors) == 3 and all(e["log_level"] == "warning" for e in errors)
+    assert "not JSON" in errors[0]["error"]
+    assert "alnair/vgpu-compute = \"1.5\"" in errors[1]["error"]
+    assert "nodeCacheCapable" in errors[2]["error"]
+
+
+async def test_http_takes_bodies_larger_than_aiohttp_default(client: TestClient[Any, Any]) -> None:
+    # 400 nodes with kubelet-sized status blocks: several MiB, like a real cluster's NodeList.
+    nodes = [node(f"gpu-{i:03d}", [gpu(0, mem_free=i % 17)]) for i in range(400)]
+    for n in nodes:
+        n["status"]["images"] = [{"names": [f"registry.example.com/team/image-{k}:{'x' * 64}"],
+                                  "sizeBytes": 123456789} for k in range(50)]
+    body = json.dumps(args(pod(), nodes)).encode()
+    assert len(body) > 2 * 1024 * 1024
+    result = await post(client, "/filter", body)
+    assert result["Error"] == ""
+    assert len(result["Nodes"]["items"]) == sum(1 for i in range(400) if i % 17 >= 4)
+
+
+async def test_http_healthz(client: TestClient[Any, Any]) -> None:
+    resp = await client.get("/healthz")
+    assert resp.status == 200 and await resp.text() == "ok\n"
+
+
+# -- the alnair-scheduler process -------------------------------------------------------------------------------
+
+def test_bad_port_variable_stops_with_a_message(monkeypatch: pytest.MonkeyPatch,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("ALNAIR_SCHEDULER_PORT", "eighty")
+    assert main([]) == 2
+    assert "ALNAIR_SCHEDULER_PORT: 'eighty' is not a port number" in capsys.readouterr().err
+    assert main(["--port", "70000"]) == 2
+    monkeypatch.setenv("ALNAIR_SCHEDULER_PORT", "8080")
+    monkeypatch.setenv("ALNAIR_LOG_FORMAT", "xml")
+    assert main([]) == 2
+    assert "ALNAIR_LOG_FORMAT: 'xml' is not one of json, console" in capsys.readouterr().err
+
+
+async def test_process_serves_until_sigterm() -> None:
+    env = os.environ | {"ALNAIR_SCHEDULER_PORT": "0"}
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "alnair_agent.scheduler.main", "--host", "127.0.0.1", env=env,
+        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
+    assert proc.stderr is not None
+    try:
+        line = json.loads(await asyncio.wait_for(proc.stderr.readline(), 20))
+        assert line["event"] == "scheduler_listening" and line["level"] == "info"
+        base = f"http://{line['addresses'][0]}"
+        async with aiohttp.ClientSession() as session:
+            async with session.get(f"{base}/healthz") as resp:
+                assert resp.status == 200
+            async with session.post(f"{base}/filter", data=b"garbage") as resp:
+                assert resp.status == 200 and "not JSON" in (await resp.json())["Error"]
+            async with session.post(f"{base}/filter", json=args(pod(), [node("gpu-a", [gpu(0)])])) as resp:
+                assert [n["metadata"]["name"] for n in (await resp.json())["Nodes"]["items"]] == ["gpu-a"]
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(proc.wait(), 20) == 0
+        events = [json.loads(raw)["event"] for raw in (await proc.stderr.read()).splitlines()]
+        assert events == ["filter_error", "filter", "scheduler_stopping", "scheduler_stopped"]
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+
+
+async def test_process_exits_1_when_the_port_is_taken() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "alnair_agent.scheduler.main", "--host", "127.0.0.1", "--port", str(port),
+            stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
+        _, err = await asyncio.wait_for(proc.communicate(), 20)
+    assert proc.returncode == 1
+    failed = json.loads(err.splitlines()[-1])
+    assert failed["event"] == "scheduler_listen_failed" and failed["port"] == port
