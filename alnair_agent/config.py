@@ -59,32 +59,28 @@ def _choice(*allowed: str) -> Callable[[str], str]:
     return parse
 
 
-def _int_range(lo: int, hi: int) -> Callable[[str], int]:
-    def parse(text: str) -> int:
+def _range(kind: type[int] | type[float], lo: float, hi: float) -> Callable[[str], Any]:
+    noun = "integer" if kind is int else "number"
+
+    def parse(text: str) -> Any:
         try:
-            value = int(text, 10)
+            value = kind(text)
         except ValueError:
-            raise ValueError(f"an integer {lo}..{hi}") from None
-        if not lo <= value <= hi:
-            raise ValueError(f"an integer {lo}..{hi}")
+            raise ValueError(f"an {noun} {lo}..{hi}" if kind is int else f"a {noun} {lo}..{hi}") from None
+        if not lo <= value <= hi or value != value:  # value != value: NaN
+            raise ValueError(f"an {noun} {lo}..{hi}" if kind is int else f"a {noun} {lo}..{hi}")
         return value
 
-    parse.__doc__ = f"integer {lo}..{hi}"
+    parse.__doc__ = f"{noun} {lo}..{hi}"
     return parse
+
+
+def _int_range(lo: int, hi: int) -> Callable[[str], int]:
+    return _range(int, lo, hi)
 
 
 def _float_range(lo: float, hi: float) -> Callable[[str], float]:
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise ValueError(f"a number {lo}..{hi}") from None
-        if not lo <= value <= hi:
-            raise ValueError(f"a number {lo}..{hi}")
-        return value
-
-    parse.__doc__ = f"number {lo}..{hi}"
-    return parse
+    return _range(float, lo, hi)
 
 
 def _abs_path(text: str) -> Path:

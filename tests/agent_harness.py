@@ -10,10 +10,12 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+import pytest
+from fakes.apiserver import FakeApiServer
 from kubernetes_asyncio.client import ApiClient
 
 from alnair_agent.annotations import AnnotationWriter, WriterTiming
@@ -30,6 +32,24 @@ NODE = "node-1"
 
 def short_tmp() -> Path:
     return Path(tempfile.mkdtemp(prefix="aln-", dir="/tmp"))
+
+
+def remove_tree(root: Path) -> None:
+    shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture
+def root() -> Iterator[Path]:
+    """A short folder for the node's sockets and workspace, removed after the test."""
+    path = short_tmp()
+    yield path
+    remove_tree(path)
+
+
+@pytest.fixture
+async def api() -> AsyncIterator[FakeApiServer]:
+    async with FakeApiServer() as server:
+        yield server
 
 
 def node_settings(root: Path, **overrides: object) -> Settings:
@@ -146,10 +166,6 @@ class AgentProcess:
 
     def output(self) -> str:
         return self.log_path.read_text()
-
-
-def remove_tree(root: Path) -> None:
-    shutil.rmtree(root, ignore_errors=True)
 
 
 __all__ = ["RESOURCE_COMPUTE", "RESOURCE_MEMORY"]

@@ -10,16 +10,16 @@ import time
 from pathlib import Path
 
 import pytest
-from agent_harness import (
+from agent_harness import (  # noqa: F401 - root and api are fixtures
+    api,
+    root,
     NODE,
     AgentProcess,
     gpu_of,
     kubernetes_for,
     node_settings,
     registered,
-    remove_tree,
     running_agent,
-    short_tmp,
 )
 from fakes.apiserver import FakeApiServer, make_pod
 
@@ -30,13 +30,6 @@ from alnair_agent.kubelet_emulator import KubeletEmulator
 MEM, SM = RESOURCE_MEMORY, RESOURCE_COMPUTE
 
 
-@pytest.fixture
-def root():
-    path = short_tmp()
-    yield path
-    remove_tree(path)
-
-
 def records(workspace: Path) -> dict[str, tuple]:
     """Each allocation's GPU, device IDs and limits (who holds it may be learnt later from pod-resources)."""
     out = {}
@@ -44,12 +37,6 @@ def records(workspace: Path) -> dict[str, tuple]:
         r = json.loads(path.read_text())
         out[path.parent.name] = (r["gpu_uuid"], r["device_ids"], r["memory_limit"], r["compute_limit"])
     return out
-
-
-@pytest.fixture
-async def api():
-    async with FakeApiServer() as server:
-        yield server
 
 
 async def admit(api: FakeApiServer, kubelet: KubeletEmulator, name: str, memory: int, compute: int) -> dict:

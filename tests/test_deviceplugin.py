@@ -9,15 +9,15 @@ from pathlib import Path
 
 import grpc
 import pytest
-from agent_harness import (
+from agent_harness import (  # noqa: F401 - root and api are fixtures
+    api,
+    root,
     NODE,
     gpu_of,
     kubernetes_for,
     node_settings,
     registered,
-    remove_tree,
     running_agent,
-    short_tmp,
 )
 from fakes.apiserver import FakeApiServer, make_pod
 
@@ -43,22 +43,9 @@ MEM, SM = RESOURCE_MEMORY, RESOURCE_COMPUTE
 
 
 @pytest.fixture
-def root():
-    path = short_tmp()
-    yield path
-    remove_tree(path)
-
-
-@pytest.fixture
 async def kubelet(root: Path):
     async with KubeletEmulator(root / "dp", root / "pr" / "kubelet.sock") as k:
         yield k
-
-
-@pytest.fixture
-async def api():
-    async with FakeApiServer() as server:
-        yield server
 
 
 @pytest.fixture

@@ -11,16 +11,9 @@ import sys
 import time
 
 import pytest
-from agent_harness import AgentProcess, env_for, node_settings, registered, remove_tree, short_tmp
+from agent_harness import AgentProcess, env_for, node_settings, registered, root  # noqa: F401 - root is a fixture
 
 from alnair_agent.kubelet_emulator import KubeletEmulator
-
-
-@pytest.fixture
-def root():
-    path = short_tmp()
-    yield path
-    remove_tree(path)
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
