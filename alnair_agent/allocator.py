@@ -190,6 +190,17 @@ class Allocator:
             raise AllocationError(grpc.StatusCode.INVALID_ARGUMENT, f"allocation size {size} for {resource} must be > 0")
         self._check([*available, *must_include], resource)
         open_alloc, who = await self._identify(resource, size)
+        try:
+            return self._prefer_on_gpu(resource, available, must_include, size, open_alloc, who)
+        except AllocationError:
+            if open_alloc is not None:
+                # kubelet fails the whole admission when one resource cannot be had: the half-made allocation
+                # would only hold units that kubelet is about to free.
+                self._abandon(open_alloc, f"its {resource} cannot be placed on GPU {open_alloc.gpu_uuid}")
+            raise
+
+    def _prefer_on_gpu(self, resource: str, available: list[str], must_include: list[str], size: int,
+                       open_alloc: Allocation | None, who: ContainerRequest | None) -> list[str]:
         if open_alloc is not None:
             gpu_uuid = open_alloc.gpu_uuid
         else:
@@ -249,18 +260,21 @@ class Allocator:
                                   f"Allocate for {resource} spans GPUs {sorted(gpus)}; a container's units must "
                                   "come from one GPU (use GetPreferredAllocation)")
         gpu_uuid = gpus.pop()
-        owners = self._owner_of()
-        busy = sorted(i for i in device_ids if i in owners or i in self.external_held)
-        if busy:
-            holder = owners[busy[0]].describe() if busy[0] in owners else "a container kubelet reports"
-            raise AllocationError(grpc.StatusCode.FAILED_PRECONDITION,
-                                  f"device ID {busy[0]} is still held by {holder}; refusing to double-book it")
         decision = self._take_decision(resource, device_ids)
         if decision is not None:
             open_alloc = self.allocations.get(decision.open_id) if decision.open_id else None
             who = decision.who
         else:
             open_alloc, who = await self._identify(resource, len(device_ids))
+        pod_uid = open_alloc.pod_uid if open_alloc is not None else (who.pod_uid if who is not None else "")
+        owners = self._owner_of()
+        reused = [i for i in device_ids if i in owners and pod_uid and owners[i].pod_uid == pod_uid
+                  and owners[i] is not open_alloc]
+        busy = sorted(i for i in device_ids if (i in owners and i not in reused) or i in self.external_held)
+        if busy:
+            holder = owners[busy[0]].describe() if busy[0] in owners else "a container kubelet reports"
+            raise AllocationError(grpc.StatusCode.FAILED_PRECONDITION,
+                                  f"device ID {busy[0]} is still held by {holder}; refusing to double-book it")
         if open_alloc is not None and open_alloc.gpu_uuid != gpu_uuid:
             raise AllocationError(grpc.StatusCode.FAILED_PRECONDITION,
                                   f"{open_alloc.describe()} holds its other resource on GPU {open_alloc.gpu_uuid}; "
@@ -269,10 +283,25 @@ class Allocator:
             alloc = self._complete(open_alloc, resource, device_ids)
         else:
             alloc = self._create(gpu_uuid, resource, device_ids, who)
+        if reused:
+            # kubelet hands an ended init container's devices to the next container of the same pod.
+            self._release(reused, owners)
         log.info("allocated", allocation=alloc.id, resource=resource, units=len(device_ids), gpu=gpu_uuid,
                  pod=f"{alloc.namespace}/{alloc.pod_name}" if alloc.identified else None,
                  container=alloc.container or None)
         return ContainerAnswer(self._envs(alloc), self._mounts(alloc), alloc)
+
+    def _release(self, device_ids: list[str], owners: dict[str, Allocation]) -> None:
+        for alloc in {owners[i].id: owners[i] for i in device_ids}.values():
+            for resource, ids in alloc.device_ids.items():
+                alloc.device_ids[resource] = [i for i in ids if i not in device_ids]
+            self.workspace.save(alloc)
+            log.info("devices_reused_within_pod", allocation=alloc.id, container=alloc.container, devices=len(device_ids))
+
+    def _abandon(self, alloc: Allocation, why: str) -> None:
+        log.warning("allocation_abandoned", allocation=alloc.id, reason=why)
+        self.workspace.remove(alloc.id)
+        self.remove(alloc.id)
 
     def _take_decision(self, resource: str, device_ids: list[str]) -> _Decision | None:
         ids = frozenset(device_ids)

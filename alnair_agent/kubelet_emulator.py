@@ -167,10 +167,14 @@ class KubeletEmulator:
         return [i for i, h in view.devices.items() if h == HEALTHY] if view else []
 
     # -- admission ---------------------------------------------------------------------------------------------
-    async def admit(self, namespace: str, pod: str, container: str,
-                    requests: dict[str, int]) -> dict[str, pb.ContainerAllocateResponse]:
-        """Admit one container asking for `requests` (resource -> units), one resource after the other."""
+    async def admit(self, namespace: str, pod: str, container: str, requests: dict[str, int],
+                    reuse_from: str | None = None) -> dict[str, pb.ContainerAllocateResponse]:
+        """Admit one container asking for `requests` (resource -> units), one resource after the other.
+
+        `reuse_from` names an init container of the same pod whose devices kubelet reuses first, as kubelet does
+        for app containers (it then skips GetPreferredAllocation when they suffice)."""
         key = ContainerKey(namespace, pod, container)
+        donor = self.assigned.get(ContainerKey(namespace, pod, reuse_from), {}) if reuse_from else {}
         answers: dict[str, pb.ContainerAllocateResponse] = {}
         for resource, count in requests.items():
             if count <= 0:
@@ -178,16 +182,18 @@ class KubeletEmulator:
             view = self.plugins.get(resource)
             if view is None:
                 raise AdmissionError(resource, None, "no device plugin registered for this resource")
+            reusable = donor.get(resource, [])[:count]
             held = {i for c in self.assigned.values() for i in c.get(resource, [])}
-            available = [i for i in self.healthy_devices(resource) if i not in held]
+            available = reusable + [i for i in self.healthy_devices(resource) if i not in held]
             if len(available) < count:
                 raise AdmissionError(resource, None, f"only {len(available)} devices free, need {count}")
             chosen = available[:count]
             try:
-                if view.options.get_preferred_allocation_available:
+                if view.options.get_preferred_allocation_available and len(reusable) < count:
                     t0 = time.perf_counter()
                     pref = await view.stub.GetPreferredAllocation(pb.PreferredAllocationRequest(container_requests=[
-                        pb.ContainerPreferredAllocationRequest(available_deviceIDs=available, allocation_size=count)
+                        pb.ContainerPreferredAllocationRequest(available_deviceIDs=available,
+                                                               must_include_deviceIDs=reusable, allocation_size=count)
                     ]), timeout=10)
                     self.call_times.append(("GetPreferredAllocation", resource, time.perf_counter() - t0))
                     chosen = list(pref.container_responses[0].deviceIDs)

@@ -145,6 +145,8 @@ class Reconciler:
                 log.info("pod_resources_external_devices", count=len(external))
                 self.allocator.external_held = external
             self._learn_identities(by_id)
+        for alloc_id in [i for i in self._regions if i not in self.allocator.allocations]:
+            self._regions.pop(alloc_id).close()  # abandoned by the allocator
         now = time.time()
         for alloc in list(self.allocator.allocations.values()):
             if self._ended(alloc, by_id if held is not None else None, now):

@@ -217,3 +217,39 @@ async def test_node_annotation_tells_the_scheduler_what_is_free(root, kubelet, a
         assert devices["memoryUnitMiB"] == 1024
         assert [(g["uuid"], g["memoryUnits"], g["memoryUnitsFree"], g["computeUnitsFree"], g["healthy"])
                 for g in devices["gpus"]] == [(sim_uuid(0), 16, 13, 60, True), (sim_uuid(1), 16, 16, 100, True)]
+
+
+async def test_refused_second_resource_abandons_the_half_made_allocation(root, kubelet):
+    # Without an API server the agent places memory knowing nothing of the compute that follows.
+    async with running_agent(node_settings(root)) as running:
+        await registered(kubelet)
+        await kubelet.admit("default", "hog", "main", {MEM: 1, SM: 95})  # GPU 0: 5 % compute left
+        with pytest.raises(AdmissionError) as err:
+            await kubelet.admit("default", "late", "main", {MEM: 4, SM: 20})  # binpack: memory to GPU 0
+        assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "needs 20 on the same GPU" in err.value.details
+        assert len(running.agent.allocator.allocations) == 1  # the half-made allocation is gone
+        assert len(list((root / "ws").iterdir())) == 1
+        # kubelet frees what it gave the failed pod; those units are usable at once.
+        kubelet.remove_pod("default", "late")
+        answers = await kubelet.admit("default", "small", "main", {MEM: 15, SM: 5})
+        assert answers[MEM].envs[ENV_VISIBLE_DEVICES] == sim_uuid(0)
+
+
+async def test_app_container_reuses_its_init_containers_devices(root, kubelet, api, k8s):
+    pod = make_pod("staged", node=NODE, restart_policy="Never",
+                   init_containers=[{"name": "prepare", "memory": 2, "compute": 10}],
+                   containers=[{"name": "main", "memory": 2, "compute": 10}])
+    api.add_pod(pod)
+    async with running_agent(node_settings(root), k8s()) as running:
+        await registered(kubelet)
+        init = await kubelet.admit("default", "staged", "prepare", {MEM: 2, SM: 10})
+        api.set_container_terminated("default", "staged", "prepare", exit_code=0, init=True)
+        main = await kubelet.admit("default", "staged", "main", {MEM: 2, SM: 10}, reuse_from="prepare")
+        held = kubelet.assigned
+        keys = {k.container: k for k in held}
+        assert held[keys["main"]] == held[keys["prepare"]]  # kubelet reused the very same device IDs
+        assert main[MEM].envs[ENV_VISIBLE_DEVICES] == init[MEM].envs[ENV_VISIBLE_DEVICES]
+        by_container = {a.container: a for a in running.agent.allocator.allocations.values()}
+        assert by_container["main"].all_ids() == {i for ids in held[keys["main"]].values() for i in ids}
+        assert not by_container.get("prepare") or not by_container["prepare"].all_ids()
