@@ -3,7 +3,9 @@
  * Cost of a launch = the shim's estimate of its GPU time, per CUfunction (per CUgraphExec for graph launches):
  *   - each thread keeps at most one sample in flight: an event pair around one launch (the first launch of a
  *     function not yet measured, then 1 in SAMPLE_EVERY launches); when the end event has completed, the elapsed
- *     time updates the function's estimate (moving average, 1/4 weight to the new sample). Unmeasured: 20 us.
+ *     time updates the function's estimate (moving average, 1/4 weight to the new sample). A function still
+ *     unmeasured is charged 20 us, and its launch first waits for the thread's sample in flight to complete, so
+ *     an unknown kernel is never queued many times on a guess (one short stall per new kernel, at warm-up).
  *   - true-up: every FENCE_EVERY launches (or FENCE_EVERY_NS of estimated work) the thread records a fence event on
  *     the stream. When a fence was recorded while the previous fence on the same stream was still pending, the GPU
  *     ran the work between them back to back, so their elapsed time is exactly the GPU time of that work: the
@@ -319,6 +321,20 @@ static void poll_sample(void)
     atomic_store_explicit(&e->ns, old ? (3 * old + ns) / 4 : ns, memory_order_relaxed);
 }
 
+static void wait_sample(void)
+{
+    uint64_t t0 = alnair_now_ns(), nap = 10000;
+    poll_sample();
+    while (T.s_busy) {
+        alnair_sleep_ns(nap);
+        nap = nap * 2 > 1000000 ? 1000000 : nap * 2;
+        poll_sample();
+    }
+    struct alnair_region_slot *s = alnair_slot();
+    if (s != NULL)
+        RADD(s->wait_ns, alnair_now_ns() - t0);
+}
+
 /* ---- the metered path ------------------------------------------------------------------------------------------ */
 struct pre {
     uintptr_t key;
@@ -361,6 +377,8 @@ static __attribute__((noinline)) void pre_launch(struct pre *p, uintptr_t key, C
     if (quiet && T.fcount > 0 && T.charged - T.completed_charged > INFLIGHT_MAX_NS)
         wait_inflight(INFLIGHT_MAX_NS, NFENCE);
     T.launches++;
+    if (quiet && est == 0 && T.s_busy && e != NULL)
+        wait_sample(); /* an unmeasured kernel is never queued twice on a guess: measure it first */
     if (quiet && !T.s_busy && e != NULL && (est == 0 || T.launches % SAMPLE_EVERY == 0) && ensure_ctx() == 0 &&
         get_event(&T.s_start) == 0 && get_event(&T.s_end) == 0 && record(T.s_start, s, pt) == 0)
         p->sampled = 1;

@@ -362,6 +362,15 @@ static void run_op(const char *op, int argc, char **argv, int i)
         printf("run launches=%llu bad=%llu gpu_ns=%llu wall_ns=%llu cpu_ns=%llu\n", (unsigned long long)n,
                (unsigned long long)bad, (unsigned long long)(n * b), (unsigned long long)wall,
                (unsigned long long)used);
+    } else if (sscanf(op, "burst:%llu:%llu", &a, &b) == 2) {
+        /* a launches of b ns as fast as they go, then wait for the GPU: how long until the work is done */
+        uint64_t t0 = mono(), bad = 0;
+        for (unsigned long long k = 0; k < a; k++)
+            bad += launch("launch", b, NULL) != CUDA_SUCCESS;
+        uint64_t enq = mono() - t0;
+        api.StreamSync(NULL);
+        printf("burst launches=%llu bad=%llu gpu_ns=%llu enqueue_ns=%llu wall_ns=%llu\n", a, (unsigned long long)bad,
+               a * b, (unsigned long long)enq, (unsigned long long)(mono() - t0));
     } else if (sscanf(op, "sleep:%llu", &a) == 1) {
         usleep((useconds_t)(a * 1000));
     } else if (!strcmp(op, "hold")) {

@@ -1,0 +1,88 @@
+"""Compute limits: launches take GPU-time tokens from the region's grant line; a capped process gets about its
+share of (simulated) GPU time, waits without burning a core, cannot bank work in the driver's queue, and keeps
+its cap when the agent's heartbeat goes stale. Bounds are generous: these run on shared CI machines."""
+
+from __future__ import annotations
+
+import pytest
+
+from alnair_agent.region import Region, monotonic_ns, rate_for_percent
+
+KINDS = ["launch", "launchex", "coop", "graph"]
+
+
+def share(res) -> tuple[float, float]:
+    run = res.line("run")
+    assert run["bad"] == "0"
+    wall = int(run["wall_ns"])
+    return int(run["gpu_ns"]) / wall, int(run["cpu_ns"]) / wall
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_capped_process_gets_its_share_and_sleeps_while_waiting(runner, make_region, kind):
+    region = make_region(compute_limit=30)
+    res = runner.run("init", f"run:1500:1000000:{kind}", region=region)
+    gpu, cpu = share(res)
+    assert 0.18 <= gpu <= 0.45, res.lines
+    assert cpu < 0.3, f"waiting burned {cpu:.0%} of a core"
+    [slot] = Region.open(region).slots()
+    assert slot.wait_ns > 500_000_000  # most of the run was spent waiting for tokens
+    assert slot.tokens_taken > 0.2e9
+
+
+def test_per_thread_route_is_capped_too(runner, make_region):
+    region = make_region(compute_limit=30)
+    gpu, _ = share(runner.run("route=gpa", "pt=1", "init", "run:1500:1000000", region=region))
+    assert 0.18 <= gpu <= 0.45
+
+
+def test_uncapped_process_runs_at_full_speed_and_takes_no_tokens(runner, make_region):
+    region = make_region(memory_limit=1 << 30, compute_limit=0)
+    gpu, _ = share(runner.run("init", "run:800:1000000", region=region))
+    assert gpu > 0.8
+    [slot] = Region.open(region).slots()
+    assert slot.launches > 500 and slot.tokens_taken == 0 and slot.wait_ns == 0
+
+
+def test_the_agents_rate_is_followed(runner, make_region):
+    region = make_region(compute_limit=30)
+    r = Region.open(region)
+    r.set_grant_line(rate_for_percent(60))  # the dispatcher corrects the rate; the shim follows the line
+    gpu, _ = share(runner.run("init", "run:1500:1000000", region=region))
+    assert 0.45 <= gpu <= 0.8
+
+
+def test_stale_heartbeat_keeps_the_last_cap(runner, make_region):
+    region = make_region(compute_limit=25)
+    r = Region.open(region)
+    r.beat(monotonic_ns() - 60_000_000_000)  # the agent last ticked a minute ago, then died
+    gpu, _ = share(runner.run("init", "run:1500:1000000", region=region))
+    assert 0.12 <= gpu <= 0.4  # never stalled, never uncapped
+
+
+def test_work_cannot_be_banked_in_the_launch_queue(runner, make_region):
+    """100 launches of a 2 ms kernel the shim has never seen: at 20 % they need about 1 s, not 0.2 s."""
+    region = make_region(compute_limit=20)
+    res = runner.run("init", "burst:100:2000000", region=region)
+    b = res.line("burst")
+    assert b["bad"] == "0"
+    assert int(b["wall_ns"]) > 600_000_000, res.lines
+    plain = runner.run("init", "burst:100:2000000", preload=False).line("burst")
+    assert int(plain["wall_ns"]) < 400_000_000  # what banking would have looked like
+
+
+def test_two_processes_share_one_containers_cap(runner, make_region):
+    region = make_region(compute_limit=40)
+    procs = [runner.start("init", "run:2000:1000000", "hold", region=region) for _ in range(2)]
+    from conftest import release, wait_holding
+
+    total = 0.0
+    try:
+        for p in procs:
+            lines = wait_holding(p)
+            run = dict(w.split("=") for w in lines[-2].split() if "=" in w)
+            total += int(run["gpu_ns"]) / int(run["wall_ns"])
+    finally:
+        for p in procs:
+            release(p)
+    assert 0.25 <= total <= 0.6, total  # together about 40 %, not 40 % each
