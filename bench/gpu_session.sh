@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Every GPU test and the shim benchmarks, on the device machine, in one call:
+#   bash bench/gpu_session.sh            (results and logs into $OUT, else bench/out)
+# Builds the shim (make -C shim BUILD=/tmp/shim), runs all tests marked gpu under tests/gpu (anyone's), then
+# bench/launch_overhead.py and bench/cuda_startup.py. pytest runs without this repo's setup.cfg (-c /dev/null):
+# the device has no pytest-asyncio, and tests/gpu need none. Exit status: non-zero if any step failed.
+set -u -o pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/bench/out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+{
+  date -u
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+  python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
+  echo "kernel $(uname -r), $(nproc) cpus, $(cc --version | head -1)"
+} > "$OUT/machine.txt" 2>&1
+cat "$OUT/machine.txt"
+
+make -s -C shim BUILD=/tmp/shim || exit 1
+export ALNAIR_SHIM=/tmp/shim/libalnair.so ALNAIR_GPU_RESULTS="$OUT"
+rc=0
+timeout 420 python3 -m pytest -c /dev/null --rootdir=. --confcutdir=tests/gpu -p no:cacheprovider -m gpu tests/gpu \
+  -v -rs -W ignore::pytest.PytestUnknownMarkWarning 2>&1 | tee "$OUT/gpu_tests.log" || rc=1
+timeout 150 python3 bench/launch_overhead.py --shim "$ALNAIR_SHIM" --json "$OUT/launch_overhead.json" 2>&1 \
+  | tee "$OUT/bench.log" || rc=1
+timeout 300 python3 bench/cuda_startup.py --shim "$ALNAIR_SHIM" --json "$OUT/cuda_startup.json" 2>&1 \
+  | tee -a "$OUT/bench.log" || rc=1
+exit $rc

@@ -1,0 +1,135 @@
+"""The real shim under PyTorch on a real GPU (run on the H200 by bench/gpu_session.sh; skipped elsewhere).
+
+Each case runs tests/gpu/shim_torch_child.py in a child process with LD_PRELOAD=libalnair.so set before torch loads.
+The shim is $ALNAIR_SHIM if set, else built here with `make -C shim`. Needs only the standard library and torch
+(no pytest-asyncio): figures are also written to $ALNAIR_GPU_RESULTS/shim_gpu.json when that is set.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+from alnair_agent.region import Region  # noqa: E402
+
+CHILD = Path(__file__).with_name("shim_torch_child.py")
+GiB = 1 << 30
+
+pytestmark = pytest.mark.gpu
+
+
+def _gpu_present() -> bool:
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        return False
+    return shutil.which("nvidia-smi") is not None and subprocess.run(
+        [sys.executable, "-c", "import torch,sys; sys.exit(0 if torch.cuda.is_available() else 1)"],
+        capture_output=True).returncode == 0
+
+
+if not _gpu_present():
+    pytest.skip("needs an NVIDIA GPU and PyTorch", allow_module_level=True)
+
+RESULTS: dict = {}
+
+
+@pytest.fixture(scope="module")
+def shim() -> str:
+    if os.environ.get("ALNAIR_SHIM"):
+        return os.environ["ALNAIR_SHIM"]
+    out = tempfile.mkdtemp(prefix="alnair-shim-")
+    subprocess.run(["make", "-s", "-C", str(ROOT / "shim"), f"BUILD={out}"], check=True)
+    return f"{out}/libalnair.so"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _write_results():
+    yield
+    out = os.environ.get("ALNAIR_GPU_RESULTS")
+    if out:
+        Path(out, "shim_gpu.json").write_text(json.dumps(RESULTS, indent=2))
+
+
+@pytest.fixture
+def region_dir():
+    d = tempfile.mkdtemp(prefix="alnair-region-")
+    yield Path(d)
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def child(*args: str, shim: str | None = None, region: Path | None = None, timeout: float = 300) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ALNAIR_", "LD_PRELOAD"))}
+    if shim:
+        env["LD_PRELOAD"] = shim
+    if region:
+        env["ALNAIR_REGION"] = str(region)
+    p = subprocess.run([sys.executable, str(CHILD), *args], env=env, capture_output=True, text=True, timeout=timeout)
+    assert p.returncode == 0, p.stderr[-4000:]
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def make(region_dir: Path, memory: int, compute: int) -> Path:
+    path = region_dir / "region"
+    Region.create(path, memory, compute).close()
+    return path
+
+
+def test_mem_get_info_and_nvml_report_the_limit(shim, region_dir):
+    res = child("meminfo", shim=shim, region=make(region_dir, 16 * GiB, 0))
+    RESULTS["meminfo_16GiB"] = res
+    assert res["total"] == 16 * GiB
+    assert res["device_total"] == 16 * GiB
+    assert 0 < res["free"] <= 16 * GiB
+    assert res["nvml_rc"] == 0 and res["nvml_total"] == 16 * GiB and res["nvml_used"] + res["nvml_free"] <= 16 * GiB
+    if "pynvml_total" in res:
+        assert res["pynvml_total"] == 16 * GiB
+
+
+def test_allocation_stops_between_15_5_and_16_GiB(shim, region_dir):
+    region = make(region_dir, 16 * GiB, 0)
+    res = child("oom", str(256 << 20), shim=shim, region=region)
+    RESULTS["oom_16GiB"] = {k: v for k, v in res.items() if k != "slots"}
+    assert "error" in res, res  # torch.cuda.OutOfMemoryError was raised
+    assert 15.5 * GiB <= res["allocated"] <= 16 * GiB
+    assert res["free"] <= res["total"] == 16 * GiB
+
+
+def test_training_and_cuda_graphs_unchanged_without_limits(shim):
+    plain = child("train")
+    shimmed = child("train", shim=shim)
+    RESULTS["train_no_limits"] = {"plain": plain, "shim": shimmed}
+    assert all(math.isfinite(x) for x in plain["losses"])
+    assert shimmed["losses"] == pytest.approx(plain["losses"], rel=1e-5, abs=1e-6)
+    assert shimmed["graph_sums"] == pytest.approx(plain["graph_sums"], rel=1e-5)
+    assert plain["graph_sums"][-1] == pytest.approx(plain["eager_last"], rel=1e-3)
+
+
+def test_training_under_limits_is_metered(shim, region_dir):
+    region = make(region_dir, 16 * GiB, 50)
+    res = child("train", shim=shim, region=region)
+    RESULTS["train_limited"] = res
+    assert all(math.isfinite(x) for x in res["losses"])
+    assert res["graph_sums"][-1] == pytest.approx(res["eager_last"], rel=1e-3)
+    [slot] = res["slots"]
+    assert slot["launches"] > 100 and slot["tokens_taken"] > 0
+    assert 0 < slot["memory_used"] <= 16 * GiB
+
+
+def test_compute_cap_throttles_a_matmul_loop(shim, region_dir):
+    uncapped = child("throughput", "4", shim=shim, region=make(region_dir, 0, 0))
+    capped = child("throughput", "4", shim=shim, region=make(region_dir, 0, 30))
+    RESULTS["throughput"] = {"uncapped": uncapped, "capped_30": capped}
+    [slot] = capped["slots"]
+    assert slot["tokens_taken"] > 0 and slot["launches"] > 0  # the launches are metered
+    assert capped["utilization"] < 0.5 * max(uncapped["utilization"], 0.6)
