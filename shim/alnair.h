@@ -34,7 +34,7 @@ extern void *_Atomic alnair_real_fn[H_COUNT];
 void *alnair_real_slow(int id);
 static inline void *alnair_real(int id)
 {
-    void *p = atomic_load_explicit(&alnair_real_fn[id], memory_order_relaxed);
+    void *p = atomic_load_explicit(&alnair_real_fn[id], memory_order_acquire); /* a plain load on x86 */
     return LIKELY(p != NULL) ? p : alnair_real_slow(id);
 }
 /* REAL(cuMemAlloc_v2) is the real function, typed like the hook of the same name. */

@@ -33,6 +33,7 @@
 #define FENCE_EVERY_NS 2000000ull
 #define NFENCE 16u
 #define INFLIGHT_MAX_NS ALNAIR_TOKEN_BURST_NS
+#define WAIT_GIVE_UP_NS 2000000000ull /* no GPU progress this long: stop waiting on our own events */
 #define EST_BITS 13
 #define EST_SLOTS (1u << EST_BITS)
 
@@ -261,11 +262,19 @@ static void poll_fences(void)
 /* Sleep until at most `max_ns` of charged work and fewer than `max_fences` fences are pending on the GPU. */
 static void wait_inflight(uint64_t max_ns, unsigned max_fences)
 {
-    uint64_t t0 = 0, nap = 20000;
+    uint64_t t0 = 0, nap = 20000, progress = T.completed_charged, since = 0;
     poll_fences();
     while (T.fcount > 0 && (T.charged - T.completed_charged > max_ns || T.fcount >= max_fences)) {
+        uint64_t now = alnair_now_ns();
         if (t0 == 0)
-            t0 = alnair_now_ns();
+            t0 = since = now;
+        if (T.completed_charged != progress) {
+            progress = T.completed_charged;
+            since = now;
+        } else if (now - since > WAIT_GIVE_UP_NS) {
+            drop_events(); /* the GPU made no progress for WAIT_GIVE_UP_NS: never stall the workload on our fences */
+            break;
+        }
         alnair_sleep_ns(nap);
         nap = nap * 2 > 1000000 ? 1000000 : nap * 2;
         poll_fences();
@@ -325,11 +334,13 @@ static void wait_sample(void)
 {
     uint64_t t0 = alnair_now_ns(), nap = 10000;
     poll_sample();
-    while (T.s_busy) {
+    /* bounded: work queued ahead of the sample may wait on something this thread has yet to do */
+    while (T.s_busy && alnair_now_ns() - t0 < WAIT_GIVE_UP_NS / 10) {
         alnair_sleep_ns(nap);
         nap = nap * 2 > 1000000 ? 1000000 : nap * 2;
         poll_sample();
     }
+    T.s_busy = 0; /* measured, or given up on: that sample is abandoned */
     struct alnair_region_slot *s = alnair_slot();
     if (s != NULL)
         RADD(s->wait_ns, alnair_now_ns() - t0);
