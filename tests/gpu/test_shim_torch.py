@@ -68,8 +68,11 @@ def region_dir():
     shutil.rmtree(d, ignore_errors=True)
 
 
-def child(*args: str, shim: str | None = None, region: Path | None = None, timeout: float = 300) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("ALNAIR_", "LD_PRELOAD"))}
+def child(*args: str, shim: str | None = None, region: Path | None = None, timeout: float = 300,
+          env: dict | None = None) -> dict:
+    extra = env or {}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ALNAIR_", "LD_PRELOAD", "PYTORCH_CUDA_ALLOC"))}
+    env.update({k: v for k, v in extra.items() if v})
     if shim:
         env["LD_PRELOAD"] = shim
     if region:
@@ -96,10 +99,16 @@ def test_mem_get_info_and_nvml_report_the_limit(shim, region_dir):
         assert res["pynvml_total"] == 16 * GiB
 
 
-def test_allocation_stops_between_15_5_and_16_GiB(shim, region_dir):
+# PyTorch's allocator backends reach different driver APIs: cuMemAlloc_v2 (native), cuMemCreate (expandable
+# segments), cuMemAllocFromPoolAsync (cudaMallocAsync).
+BACKENDS = {"native": "", "expandable": "expandable_segments:True", "async": "backend:cudaMallocAsync"}
+
+
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_allocation_stops_between_15_5_and_16_GiB(shim, region_dir, backend):
     region = make(region_dir, 16 * GiB, 0)
-    res = child("oom", str(256 << 20), shim=shim, region=region)
-    RESULTS["oom_16GiB"] = {k: v for k, v in res.items() if k != "slots"}
+    res = child("oom", str(256 << 20), shim=shim, region=region, env={"PYTORCH_CUDA_ALLOC_CONF": BACKENDS[backend]})
+    RESULTS[f"oom_16GiB_{backend}"] = {k: v for k, v in res.items() if k != "slots"}
     assert "error" in res, res  # torch.cuda.OutOfMemoryError was raised
     assert 15.5 * GiB <= res["allocated"] <= 16 * GiB
     assert res["free"] <= res["total"] == 16 * GiB
