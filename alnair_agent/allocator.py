@@ -37,6 +37,7 @@ from alnair_agent.constants import (
 from alnair_agent.inventory import Inventory, UnknownDevice
 from alnair_agent.placement import GpuRoom, choose_gpu
 from alnair_agent.pods import ContainerRequest
+from alnair_agent.region import RegionError
 from alnair_agent.workspace import Allocation, Workspace, new_allocation_id
 
 log = structlog.get_logger(__name__)
@@ -348,7 +349,7 @@ class Allocator:
                     region.close()
                 alloc.memory_limit, alloc.compute_limit = memory_limit, compute_limit
             self.workspace.save(alloc)
-        except OSError as e:
+        except (OSError, RegionError) as e:
             alloc.device_ids.pop(resource, None)
             raise AllocationError(grpc.StatusCode.INTERNAL, f"cannot update {alloc.describe()}: {e}") from e
         return alloc
@@ -370,6 +371,6 @@ class Allocator:
 
     def _mounts(self, alloc: Allocation) -> list[tuple[str, str, bool]]:
         return [
-            (CONTAINER_RUN_DIR, str(self.workspace.path(alloc.id)), False),
+            (CONTAINER_RUN_DIR, str(self.workspace.container_folder(alloc.id)), False),
             (CONTAINER_SHIM_DIR, self.shim_dir, True),
         ]

@@ -35,6 +35,9 @@ CONTAINER_SHIM_DIR = "/opt/alnair/lib"
 SHIM_LIBRARY = "libalnair.so"
 CONTAINER_SHIM_PATH = f"{CONTAINER_SHIM_DIR}/{SHIM_LIBRARY}"
 REGION_FILE_NAME = "region"
+# Inside ALNAIR_WORKSPACE/<allocation-id>/: only this sub-folder is mounted into the container (read-write);
+# the allocation record beside it stays out of the container's reach.
+CONTAINER_FOLDER_NAME = "run"
 ALLOCATION_FILE_NAME = "allocation.json"
 
 # -- annotations (pods and nodes) ---------------------------------------------------------------------------

@@ -114,6 +114,21 @@ class Reconciler:
         self._regions: dict[str, Region] = {}
         self.kick = asyncio.Event()
 
+    def _figures(self, alloc: Allocation, state: str) -> dict[str, object]:
+        region = self._region(alloc.id)
+        try:
+            return figures(alloc, region, state)
+        except RegionError as e:
+            # The container truncated or replaced its region: drop our handle, report what we know.
+            log.warning("region_unreadable", allocation=alloc.id, error=str(e))
+            self._forget_region(alloc.id)
+            return figures(alloc, None, state)
+
+    def _forget_region(self, alloc_id: str) -> None:
+        region = self._regions.pop(alloc_id, None)
+        if region is not None:
+            region.close()
+
     def _region(self, alloc_id: str) -> Region | None:
         region = self._regions.get(alloc_id)
         if region is None:
@@ -146,15 +161,14 @@ class Reconciler:
                 self.allocator.external_held = external
             self._learn_identities(by_id)
         for alloc_id in [i for i in self._regions if i not in self.allocator.allocations]:
-            self._regions.pop(alloc_id).close()  # abandoned by the allocator
+            self._forget_region(alloc_id)  # abandoned by the allocator
         now = time.time()
         for alloc in list(self.allocator.allocations.values()):
             if self._ended(alloc, by_id if held is not None else None, now):
                 await self._retire(alloc)
             elif self.annotations is not None and alloc.identified:
                 self.annotations.set_pod(alloc.namespace, alloc.pod_name, {
-                    annotation_key(alloc.container): json.dumps(figures(alloc, self._region(alloc.id), "running"),
-                                                                sort_keys=True)})
+                    annotation_key(alloc.container): json.dumps(self._figures(alloc, "running"), sort_keys=True)})
         if self.annotations is not None:
             self.annotations.set_node({C.NODE_GPU_DEVICES: json.dumps(node_gpu_devices(self.allocator), sort_keys=True)})
 
@@ -179,16 +193,13 @@ class Reconciler:
         return not in_use and now - alloc.created_at > self.unseen_grace_s
 
     async def _retire(self, alloc: Allocation) -> None:
-        region = self._region(alloc.id)
         if self.annotations is not None and alloc.identified:
             self.annotations.set_pod(alloc.namespace, alloc.pod_name, {
-                annotation_key(alloc.container): json.dumps(figures(alloc, region, "ended"), sort_keys=True)})
+                annotation_key(alloc.container): json.dumps(self._figures(alloc, "ended"), sort_keys=True)})
             if not await self.annotations.flush(timeout=10.0):
                 log.warning("allocation_final_figures_pending", allocation=alloc.id)
                 return  # keep the workspace until the figures are written; retried next round
-        if region is not None:
-            region.close()
-            self._regions.pop(alloc.id, None)
+        self._forget_region(alloc.id)
         self.workspace.remove(alloc.id)
         self.allocator.remove(alloc.id)
         if self.annotations is not None and alloc.identified and self._pod_gone(alloc):

@@ -2,12 +2,15 @@
 
 The layout comes from `alnair_agent.region_layout`; nothing here hard-codes an offset. Everything read from
 the slots was written by the container and is untrusted: values are bounds-checked before anyone uses them.
+
+The agent reads and writes the file with pread/pwrite, never through a mapping: the container can truncate the
+file, and a mapped page past the end would kill the agent with SIGBUS. A short read is a RegionError instead.
 """
 
 from __future__ import annotations
 
-import mmap
 import os
+import stat
 import struct
 import time
 from dataclasses import dataclass
@@ -77,9 +80,9 @@ def rate_for_percent(percent: int) -> int:
 class Region:
     """An open, mmap'd region file. Use `Region.create` for a new container, `Region.open` after a restart."""
 
-    def __init__(self, path: Path, mm: mmap.mmap) -> None:
+    def __init__(self, path: Path, fd: int) -> None:
         self.path = path
-        self._mm = mm
+        self._fd = fd
 
     # -- lifetime -------------------------------------------------------------------------------------------
     @classmethod
@@ -90,13 +93,13 @@ class Region:
         if not 0 <= compute_limit <= 100:
             raise ValueError(f"compute_limit must be 0..100 percent, got {compute_limit}")
         tmp = path.with_name(path.name + ".tmp")
-        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o666)
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o666)
         try:
             os.ftruncate(fd, L.REGION_SIZE)
-            mm = mmap.mmap(fd, L.REGION_SIZE)
-        finally:
+        except OSError:
             os.close(fd)
-        region = cls(path, mm)
+            raise
+        region = cls(path, fd)
         region._put(_HEADER, "magic", L.MAGIC)
         region._put(_HEADER, "version", L.VERSION)
         region._put(_HEADER, "size", L.REGION_SIZE)
@@ -114,17 +117,21 @@ class Region:
     def open(cls, path: Path) -> "Region":
         """Map an existing region, refusing one with a bad size, magic or version."""
         try:
-            fd = os.open(path, os.O_RDWR)
+            # The container can replace the file with a link to anything on the host: never follow one.
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK)
         except OSError as e:
             raise RegionError(f"region {path}: cannot open: {e.strerror}") from e
         try:
-            size = os.fstat(fd).st_size
+            st = os.fstat(fd)
+            size = st.st_size
+            if not stat.S_ISREG(st.st_mode):
+                raise RegionError(f"region {path}: not a regular file")
             if size != L.REGION_SIZE:
                 raise RegionError(f"region {path}: size {size} bytes, expected {L.REGION_SIZE}")
-            mm = mmap.mmap(fd, L.REGION_SIZE)
-        finally:
+        except BaseException:
             os.close(fd)
-        region = cls(path, mm)
+            raise
+        region = cls(path, fd)
         magic, version = region._get(_HEADER, "magic"), region._get(_HEADER, "version")
         if magic != L.MAGIC or version != L.VERSION:
             region.close()
@@ -134,16 +141,24 @@ class Region:
         return region
 
     def close(self) -> None:
-        self._mm.close()
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
 
     # -- raw access -----------------------------------------------------------------------------------------
+    def _read(self, offset: int, size: int) -> bytes:
+        data = os.pread(self._fd, size, offset)
+        if len(data) != size:
+            raise RegionError(f"region {self.path}: truncated (read {len(data)} of {size} bytes at {offset})")
+        return data
+
     def _get(self, block: dict[str, tuple[int, str]], field: str, base: int = 0) -> int:
         off, fmt = block[field]
-        return struct.unpack_from(fmt, self._mm, base + off)[0]
+        return struct.unpack(fmt, self._read(base + off, struct.calcsize(fmt)))[0]
 
     def _put(self, block: dict[str, tuple[int, str]], field: str, value: int, base: int = 0) -> None:
         off, fmt = block[field]
-        struct.pack_into(fmt, self._mm, base + off, value)
+        os.pwrite(self._fd, struct.pack(fmt, value), base + off)
 
     def _aget(self, field: str) -> int:
         return self._get(_AGENT, field, L.HEADER_SIZE)
@@ -206,15 +221,12 @@ class Region:
     # -- slots (written by the container: untrusted) --------------------------------------------------------
     def slots(self) -> list[SlotReading]:
         """The claimed slots. A slot with a pid <= 0 is free (or garbage only the container could have written)."""
-        view = memoryview(self._mm)[L.SLOTS_OFFSET:L.SLOTS_OFFSET + L.MAX_SLOTS * L.SLOT_SIZE]
-        try:
-            return [
-                SlotReading(i, *(values[k] for k in _SLOT_READ))
-                for i, values in enumerate(_SLOT_STRUCT.iter_unpack(view))
-                if values[_SLOT_READ[0]] > 0
-            ]
-        finally:
-            view.release()
+        data = self._read(L.SLOTS_OFFSET, L.MAX_SLOTS * L.SLOT_SIZE)
+        return [
+            SlotReading(i, *(values[k] for k in _SLOT_READ))
+            for i, values in enumerate(_SLOT_STRUCT.iter_unpack(data))
+            if values[_SLOT_READ[0]] > 0
+        ]
 
     def memory_in_use(self) -> int:
         """Bytes the container's live slots claim to hold, clamped to the limit so a liar cannot overflow us."""

@@ -1,4 +1,7 @@
-"""Per-container workspaces on the host: ALNAIR_WORKSPACE/<allocation-id>/{allocation.json, region}.
+"""Per-container workspaces on the host: ALNAIR_WORKSPACE/<allocation-id>/{allocation.json, run/region}.
+
+Only `run/` is mounted into the container. The container can write anything there (it is untrusted), so the
+record the agent restarts from lives beside it, out of reach, and the region is opened without following links.
 
 The allocation record is what survives an agent restart; it is written atomically (temp file + rename) before
 kubelet gets the Allocate answer, so no answered allocation is ever unknown after a restart.
@@ -17,7 +20,7 @@ from pathlib import Path
 
 import structlog
 
-from alnair_agent.constants import ALLOCATION_FILE_NAME, REGION_FILE_NAME, RESOURCES
+from alnair_agent.constants import ALLOCATION_FILE_NAME, CONTAINER_FOLDER_NAME, REGION_FILE_NAME, RESOURCES
 from alnair_agent.region import Region
 
 log = structlog.get_logger(__name__)
@@ -92,11 +95,18 @@ class Workspace:
             raise ValueError(f"bad allocation id {alloc_id!r}")
         return self.root / alloc_id
 
+    def container_folder(self, alloc_id: str) -> Path:
+        """The host folder mounted at /run/alnair in the container."""
+        return self.path(alloc_id) / CONTAINER_FOLDER_NAME
+
     def create(self, alloc: Allocation) -> Region:
         """Create the container's folder, its region (with the limits) and its record."""
         folder = self.path(alloc.id)
         folder.mkdir(mode=0o755)
-        region = Region.create(folder / REGION_FILE_NAME, alloc.memory_limit, alloc.compute_limit)
+        self.container_folder(alloc.id).mkdir(mode=0o777)
+        os.chmod(self.container_folder(alloc.id), 0o777)  # a container may run as any user
+        region = Region.create(self.container_folder(alloc.id) / REGION_FILE_NAME, alloc.memory_limit,
+                               alloc.compute_limit)
         self.save(alloc)
         return region
 
@@ -108,7 +118,7 @@ class Workspace:
         os.replace(tmp, folder / ALLOCATION_FILE_NAME)
 
     def open_region(self, alloc_id: str) -> Region:
-        return Region.open(self.path(alloc_id) / REGION_FILE_NAME)
+        return Region.open(self.container_folder(alloc_id) / REGION_FILE_NAME)
 
     def load_all(self) -> list[Allocation]:
         """Every readable record; unreadable folders are logged and left alone (never deleted blindly)."""

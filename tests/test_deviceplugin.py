@@ -253,3 +253,29 @@ async def test_app_container_reuses_its_init_containers_devices(root, kubelet, a
         by_container = {a.container: a for a in running.agent.allocator.allocations.values()}
         assert by_container["main"].all_ids() == {i for ids in held[keys["main"]].values() for i in ids}
         assert not by_container.get("prepare") or not by_container["prepare"].all_ids()
+
+
+async def test_container_cannot_hurt_the_agent_through_its_folder(root, kubelet, api, k8s):
+    """The container's /run/alnair is writable by it: a truncated region, a region replaced by a link to a host
+    file, and garbage in the slots must neither crash the agent nor make it write outside the folder."""
+    victim = root / "host-file"
+    victim.write_bytes(b"precious")
+    async with running_agent(node_settings(root), k8s()) as running:
+        await registered(kubelet)
+        answers = [await admit_pod(api, kubelet, f"evil-{n}", memory=1, compute=10) for n in range(3)]
+        folders = [Path(next(m.host_path for m in a[MEM].mounts if m.container_path == "/run/alnair")) for a in answers]
+        assert all(not (f / "allocation.json").exists() for f in folders)  # the record is out of reach
+        await running.agent.reconciler.once()  # the agent now holds every region open
+        (folders[0] / "region").write_bytes(b"short")  # truncated under the agent
+        (folders[1] / "region").unlink()
+        (folders[1] / "region").symlink_to(victim)  # a link to a host file
+        with open(folders[2] / "region", "r+b") as f:  # slots full of lies
+            f.seek(128)
+            f.write(b"\xff" * 64 * 64)
+        for _ in range(10):
+            await running.agent.reconciler.once()
+            running.agent.reconciler.beat()
+            await asyncio.sleep(0.05)
+        assert victim.read_bytes() == b"precious"
+        assert not running.task.done()
+        assert len(running.agent.allocator.allocations) == 3
