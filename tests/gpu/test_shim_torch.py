@@ -107,7 +107,7 @@ BACKENDS = {"native": "", "expandable": "expandable_segments:True", "async": "ba
 @pytest.mark.parametrize("backend", list(BACKENDS))
 def test_allocation_stops_between_15_5_and_16_GiB(shim, region_dir, backend):
     region = make(region_dir, 16 * GiB, 0)
-    res = child("oom", str(256 << 20), shim=shim, region=region, env={"PYTORCH_CUDA_ALLOC_CONF": BACKENDS[backend]})
+    res = child("oom", str(128 << 20), shim=shim, region=region, env={"PYTORCH_CUDA_ALLOC_CONF": BACKENDS[backend]})
     RESULTS[f"oom_16GiB_{backend}"] = {k: v for k, v in res.items() if k != "slots"}
     assert "error" in res, res  # torch.cuda.OutOfMemoryError was raised
     assert 15.5 * GiB <= res["allocated"] <= 16 * GiB

@@ -7,7 +7,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from alnair_agent.region import Region
-from conftest import MiB
+from shimkit import MiB
 
 LIMIT = 256 * MiB
 KINDS = ["alloc", "managed", "async", "pool", "vmm"]
@@ -31,7 +31,7 @@ def test_free_memory_is_always_limit_minus_what_is_held(runner, make_region, tmp
         args += ["free" if kind == "free" else f"{kind}:{size}", "info"]
     args.append("hold")
     p = runner.start(*args, region=region)
-    from conftest import release, wait_holding
+    from shimkit import release, wait_holding
 
     try:
         lines = wait_holding(p)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import subprocess
 
 from alnair_agent import region_layout
-from conftest import ROOT
+from shimkit import ROOT
 
 
 def test_checked_in_region_header_is_the_generated_one():

@@ -74,7 +74,7 @@ def test_work_cannot_be_banked_in_the_launch_queue(runner, make_region):
 def test_two_processes_share_one_containers_cap(runner, make_region):
     region = make_region(compute_limit=40)
     procs = [runner.start("init", "run:2000:1000000", "hold", region=region) for _ in range(2)]
-    from conftest import release, wait_holding
+    from shimkit import release, wait_holding
 
     total = 0.0
     try:

@@ -10,7 +10,7 @@ import pytest
 
 from alnair_agent import region_layout as L
 from alnair_agent.region import Region
-from conftest import GiB, MiB, kill9, release, wait_holding
+from shimkit import GiB, MiB, kill9, release, wait_holding
 
 # op that allocates, the bytes the shim must count for it, the same op past a 1 GiB limit, the driver entry point
 APIS = [
@@ -213,7 +213,7 @@ def test_the_agent_reads_what_the_shim_writes(runner, make_region):
 def test_only_the_shim_reads_the_environment_once(build):
     """Hot path hygiene: no getenv outside init/region setup, no locks in launch.c."""
     import re
-    from conftest import ROOT
+    from shimkit import ROOT
 
     for src in (ROOT / "shim").glob("*.c"):
         text = src.read_text()

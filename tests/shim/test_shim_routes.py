@@ -8,7 +8,7 @@ import os
 import pytest
 
 from alnair_agent.region import Region
-from conftest import GiB
+from shimkit import GiB
 
 ROUTES = [("route=direct",), ("route=dlsym",), ("route=gpa",),
           ("route=direct", "pt=1"), ("route=dlsym", "pt=1"), ("route=gpa", "pt=1")]
