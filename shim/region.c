@@ -297,20 +297,32 @@ uint64_t alnair_token_rate(void)
     return r ? RLOAD(r->agent.token_rate) : 0;
 }
 
+/* The sequence value an agent left odd when it died mid-write (0: none seen). */
+static _Atomic uint32_t stuck_seq;
+
 int64_t alnair_tokens_available(uint64_t now)
 {
     struct alnair_region *r = alnair_region;
-    uint64_t tokens, at, rate;
+    uint64_t tokens, at, rate, t0 = 0;
     for (unsigned spins = 0;; spins++) {
         uint32_t s1 = RLOAD(r->agent.grant_seq);
         tokens = RLOAD(r->agent.tokens_granted);
         at = RLOAD(r->agent.granted_at_ns);
         rate = RLOAD(r->agent.token_rate);
         uint32_t s2 = RLOAD(r->agent.grant_seq);
-        if (s1 == s2 && !(s1 & 1))
+        if (s1 == s2 && (!(s1 & 1) || s1 == atomic_load_explicit(&stuck_seq, memory_order_relaxed)))
             break;
-        if (spins > 64)
-            alnair_sleep_ns(1000); /* the agent is mid-write (or died there): never spin a core */
+        if (spins < 64)
+            continue;
+        alnair_sleep_ns(1000); /* the agent is mid-write (or died there): never spin a core */
+        uint64_t t = alnair_now_ns();
+        if (t0 == 0)
+            t0 = t;
+        else if (t - t0 > 2000000 && s1 == s2) {
+            /* odd for 2 ms and unchanged: the writer died mid-write. Use the line as it stands, never stall. */
+            atomic_store_explicit(&stuck_seq, s1, memory_order_relaxed);
+            break;
+        }
     }
     unsigned __int128 grown = now > at ? (unsigned __int128)rate * (now - at) / 1000000000u : 0;
     unsigned __int128 granted = (unsigned __int128)tokens + grown;

@@ -86,3 +86,18 @@ def test_two_processes_share_one_containers_cap(runner, make_region):
         for p in procs:
             release(p)
     assert 0.25 <= total <= 0.6, total  # together about 40 %, not 40 % each
+
+
+def test_agent_dead_in_the_middle_of_a_grant_write_stalls_nothing(runner, make_region):
+    import mmap
+    import struct
+
+    from alnair_agent import region_layout as L
+
+    region = make_region(compute_limit=30)
+    off = L.absolute_offset("alnair_region_agent", "grant_seq")
+    with open(region, "r+b") as f, mmap.mmap(f.fileno(), L.REGION_SIZE) as mm:
+        seq = struct.unpack_from("<I", mm, off)[0]
+        struct.pack_into("<I", mm, off, seq | 1)  # odd: "being written", and the writer never finishes
+    gpu, _ = share(runner.run("init", "run:1000:1000000", region=region, timeout=30))
+    assert 0.15 <= gpu <= 0.45
