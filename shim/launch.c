@@ -10,7 +10,8 @@
  *     the stream. When a fence was recorded while the previous fence on the same stream was still pending, the GPU
  *     ran the work between them back to back, so their elapsed time is exactly the GPU time of that work: the
  *     difference to what was charged is taken as a debt (added to this slot's tokens_taken) or given back as credit
- *     to this process's prepaid balance. Estimates steer; the true-up keeps a saturated queue honest.
+ *     to this process's prepaid balance (only for intervals in which this thread made every launch on that
+ *     stream). Estimates steer; the true-up keeps a saturated queue honest.
  *   - in-flight bound: a thread never has more than INFLIGHT_MAX_NS (one token burst) of charged work, nor more than
  *     NFENCE fences, not yet completed by the GPU; past that it sleeps until the GPU catches up. Without this an
  *     enqueue-time meter lets a tenant bank seconds of work in the driver's queue.
@@ -69,12 +70,41 @@ struct fence {
     uint64_t charged; /* this thread's charged total when recorded */
     CUstream stream;
     int backed; /* the previous fence on this stream was still pending when this one was recorded */
+    int has_seq;
+    uint64_t seq;  /* launches on this stream, by every thread of the process, when recorded */
+    uint64_t mine; /* this thread's launches, when recorded */
 };
+
+/* Launches per stream, by all threads: the true-up of an interval applies only when every launch on the stream in
+ * it was this thread's (with two threads on one stream, each would otherwise be charged for the other's work). */
+struct stream_ctr {
+    _Atomic uintptr_t key;
+    _Atomic uint64_t launches;
+};
+#define STREAM_SLOTS 1024u
+static struct stream_ctr g_streams[STREAM_SLOTS];
+
+static struct stream_ctr *stream_find(CUstream s, int pt)
+{
+    uintptr_t key = (((uintptr_t)s << 1) | (uintptr_t)(pt != 0)) + 1;
+    size_t i = (size_t)((key * 0x9E3779B97F4A7C15ull) >> 54) & (STREAM_SLOTS - 1);
+    for (unsigned n = 0; n < 16; n++, i = (i + 1) & (STREAM_SLOTS - 1)) {
+        uintptr_t k = atomic_load_explicit(&g_streams[i].key, memory_order_acquire);
+        if (k == key)
+            return &g_streams[i];
+        if (k == 0) {
+            uintptr_t zero = 0;
+            if (atomic_compare_exchange_strong(&g_streams[i].key, &zero, key) || zero == key)
+                return &g_streams[i];
+        }
+    }
+    return NULL;
+}
 
 struct tstate {
     unsigned gen;
     CUcontext ctx;
-    uint64_t launches, charged, completed_charged, last_fence_charged;
+    uint64_t launches, done, charged, completed_charged, last_fence_charged;
     unsigned since_fence;
     CUevent s_start, s_end;
     uintptr_t s_key;
@@ -83,7 +113,8 @@ struct tstate {
     unsigned fhead, fcount;
     int prev_valid;
     unsigned prev_idx;
-    uint64_t prev_charged;
+    uint64_t prev_charged, prev_seq, prev_mine;
+    int prev_has_seq;
     CUstream prev_stream;
 };
 static __thread struct tstate T __attribute__((tls_model("initial-exec")));
@@ -241,7 +272,8 @@ static void poll_fences(void)
         if (q == CUDA_ERROR_NOT_READY)
             break;
         if (q == CUDA_SUCCESS) {
-            if (f->backed && T.prev_valid && T.prev_stream == f->stream) {
+            if (f->backed && T.prev_valid && T.prev_stream == f->stream && f->has_seq && T.prev_has_seq &&
+                f->seq - T.prev_seq == f->mine - T.prev_mine) {
                 uint64_t actual = elapsed_ns(T.f[T.prev_idx].ev, f->ev);
                 if (actual != UINT64_MAX)
                     true_up(actual, f->charged - T.prev_charged);
@@ -250,6 +282,9 @@ static void poll_fences(void)
             T.prev_idx = T.fhead;
             T.prev_charged = f->charged;
             T.prev_stream = f->stream;
+            T.prev_seq = f->seq;
+            T.prev_mine = f->mine;
+            T.prev_has_seq = f->has_seq;
         } else {
             T.prev_valid = 0;
         }
@@ -286,7 +321,7 @@ static void wait_inflight(uint64_t max_ns, unsigned max_fences)
     }
 }
 
-static void record_fence(CUstream s, int pt)
+static void record_fence(CUstream s, int pt, struct stream_ctr *sc)
 {
     if (ensure_ctx() != 0)
         return;
@@ -307,6 +342,9 @@ static void record_fence(CUstream s, int pt)
     f->charged = T.charged;
     f->stream = s;
     f->backed = backed;
+    f->has_seq = sc != NULL;
+    f->seq = sc ? atomic_load_explicit(&sc->launches, memory_order_relaxed) : 0;
+    f->mine = T.done;
     T.fcount++;
     T.last_fence_charged = T.charged;
     T.since_fence = 0;
@@ -404,6 +442,10 @@ static __attribute__((noinline)) void post_launch(struct pre *p, CUresult rc)
         atomic_fetch_add(&g_balance, (int64_t)p->cost); /* nothing ran: the tokens stay ours */
         return;
     }
+    struct stream_ctr *sc = stream_find(p->stream, p->pt);
+    if (sc != NULL)
+        atomic_fetch_add_explicit(&sc->launches, 1, memory_order_relaxed);
+    T.done++;
     if (p->sampled && record(T.s_end, p->stream, p->pt) == 0) {
         T.s_busy = 1;
         T.s_key = p->key;
@@ -413,7 +455,7 @@ static __attribute__((noinline)) void post_launch(struct pre *p, CUresult rc)
     if (atomic_load_explicit(&g_captures, memory_order_relaxed) != 0)
         return;
     if (T.since_fence >= FENCE_EVERY || T.charged - T.last_fence_charged >= FENCE_EVERY_NS)
-        record_fence(p->stream, p->pt);
+        record_fence(p->stream, p->pt, sc);
     if (T.s_busy && (T.launches & 7u) == 0)
         poll_sample();
 }

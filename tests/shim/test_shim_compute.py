@@ -101,3 +101,12 @@ def test_agent_dead_in_the_middle_of_a_grant_write_stalls_nothing(runner, make_r
         struct.pack_into("<I", mm, off, seq | 1)  # odd: "being written", and the writer never finishes
     gpu, _ = share(runner.run("init", "run:1000:1000000", region=region, timeout=30))
     assert 0.15 <= gpu <= 0.45
+
+
+def test_threads_sharing_one_stream_share_one_cap(runner, make_region):
+    """Three threads launch into the same stream: together about the cap (each is charged only its own work)."""
+    region = make_region(compute_limit=40)
+    res = runner.run("init", "threads:3:1500:1000000", region=region)
+    t = res.line("threads")
+    gpu = int(t["gpu_ns"]) / int(t["wall_ns"])
+    assert 0.25 <= gpu <= 0.55, res.lines

@@ -4,6 +4,7 @@
  * operations given as arguments and prints one line per operation. See the tests for the vocabulary. */
 #define _GNU_SOURCE
 #include <dlfcn.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -172,6 +173,7 @@ struct held { enum kind k; uint64_t v; };
 static struct held held[4096];
 static int nheld;
 static CUfunction kfn;
+static CUcontext primary;
 static CUcontext ctx;
 
 static void hold(enum kind k, uint64_t v) { if (nheld < 4096) held[nheld++] = (struct held){k, v}; }
@@ -205,13 +207,31 @@ static void do_init(void)
     CUcontext c;
     CUresult rc = api.Init(0);
     CUresult rc2 = api.PrimaryRetain(&c, 0);
-    if (rc2 == CUDA_SUCCESS)
+    if (rc2 == CUDA_SUCCESS) {
         api.SetCurrent(c);
+        primary = c;
+    }
     api.GetFunction(&kfn, (void *)1, "sleep_kernel");
     printf("init rc=%d retain=%d\n", rc, rc2);
 }
 
 static void run_ops(int argc, char **argv, int start);
+
+struct tjob {
+    unsigned long long ms, dur;
+    unsigned long long launched;
+};
+static CUresult launch(const char *how, uint64_t dur, CUstream s);
+static void *tmain(void *arg)
+{
+    struct tjob *j = arg;
+    api.SetCurrent(primary); /* as the CUDA runtime does in every thread */
+    uint64_t t0 = mono();
+    while (mono() - t0 < j->ms * 1000000ull)
+        if (launch("launch", j->dur, NULL) == CUDA_SUCCESS)
+            __atomic_fetch_add(&j->launched, 1, __ATOMIC_RELAXED);
+    return NULL;
+}
 
 static void run_op(const char *op, int argc, char **argv, int i)
 {
@@ -362,6 +382,19 @@ static void run_op(const char *op, int argc, char **argv, int i)
         printf("run launches=%llu bad=%llu gpu_ns=%llu wall_ns=%llu cpu_ns=%llu\n", (unsigned long long)n,
                (unsigned long long)bad, (unsigned long long)(n * b), (unsigned long long)wall,
                (unsigned long long)used);
+    } else if (sscanf(op, "threads:%llu:%llu:%llu", &c, &a, &b) == 3) {
+        /* threads:N:MS:DUR  N threads launch DUR-ns kernels on the one legacy stream for MS ms */
+        pthread_t th[64];
+        struct tjob job = {a, b, 0};
+        uint64_t t0 = mono();
+        for (unsigned long long k = 0; k < c && k < 64; k++)
+            pthread_create(&th[k], NULL, tmain, &job);
+        for (unsigned long long k = 0; k < c && k < 64; k++)
+            pthread_join(th[k], NULL);
+        api.StreamSync(NULL);
+        uint64_t wall = mono() - t0, n = __atomic_load_n(&job.launched, __ATOMIC_RELAXED);
+        printf("threads launches=%llu gpu_ns=%llu wall_ns=%llu\n", (unsigned long long)n,
+               (unsigned long long)(n * b), (unsigned long long)wall);
     } else if (sscanf(op, "burst:%llu:%llu", &a, &b) == 2) {
         /* a launches of b ns as fast as they go, then wait for the GPU: how long until the work is done */
         uint64_t t0 = mono(), bad = 0;
