@@ -264,9 +264,14 @@ static void true_up(uint64_t actual, uint64_t charged)
     }
 }
 
+static inline int capture_under_way(void)
+{
+    return atomic_load_explicit(&g_captures, memory_order_relaxed) != 0;
+}
+
 static void poll_fences(void)
 {
-    while (T.fcount > 0) {
+    while (T.fcount > 0 && !capture_under_way()) { /* no event query may break another thread's capture */
         struct fence *f = &T.f[T.fhead];
         CUresult q = alnair_aux.cuEventQuery(f->ev);
         if (q == CUDA_ERROR_NOT_READY)
@@ -299,7 +304,8 @@ static void wait_inflight(uint64_t max_ns, unsigned max_fences)
 {
     uint64_t t0 = 0, nap = 20000, progress = T.completed_charged, since = 0;
     poll_fences();
-    while (T.fcount > 0 && (T.charged - T.completed_charged > max_ns || T.fcount >= max_fences)) {
+    while (T.fcount > 0 && (T.charged - T.completed_charged > max_ns || T.fcount >= max_fences) &&
+           !capture_under_way()) {
         uint64_t now = alnair_now_ns();
         if (t0 == 0)
             t0 = since = now;
@@ -326,6 +332,8 @@ static void record_fence(CUstream s, int pt, struct stream_ctr *sc)
     if (ensure_ctx() != 0)
         return;
     wait_inflight(UINT64_MAX, NFENCE);
+    if (T.fcount >= NFENCE)
+        return; /* a capture began while we waited: record nothing now */
     unsigned idx = (T.fhead + T.fcount) % NFENCE;
     if (T.prev_valid && T.prev_idx == idx)
         T.prev_valid = 0;
@@ -352,6 +360,8 @@ static void record_fence(CUstream s, int pt, struct stream_ctr *sc)
 
 static void poll_sample(void)
 {
+    if (capture_under_way())
+        return;
     CUresult q = alnair_aux.cuEventQuery(T.s_end);
     if (q == CUDA_ERROR_NOT_READY)
         return;
@@ -373,7 +383,7 @@ static void wait_sample(void)
     uint64_t t0 = alnair_now_ns(), nap = 10000;
     poll_sample();
     /* bounded: work queued ahead of the sample may wait on something this thread has yet to do */
-    while (T.s_busy && alnair_now_ns() - t0 < WAIT_GIVE_UP_NS / 10) {
+    while (T.s_busy && alnair_now_ns() - t0 < WAIT_GIVE_UP_NS / 10 && !capture_under_way()) {
         alnair_sleep_ns(nap);
         nap = nap * 2 > 1000000 ? 1000000 : nap * 2;
         poll_sample();
