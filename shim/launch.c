@@ -259,8 +259,8 @@ static void true_up(uint64_t actual, uint64_t charged)
         struct alnair_region_slot *s = alnair_slot();
         if (s != NULL)
             RADD(s->tokens_taken, actual - charged);
-    } else {
-        atomic_fetch_add(&g_balance, (int64_t)(charged - actual));
+    } else if (atomic_load_explicit(&g_balance, memory_order_relaxed) < (int64_t)ALNAIR_TOKEN_BURST_NS) {
+        atomic_fetch_add(&g_balance, (int64_t)(charged - actual)); /* credit, never banked past one burst */
     }
 }
 
