@@ -142,3 +142,21 @@ def test_compute_cap_throttles_a_matmul_loop(shim, region_dir):
     [slot] = capped["slots"]
     assert slot["tokens_taken"] > 0 and slot["launches"] > 0  # the launches are metered
     assert capped["utilization"] < 0.5 * max(uncapped["utilization"], 0.6)
+
+
+def test_two_processes_share_one_container_limit(shim, region_dir):
+    """Two PyTorch processes of one container allocate at once: together they stay within the 8 GiB limit."""
+    region = make(region_dir, 8 * GiB, 0)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ALNAIR_", "LD_PRELOAD", "PYTORCH_CUDA_ALLOC"))}
+    env.update(LD_PRELOAD=shim, ALNAIR_REGION=str(region))
+    procs = [subprocess.Popen([sys.executable, str(CHILD), "oom", str(128 << 20)], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    results = []
+    for p in procs:
+        out, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err[-3000:]
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    total = sum(r["allocated"] for r in results)
+    RESULTS["two_processes_8GiB"] = {"allocated": [r["allocated"] for r in results], "total": total}
+    assert all("error" in r for r in results)
+    assert 7 * GiB <= total <= 8 * GiB - 2 * (256 << 20)  # both contexts are charged too
