@@ -65,7 +65,7 @@ def main() -> None:
         res.update(free=free, total=total, device_total=torch.cuda.get_device_properties(0).total_memory)
         res.update(nvml_memory())
     elif scenario == "oom":
-        chunk = int(sys.argv[2]) if len(sys.argv) > 2 else 256 << 20
+        chunk = int(sys.argv[2]) if len(sys.argv) > 2 and sys.argv[2].isdigit() else 256 << 20
         held = []
         try:
             while True:
@@ -151,6 +151,8 @@ def main() -> None:
     else:
         raise SystemExit(f"unknown scenario {scenario}")
     print(json.dumps(res), flush=True)
+    if "--hold" in sys.argv:  # keep what we hold until the parent says so (a line on stdin)
+        sys.stdin.readline()
 
 
 if __name__ == "__main__":

@@ -149,13 +149,17 @@ def test_two_processes_share_one_container_limit(shim, region_dir):
     region = make(region_dir, 8 * GiB, 0)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ALNAIR_", "LD_PRELOAD", "PYTORCH_CUDA_ALLOC"))}
     env.update(LD_PRELOAD=shim, ALNAIR_REGION=str(region))
-    procs = [subprocess.Popen([sys.executable, str(CHILD), "oom", str(128 << 20)], env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    procs = [subprocess.Popen([sys.executable, str(CHILD), "oom", str(128 << 20), "--hold"], env=env,
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(2)]
     results = []
+    for p in procs:  # each reports once it hit the limit, and keeps its memory until both have
+        line = p.stdout.readline()
+        assert line, p.stderr.read()[-3000:]
+        results.append(json.loads(line))
     for p in procs:
-        out, err = p.communicate(timeout=300)
+        _, err = p.communicate("go\n", timeout=120)
         assert p.returncode == 0, err[-3000:]
-        results.append(json.loads(out.strip().splitlines()[-1]))
     total = sum(r["allocated"] for r in results)
     RESULTS["two_processes_8GiB"] = {"allocated": [r["allocated"] for r in results], "total": total}
     assert all("error" in r for r in results)
