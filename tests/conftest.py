@@ -6,6 +6,9 @@ import asyncio
 
 import pytest
 
+# Node fixtures (root, api) for the agent's tests; the GPU machine runs tests/gpu with --confcutdir=tests/gpu.
+pytest_plugins = ["agent_harness"]
+
 try:
     import pytest_asyncio
 except ImportError:  # the GPU machine has no pytest-asyncio; the tests it runs (-m gpu) are synchronous

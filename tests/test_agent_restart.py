@@ -9,10 +9,7 @@ import signal
 import time
 from pathlib import Path
 
-import pytest
-from agent_harness import (  # noqa: F401 - root and api are fixtures
-    api,
-    root,
+from agent_harness import (
     NODE,
     AgentProcess,
     gpu_of,

@@ -9,9 +9,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from agent_harness import (  # noqa: F401 - root and api are fixtures
-    api,
-    root,
+from agent_harness import (
     NODE,
     gpu_of,
     kubernetes_for,

@@ -11,7 +11,7 @@ import sys
 import time
 
 import pytest
-from agent_harness import AgentProcess, env_for, node_settings, registered, root  # noqa: F401 - root is a fixture
+from agent_harness import AgentProcess, env_for, node_settings, registered
 
 from alnair_agent.kubelet_emulator import KubeletEmulator
 

@@ -6,7 +6,7 @@ import asyncio
 import socket
 
 import aiohttp
-from agent_harness import node_settings, registered, root, running_agent  # noqa: F401 - root is a fixture
+from agent_harness import node_settings, registered, running_agent
 
 from alnair_agent.gpu.simulated import sim_uuid
 from alnair_agent.kubelet_emulator import KubeletEmulator
