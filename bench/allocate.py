@@ -24,15 +24,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from agent_harness import NODE, kubernetes_for, node_settings, registered, remove_tree, running_agent, short_tmp  # noqa: E402
 from fakes.apiserver import FakeApiServer, make_pod  # noqa: E402
 
+from benchstats import pct  # noqa: E402
 from alnair_agent import logs  # noqa: E402
 from alnair_agent.config import parse_sim_gpus  # noqa: E402
 from alnair_agent.constants import RESOURCE_COMPUTE, RESOURCE_MEMORY  # noqa: E402
 from alnair_agent.kubelet_emulator import KubeletEmulator  # noqa: E402
-
-
-def pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
 
 
 async def run(pods: int) -> dict:

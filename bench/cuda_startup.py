@@ -21,6 +21,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchstats import pct  # noqa: E402 - beside this script
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
@@ -67,11 +69,6 @@ def one_round(exe: Path, n: int, env: dict[str, str]) -> list[float]:
         assert rc == "0" and p.returncode == 0, (rc, p.returncode)
         out.append((int(t) - t0) / 1e6)
     return out
-
-
-def pct(xs: list[float], p: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(p * (len(xs) - 1))))]
 
 
 def main() -> None:

@@ -24,6 +24,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from benchstats import pct  # noqa: E402 - beside this script
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
@@ -99,9 +101,7 @@ def run(exe: Path, args: list[str], env_extra: dict[str, str]) -> dict[str, list
 
 
 def summary(xs: list[float]) -> dict[str, float]:
-    xs = sorted(xs)
-    q = lambda p: xs[min(len(xs) - 1, int(p * len(xs)))]  # noqa: E731
-    return {"n": len(xs), "median_ns": statistics.median(xs), "p10_ns": q(0.10), "p90_ns": q(0.90),
+    return {"n": len(xs), "median_ns": statistics.median(xs), "p10_ns": pct(xs, 0.10), "p90_ns": pct(xs, 0.90),
             "mean_ns": statistics.fmean(xs)}
 
 
