@@ -110,6 +110,10 @@ def _sim_gpus(text: str) -> tuple[SimGpu, ...]:
 _sim_gpus.__doc__ = "e.g. 2x16GiB or 16GiB,80GiB"
 
 
+# Variables kubelet injects for a Service whose name starts with "alnair" (service links), not settings.
+_SERVICE_LINK = re.compile(r"^ALNAIR[A-Z0-9_]*_(SERVICE_HOST|SERVICE_PORT(_[A-Z0-9_]+)?|PORT(_\d+_(TCP|UDP|SCTP)(_(PROTO|PORT|ADDR))?)?)$")
+
+
 @dataclass(frozen=True)
 class Variable:
     """One environment variable of the agent."""
@@ -198,7 +202,7 @@ class Settings:
                 values[var.attr] = var.parse(raw.strip())
             except ValueError as e:
                 raise ConfigError(f"{var.name}={raw!r} is not allowed; expected {e}") from None
-        unknown = sorted(k for k in env if k.startswith("ALNAIR_") and k not in known)
+        unknown = sorted(k for k in env if k.startswith("ALNAIR_") and k not in known and not _SERVICE_LINK.match(k))
         if unknown:
             raise ConfigError(f"{unknown[0]} is not a known setting; known: {', '.join(sorted(known))}")
         return cls(**values)

@@ -76,6 +76,13 @@ def test_missing_node_name_and_unknown_variable():
         Settings.from_env({**BASE, "ALNAIR_GPU_POLCY": "spread"})
 
 
+def test_service_link_variables_are_not_settings():
+    # kubelet adds these to every container in a namespace with a Service named "alnair-metrics".
+    env = {**BASE, "ALNAIR_METRICS_SERVICE_HOST": "10.0.0.7", "ALNAIR_METRICS_SERVICE_PORT": "9400",
+           "ALNAIR_METRICS_PORT_9400_TCP": "tcp://10.0.0.7:9400", "ALNAIR_METRICS_PORT_9400_TCP_ADDR": "10.0.0.7"}
+    assert Settings.from_env(env).metrics_port == 9400
+
+
 def test_readme_variable_table_is_generated_from_the_declaration():
     readme = (Path(__file__).parent.parent / "README.md").read_text()
     table = re.search(r"<!-- env-table -->\n(.*?)<!-- /env-table -->", readme, re.S)
