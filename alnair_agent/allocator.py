@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter
-from collections.abc import Callable, Collection
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -114,18 +114,18 @@ class Allocator:
         self.external_held: set[str] = set()
         self._decisions: list[_Decision] = []
         self._lock = asyncio.Lock()
-        self.on_change: Callable[[], None] = lambda: None
 
     # -- state -----------------------------------------------------------------------------------------------
     def restore(self, allocations: list[Allocation]) -> None:
         for alloc in allocations:
             self.allocations[alloc.id] = alloc
 
+    def recorded_ids(self) -> set[str]:
+        """Device IDs our allocation records hold."""
+        return {i for alloc in self.allocations.values() for i in alloc.all_ids()}
+
     def held_ids(self) -> set[str]:
-        held = set(self.external_held)
-        for alloc in self.allocations.values():
-            held |= alloc.all_ids()
-        return held
+        return self.recorded_ids() | self.external_held
 
     def _owner_of(self) -> dict[str, Allocation]:
         return {i: a for a in self.allocations.values() for i in a.all_ids()}
@@ -149,10 +149,7 @@ class Allocator:
         return rooms
 
     def remove(self, alloc_id: str) -> Allocation | None:
-        alloc = self.allocations.pop(alloc_id, None)
-        if alloc is not None:
-            self.on_change()
-        return alloc
+        return self.allocations.pop(alloc_id, None)
 
     # -- who is being admitted -------------------------------------------------------------------------------
     def _open_for(self, resource: str, count: int) -> Allocation | None:
@@ -206,7 +203,7 @@ class Allocator:
             gpu_uuid = open_alloc.gpu_uuid
         else:
             need = _wants(who) if who is not None else {resource: size}
-            gpu_uuid = self._choose(resource, set(available), need, who)
+            gpu_uuid = self._choose(resource, set(available), need)
         held = self.held_ids()
         on_gpu = [i for i in available if i not in held and i.startswith(gpu_uuid + DEVICE_ID_SEPARATOR)]
         must = [i for i in must_include if i in on_gpu]
@@ -222,7 +219,7 @@ class Allocator:
                                          open_alloc.id if open_alloc else None))
         return chosen
 
-    def _choose(self, resource: str, available: set[str], need: dict[str, int], who: ContainerRequest | None) -> str:
+    def _choose(self, resource: str, available: set[str], need: dict[str, int]) -> str:
         room = choose_gpu(self.rooms({resource: available}), need, self.policy)
         if room is None:
             biggest = {r: max((g.units[r] for g in self.inventory.gpus.values()), default=0) for r in RESOURCES}
@@ -245,9 +242,7 @@ class Allocator:
     # -- Allocate -------------------------------------------------------------------------------------------
     async def allocate(self, resource: str, device_ids: list[str]) -> ContainerAnswer:
         async with self._lock:
-            answer = await self._allocate(resource, device_ids)
-        self.on_change()
-        return answer
+            return await self._allocate(resource, device_ids)
 
     async def _allocate(self, resource: str, device_ids: list[str]) -> ContainerAnswer:
         if not device_ids:

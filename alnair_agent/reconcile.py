@@ -65,7 +65,7 @@ def figures(alloc: Allocation, region: Region | None, state: str) -> dict[str, o
     }
     if region is not None:
         slots = region.slots()
-        out[C.FIGURE_MEMORY_USED] = region.memory_in_use()
+        out[C.FIGURE_MEMORY_USED] = region.memory_in_use(slots)
         out[C.FIGURE_LAUNCHES] = sum(s.launches for s in slots)
         out[C.FIGURE_GPU_TIME] = sum(s.tokens_taken for s in slots)
         out[C.FIGURE_TOKEN_WAIT] = sum(s.wait_ns for s in slots)
@@ -153,7 +153,7 @@ class Reconciler:
         held = await self._held()
         by_id: dict[str, DeviceAssignment] = {}
         if held is not None:
-            ours = {i for a in self.allocator.allocations.values() for i in a.all_ids()}
+            ours = self.allocator.recorded_ids()
             by_id = {i: h for h in held if h.resource in C.RESOURCES for i in h.device_ids}
             external = {i for i in by_id if i not in ours}
             if external != self.allocator.external_held:
@@ -186,8 +186,7 @@ class Reconciler:
     def _ended(self, alloc: Allocation, by_id: dict[str, DeviceAssignment] | None, now: float) -> bool:
         in_use = by_id is not None and any(i in by_id for i in alloc.all_ids())
         if self.pods is not None and self.pods.synced and alloc.identified:
-            pod = self.pods.get(alloc.pod_uid) if alloc.pod_uid else self.pods.find(alloc.namespace, alloc.pod_name)
-            return container_ended(pod, alloc.container)
+            return container_ended(self._pod(alloc), alloc.container)
         if by_id is None:
             return False  # no authority to ask: keep it
         return not in_use and now - alloc.created_at > self.unseen_grace_s
@@ -205,14 +204,16 @@ class Reconciler:
         if self.annotations is not None and alloc.identified and self._pod_gone(alloc):
             # A later pod of the same name (StatefulSet) must get its annotations written afresh.
             self.annotations.forget_pod(alloc.namespace, alloc.pod_name)
-        log.info("allocation_ended", allocation=alloc.id, pod=f"{alloc.namespace}/{alloc.pod_name}" or None,
+        log.info("allocation_ended", allocation=alloc.id, pod=f"{alloc.namespace}/{alloc.pod_name}" if alloc.identified else None,
                  container=alloc.container or None)
 
+    def _pod(self, alloc: Allocation) -> PodInfo | None:
+        """The allocation's pod as the watch knows it (by uid; by name for one identified from pod-resources)."""
+        assert self.pods is not None
+        return self.pods.get(alloc.pod_uid) if alloc.pod_uid else self.pods.find(alloc.namespace, alloc.pod_name)
+
     def _pod_gone(self, alloc: Allocation) -> bool:
-        if self.pods is None or not self.pods.synced:
-            return False
-        pod = self.pods.get(alloc.pod_uid) if alloc.pod_uid else self.pods.find(alloc.namespace, alloc.pod_name)
-        return pod is None
+        return self.pods is not None and self.pods.synced and self._pod(alloc) is None
 
     def beat(self) -> None:
         now = time.clock_gettime_ns(time.CLOCK_MONOTONIC)

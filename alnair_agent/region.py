@@ -228,8 +228,9 @@ class Region:
             if values[_SLOT_READ[0]] > 0
         ]
 
-    def memory_in_use(self) -> int:
-        """Bytes the container's live slots claim to hold, clamped to the limit so a liar cannot overflow us."""
-        total = sum(s.memory_used for s in self.slots())
+    def memory_in_use(self, slots: list[SlotReading] | None = None) -> int:
+        """Bytes the container's live slots claim to hold, clamped to the limit so a liar cannot overflow us.
+        Pass `slots` already read to avoid reading them again."""
+        total = sum(s.memory_used for s in (self.slots() if slots is None else slots))
         limit = self.memory_limit
         return min(total, limit) if limit else total

@@ -103,7 +103,7 @@ class Workspace:
         """Create the container's folder, its region (with the limits) and its record."""
         folder = self.path(alloc.id)
         folder.mkdir(mode=0o755)
-        self.container_folder(alloc.id).mkdir(mode=0o777)
+        self.container_folder(alloc.id).mkdir()
         os.chmod(self.container_folder(alloc.id), 0o777)  # a container may run as any user
         region = Region.create(self.container_folder(alloc.id) / REGION_FILE_NAME, alloc.memory_limit,
                                alloc.compute_limit)
