@@ -7,16 +7,16 @@ from dataclasses import dataclass, field
 
 import structlog
 
-from alnair_agent.allocator import Allocator, PodSource
+from alnair_agent.node.allocator import Allocator, PodSource
 from alnair_agent.config import Settings
-from alnair_agent.deviceplugin import DevicePluginService
+from alnair_agent.kubelet.deviceplugin import DevicePluginService
 from alnair_agent.gpu.backend import GpuBackend, GpuInfo
 from alnair_agent.health import HealthService
-from alnair_agent.inventory import Inventory
+from alnair_agent.node.inventory import Inventory
 from alnair_agent.lifecycle import run_services
 from alnair_agent.metrics import MetricsServer
-from alnair_agent.reconcile import AnnotationSink, PodStates, Reconciler
-from alnair_agent.workspace import Workspace
+from alnair_agent.node.reconcile import AnnotationSink, PodStates, Reconciler
+from alnair_agent.node.workspace import Workspace
 
 log = structlog.get_logger(__name__)
 

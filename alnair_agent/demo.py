@@ -17,8 +17,8 @@ from alnair_agent.app import Agent
 from alnair_agent.config import Settings, parse_sim_gpus
 from alnair_agent.constants import ENV_COMPUTE_LIMIT, ENV_MEMORY_LIMIT, ENV_VISIBLE_DEVICES, RESOURCE_COMPUTE, RESOURCE_MEMORY
 from alnair_agent.gpu.simulated import SimulatedBackend
-from alnair_agent.k8s_wiring import pod_resources_lister
-from alnair_agent.kubelet_emulator import AdmissionError, KubeletEmulator
+from alnair_agent.kube.wiring import pod_resources_lister
+from alnair_agent.kubelet.emulator import AdmissionError, KubeletEmulator
 
 DEMO_CONTAINERS = (
     ("default", "train-a", "main", {RESOURCE_MEMORY: 8, RESOURCE_COMPUTE: 50}),

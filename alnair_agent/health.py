@@ -6,9 +6,9 @@ import asyncio
 
 import structlog
 
-from alnair_agent.deviceplugin import DevicePluginService
+from alnair_agent.kubelet.deviceplugin import DevicePluginService
 from alnair_agent.gpu.backend import GpuBackend
-from alnair_agent.inventory import Inventory
+from alnair_agent.node.inventory import Inventory
 
 log = structlog.get_logger(__name__)
 

@@ -19,7 +19,7 @@ from alnair_agent import logs
 from alnair_agent.config import ConfigError, Settings
 from alnair_agent.gpu import make_backend
 from alnair_agent.gpu.backend import GpuBackendError
-from alnair_agent.kube import KubeConfigError
+from alnair_agent.kube.client import KubeConfigError
 from alnair_agent.lifecycle import ServiceFailed
 
 log = structlog.get_logger("alnair_agent")
@@ -28,7 +28,7 @@ log = structlog.get_logger("alnair_agent")
 async def serve(settings: Settings) -> None:
     """The production agent: GPUs from the backend, kubelet on the node, pods from the API server."""
     from alnair_agent.app import Agent
-    from alnair_agent.k8s_wiring import connect_kubernetes, pod_resources_lister
+    from alnair_agent.kube.wiring import connect_kubernetes, pod_resources_lister
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -28,7 +28,7 @@ from benchstats import pct  # noqa: E402
 from alnair_agent import logs  # noqa: E402
 from alnair_agent.config import parse_sim_gpus  # noqa: E402
 from alnair_agent.constants import RESOURCE_COMPUTE, RESOURCE_MEMORY  # noqa: E402
-from alnair_agent.kubelet_emulator import KubeletEmulator  # noqa: E402
+from alnair_agent.kubelet.emulator import KubeletEmulator  # noqa: E402
 
 
 async def run(pods: int) -> dict:

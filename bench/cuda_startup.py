@@ -79,7 +79,7 @@ def main() -> None:
     ap.add_argument("--singles", type=int, default=10)
     ap.add_argument("--json", default="cuda_startup.json")
     a = ap.parse_args()
-    from alnair_agent.region import Region
+    from alnair_agent.node.region import Region
 
     base = {k: v for k, v in os.environ.items() if not k.startswith(("ALNAIR_", "LD_PRELOAD"))}
     times: dict[str, list[float]] = {"no shim": [], "shim": []}

@@ -113,7 +113,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--rounds", type=int, default=6)
     a = ap.parse_args()
-    from alnair_agent.region import Region
+    from alnair_agent.node.region import Region
 
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)

@@ -18,14 +18,14 @@ import pytest
 from fakes.apiserver import FakeApiServer
 from kubernetes_asyncio.client import ApiClient
 
-from alnair_agent.annotations import AnnotationWriter, WriterTiming
+from alnair_agent.kube.annotations import AnnotationWriter, WriterTiming
 from alnair_agent.app import Agent, Kubernetes
-from alnair_agent.podwatch import PodWatch
+from alnair_agent.kube.podwatch import PodWatch
 from alnair_agent.config import Settings, parse_sim_gpus
 from alnair_agent.constants import RESOURCE_COMPUTE, RESOURCE_MEMORY, RESOURCES
 from alnair_agent.gpu.simulated import SimulatedBackend
-from alnair_agent.k8s_wiring import pod_resources_lister
-from alnair_agent.kubelet_emulator import KubeletEmulator
+from alnair_agent.kube.wiring import pod_resources_lister
+from alnair_agent.kubelet.emulator import KubeletEmulator
 
 NODE = "node-1"
 

@@ -22,7 +22,7 @@ from fakes.apiserver import FakeApiServer, make_pod
 
 from alnair_agent.constants import ENV_VISIBLE_DEVICES, RESOURCE_COMPUTE, RESOURCE_MEMORY
 from alnair_agent.gpu.simulated import sim_uuid
-from alnair_agent.kubelet_emulator import KubeletEmulator
+from alnair_agent.kubelet.emulator import KubeletEmulator
 
 MEM, SM = RESOURCE_MEMORY, RESOURCE_COMPUTE
 

@@ -10,7 +10,7 @@ import pytest
 from kubernetes_asyncio.client import ApiClient
 from structlog.testing import capture_logs
 
-from alnair_agent.annotations import AnnotationWriter, WriterTiming
+from alnair_agent.kube.annotations import AnnotationWriter, WriterTiming
 from alnair_agent.constants import NODE_GPU_DEVICES, POD_CONTAINER_ANNOTATION_PREFIX
 from fakes.apiserver import MERGE_PATCH, FakeApiServer, make_pod
 from fakes.util import running, wait_until

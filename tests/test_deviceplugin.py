@@ -33,8 +33,8 @@ from alnair_agent.constants import (
     UNHEALTHY,
 )
 from alnair_agent.gpu.simulated import sim_uuid
-from alnair_agent.kubelet_emulator import AdmissionError, KubeletEmulator
-from alnair_agent.region import Region
+from alnair_agent.kubelet.emulator import AdmissionError, KubeletEmulator
+from alnair_agent.node.region import Region
 
 GIB = 1 << 30
 MEM, SM = RESOURCE_MEMORY, RESOURCE_COMPUTE

@@ -9,7 +9,7 @@ from kubernetes_asyncio.client import CoreV1Api
 from structlog.testing import capture_logs
 
 from alnair_agent.config import Settings
-from alnair_agent.kube import KubeConfigError, api_client, read_json
+from alnair_agent.kube.client import KubeConfigError, api_client, read_json
 from fakes.apiserver import FakeApiServer, make_pod
 
 pytestmark = pytest.mark.timeout(20)

@@ -13,7 +13,7 @@ import time
 import pytest
 from agent_harness import AgentProcess, env_for, node_settings, registered
 
-from alnair_agent.kubelet_emulator import KubeletEmulator
+from alnair_agent.kubelet.emulator import KubeletEmulator
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])

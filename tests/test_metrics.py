@@ -9,7 +9,7 @@ import aiohttp
 from agent_harness import node_settings, registered, running_agent
 
 from alnair_agent.gpu.simulated import sim_uuid
-from alnair_agent.kubelet_emulator import KubeletEmulator
+from alnair_agent.kubelet.emulator import KubeletEmulator
 
 
 def free_port() -> int:

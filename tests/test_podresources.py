@@ -14,7 +14,7 @@ import grpc.aio
 import pytest
 
 from alnair_agent.constants import RESOURCE_COMPUTE, RESOURCE_MEMORY
-from alnair_agent.podresources import DeviceAssignment, PodResourcesClient, PodResourcesError, list_assignments
+from alnair_agent.kubelet.podresources import DeviceAssignment, PodResourcesClient, PodResourcesError, list_assignments
 from alnair_agent.proto import podresources_pb2 as pb
 from alnair_agent.proto import podresources_pb2_grpc as pb_grpc
 from fakes.podresources import FakePodResources

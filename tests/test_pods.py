@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from structlog.testing import capture_logs
 
 from alnair_agent.constants import RESOURCE_COMPUTE, RESOURCE_MEMORY
-from alnair_agent.pods import (
+from alnair_agent.kube.pods import (
     EPOCH,
     InvalidQuantity,
     PodError,

@@ -15,8 +15,8 @@ from kubernetes_asyncio.client import ApiClient
 from structlog.testing import capture_logs
 
 from alnair_agent.constants import RESOURCE_COMPUTE, RESOURCE_MEMORY
-from alnair_agent.pods import ContainerRequest
-from alnair_agent.podwatch import PodWatch, WatchTiming, match_request
+from alnair_agent.kube.pods import ContainerRequest
+from alnair_agent.kube.podwatch import PodWatch, WatchTiming, match_request
 from fakes.apiserver import FakeApiServer, make_pod
 from fakes.util import running, wait_until
 

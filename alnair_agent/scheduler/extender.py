@@ -37,7 +37,7 @@ from fractions import Fraction
 from typing import Any
 
 from alnair_agent.constants import COMPUTE_UNITS_PER_GPU, NODE_GPU_DEVICES, RESOURCE_COMPUTE, RESOURCE_MEMORY
-from alnair_agent.pods import parse_quantity
+from alnair_agent.kube.pods import parse_quantity
 
 PROFILE_COST_SAVING = "alnair-cost-saving"
 PROFILE_HIGH_PERFORMANCE = "alnair-high-performance"

@@ -46,7 +46,7 @@ def region_slots() -> list[dict]:
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
     from pathlib import Path
 
-    from alnair_agent.region import Region
+    from alnair_agent.node.region import Region
 
     r = Region.open(Path(path))
     try:

@@ -35,9 +35,9 @@ from alnair_agent.constants import (  # noqa: E402
     RESOURCE_MEMORY,
 )
 from alnair_agent.gpu.nvml import NvmlBackend  # noqa: E402
-from alnair_agent.k8s_wiring import pod_resources_lister  # noqa: E402
-from alnair_agent.kubelet_emulator import KubeletEmulator  # noqa: E402
-from alnair_agent.region import Region  # noqa: E402
+from alnair_agent.kube.wiring import pod_resources_lister  # noqa: E402
+from alnair_agent.kubelet.emulator import KubeletEmulator  # noqa: E402
+from alnair_agent.node.region import Region  # noqa: E402
 
 GIB = 1 << 30
 SHIM = Path(os.environ.get("ALNAIR_SHIM") or Path(__file__).resolve().parents[2] / "alnair_agent/lib/libalnair.so")

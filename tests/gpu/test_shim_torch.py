@@ -20,7 +20,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-from alnair_agent.region import Region  # noqa: E402
+from alnair_agent.node.region import Region  # noqa: E402
 
 CHILD = Path(__file__).with_name("shim_torch_child.py")
 GiB = 1 << 30

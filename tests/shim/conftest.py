@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from alnair_agent.region import Region
+from alnair_agent.node.region import Region
 from shimkit import ROOT, SIM_SRC, Build, Runner
 
 

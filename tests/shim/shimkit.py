@@ -2,7 +2,7 @@
 
 The simulated driver (simcuda/) is a libcuda.so.1 + libnvidia-ml.so.1 written for these tests; `simapp` is a
 driver-API program that reaches it by direct calls, dlopen+dlsym or cuGetProcAddress_v2. The agent's side of the
-region is the real `alnair_agent.region.Region`.
+region is the real `alnair_agent.node.region.Region`.
 """
 
 from __future__ import annotations

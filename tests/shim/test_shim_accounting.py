@@ -6,7 +6,7 @@ from __future__ import annotations
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from alnair_agent.region import Region
+from alnair_agent.node.region import Region
 from shimkit import MiB
 
 LIMIT = 256 * MiB

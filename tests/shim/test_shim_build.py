@@ -5,15 +5,15 @@ from __future__ import annotations
 
 import subprocess
 
-from alnair_agent import region_layout
+from alnair_agent.node import region_layout
 from shimkit import ROOT
 
 
 def test_checked_in_region_header_is_the_generated_one():
     checked_in = (ROOT / "shim" / "region_layout.h").read_text()
     assert checked_in == region_layout.c_header(), (
-        "shim/region_layout.h differs from alnair_agent/region_layout.py: regenerate it with "
-        "`python -m alnair_agent.region_layout > shim/region_layout.h`"
+        "shim/region_layout.h differs from alnair_agent/node/region_layout.py: regenerate it with "
+        "`python -m alnair_agent.node.region_layout > shim/region_layout.h`"
     )
 
 

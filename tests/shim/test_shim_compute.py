@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from alnair_agent.region import Region, monotonic_ns, rate_for_percent
+from alnair_agent.node.region import Region, monotonic_ns, rate_for_percent
 
 KINDS = ["launch", "launchex", "coop", "graph"]
 
@@ -92,7 +92,7 @@ def test_agent_dead_in_the_middle_of_a_grant_write_stalls_nothing(runner, make_r
     import mmap
     import struct
 
-    from alnair_agent import region_layout as L
+    from alnair_agent.node import region_layout as L
 
     region = make_region(compute_limit=30)
     off = L.absolute_offset("alnair_region_agent", "grant_seq")

@@ -8,8 +8,8 @@ import subprocess
 
 import pytest
 
-from alnair_agent import region_layout as L
-from alnair_agent.region import Region
+from alnair_agent.node import region_layout as L
+from alnair_agent.node.region import Region
 from shimkit import GiB, MiB, kill9, release, wait_holding
 
 # op that allocates, the bytes the shim must count for it, the same op past a 1 GiB limit, the driver entry point

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from alnair_agent.region import Region
+from alnair_agent.node.region import Region
 from shimkit import GiB
 
 ROUTES = [("route=direct",), ("route=dlsym",), ("route=gpa",),

@@ -1,6 +1,6 @@
 """The agent's side of the region file: create it, publish limits, grant line and heartbeat, read the slots.
 
-The layout comes from `alnair_agent.region_layout`; nothing here hard-codes an offset. Everything read from
+The layout comes from `alnair_agent.node.region_layout`; nothing here hard-codes an offset. Everything read from
 the slots was written by the container and is untrusted: values are bounds-checked before anyone uses them.
 
 The agent reads and writes the file with pread/pwrite, never through a mapping: the container can truncate the
@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from alnair_agent import region_layout as L
+from alnair_agent.node import region_layout as L
 
 _FMT = {name: "<" + code for name, (code, _) in L.CTYPES.items()}
 

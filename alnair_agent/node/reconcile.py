@@ -19,11 +19,11 @@ from typing import Protocol
 import structlog
 
 from alnair_agent import constants as C
-from alnair_agent.allocator import Allocator
-from alnair_agent.podresources import DeviceAssignment
-from alnair_agent.pods import PodInfo, container_ended
-from alnair_agent.region import Region, RegionError
-from alnair_agent.workspace import Allocation, Workspace
+from alnair_agent.node.allocator import Allocator
+from alnair_agent.kubelet.podresources import DeviceAssignment
+from alnair_agent.kube.pods import PodInfo, container_ended
+from alnair_agent.node.region import Region, RegionError
+from alnair_agent.node.workspace import Allocation, Workspace
 
 log = structlog.get_logger(__name__)
 
@@ -34,7 +34,7 @@ UNSEEN_GRACE_S = 30.0
 
 
 class PodStates(Protocol):
-    """What the reconciler needs of the pod watch (alnair_agent.podwatch.PodWatch)."""
+    """What the reconciler needs of the pod watch (alnair_agent.kube.podwatch.PodWatch)."""
 
     @property
     def synced(self) -> bool: ...

@@ -34,11 +34,11 @@ from alnair_agent.constants import (
     RESOURCE_MEMORY,
     RESOURCES,
 )
-from alnair_agent.inventory import Inventory, UnknownDevice
-from alnair_agent.placement import GpuRoom, choose_gpu
-from alnair_agent.pods import ContainerRequest
-from alnair_agent.region import RegionError
-from alnair_agent.workspace import Allocation, Workspace, new_allocation_id
+from alnair_agent.node.inventory import Inventory, UnknownDevice
+from alnair_agent.node.fit import GpuRoom, choose_gpu
+from alnair_agent.kube.pods import ContainerRequest
+from alnair_agent.node.region import RegionError
+from alnair_agent.node.workspace import Allocation, Workspace, new_allocation_id
 
 log = structlog.get_logger(__name__)
 
@@ -60,7 +60,7 @@ class AllocationError(Exception):
 
 
 class PodSource(Protocol):
-    """What the allocator needs of the pod watch (alnair_agent.podwatch.PodWatch)."""
+    """What the allocator needs of the pod watch (alnair_agent.kube.podwatch.PodWatch)."""
 
     async def wait_for_match(self, resource: str, count: int, taken: Collection[tuple[str, str]],
                              timeout: float) -> ContainerRequest | None:

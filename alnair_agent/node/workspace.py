@@ -21,7 +21,7 @@ from pathlib import Path
 import structlog
 
 from alnair_agent.constants import ALLOCATION_FILE_NAME, CONTAINER_FOLDER_NAME, REGION_FILE_NAME, RESOURCES
-from alnair_agent.region import Region
+from alnair_agent.node.region import Region
 
 log = structlog.get_logger(__name__)
 

@@ -22,7 +22,7 @@ import structlog
 from kubernetes_asyncio.client import ApiClient, CoreV1Api
 from kubernetes_asyncio.client.exceptions import ApiException
 
-from alnair_agent.kube import MERGE_PATCH, read_json
+from alnair_agent.kube.client import MERGE_PATCH, read_json
 
 log = structlog.get_logger(__name__)
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import grpc
 import structlog
 
-from alnair_agent.allocator import AllocationError, Allocator
+from alnair_agent.node.allocator import AllocationError, Allocator
 from alnair_agent.constants import (
     DEVICE_PLUGIN_API_VERSION,
     HEALTHY,
@@ -24,7 +24,7 @@ from alnair_agent.constants import (
     SOCKET_NAME,
     UNHEALTHY,
 )
-from alnair_agent.inventory import Inventory
+from alnair_agent.node.inventory import Inventory
 from alnair_agent.proto import deviceplugin_pb2 as pb
 from alnair_agent.proto import deviceplugin_pb2_grpc as pb_grpc
 

@@ -7,9 +7,9 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 from alnair_agent.app import Kubernetes
 from alnair_agent.config import Settings
-from alnair_agent.kube import api_client
-from alnair_agent.podresources import DeviceAssignment, PodResourcesClient
-from alnair_agent.podwatch import PodWatch
+from alnair_agent.kube.client import api_client
+from alnair_agent.kubelet.podresources import DeviceAssignment, PodResourcesClient
+from alnair_agent.kube.podwatch import PodWatch
 
 
 @contextlib.asynccontextmanager
@@ -26,7 +26,7 @@ async def connect_kubernetes(settings: Settings) -> AsyncIterator[Kubernetes]:
     if api is None:
         yield Kubernetes()
         return
-    from alnair_agent.annotations import AnnotationWriter
+    from alnair_agent.kube.annotations import AnnotationWriter
 
     try:
         watch = PodWatch(api, settings.node_name)

@@ -19,8 +19,8 @@ from kubernetes_asyncio import watch
 from kubernetes_asyncio.client import ApiClient, CoreV1Api
 from kubernetes_asyncio.client.exceptions import ApiException
 
-from alnair_agent.kube import read_json
-from alnair_agent.pods import ContainerRequest, PodError, PodInfo, log_invalid, parse_pod
+from alnair_agent.kube.client import read_json
+from alnair_agent.kube.pods import ContainerRequest, PodError, PodInfo, log_invalid, parse_pod
 
 log = structlog.get_logger(__name__)
 
