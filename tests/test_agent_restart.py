@@ -58,7 +58,7 @@ async def test_restart_keeps_allocations_and_never_double_books(root, api):
             # GPU 0 has 10 % compute left: a container asking 20 % must go to GPU 1 even though binpack prefers
             # the fuller GPU. Only a restored ledger knows that (kubelet only lists free IDs of one resource).
             answers = await admit(api, kubelet, "c", 2, 20)
-            assert answers[MEM].envs[ENV_VISIBLE_DEVICES] == sim_uuid(1)
+            assert answers[MEM].envs[ENV_VISIBLE_DEVICES] == sim_uuid(1, NODE)
             held = [i for c in kubelet.assigned.values() for ids in c.values() for i in ids]
             assert len(held) == len(set(held))
     for client in clients:
@@ -77,7 +77,7 @@ async def test_restart_with_lost_workspace_learns_held_devices_from_pod_resource
             await registered(kubelet, since=2)
             assert len(running.agent.allocator.external_held) == 2 + 95
             answers = await admit(api, kubelet, "b", 1, 10)
-            assert answers[MEM].envs[ENV_VISIBLE_DEVICES] == sim_uuid(1)
+            assert answers[MEM].envs[ENV_VISIBLE_DEVICES] == sim_uuid(1, NODE)
     for client in clients:
         await client.close()
 

@@ -76,7 +76,7 @@ async def test_registers_both_resources_with_device_counts(root, kubelet):
         for resource in (MEM, SM):
             assert kubelet.plugins[resource].options.get_preferred_allocation_available
             ids = kubelet.plugins[resource].devices
-            assert {gpu_of(i) for i in ids} == {sim_uuid(0), sim_uuid(1)}
+            assert {gpu_of(i) for i in ids} == {sim_uuid(0, NODE), sim_uuid(1, NODE)}
             assert set(ids.values()) == {HEALTHY}
 
 
@@ -102,10 +102,10 @@ async def test_memory_and_compute_of_one_container_land_on_one_gpu(root, kubelet
         await admit_pod(api, kubelet, "busy", memory=2, compute=90)
         answers = await admit_pod(api, kubelet, "next", memory=4, compute=20)
         held = kubelet.assigned[next(k for k in kubelet.assigned if k.pod == "next")]
-        assert {gpu_of(i) for ids in held.values() for i in ids} == {sim_uuid(1)}
+        assert {gpu_of(i) for ids in held.values() for i in ids} == {sim_uuid(1, NODE)}
         env_mem, env_sm = answers[MEM].envs, answers[SM].envs
         assert env_mem == env_sm  # kubelet merges both answers: they must agree
-        assert env_mem[ENV_VISIBLE_DEVICES] == sim_uuid(1)
+        assert env_mem[ENV_VISIBLE_DEVICES] == sim_uuid(1, NODE)
         assert env_mem[ENV_MEMORY_LIMIT] == str(4 * GIB)
         assert env_mem[ENV_COMPUTE_LIMIT] == "20"
         assert env_mem[ENV_REGION] == "/run/alnair/region"
@@ -118,7 +118,7 @@ async def test_memory_and_compute_of_one_container_land_on_one_gpu(root, kubelet
         finally:
             region.close()
         alloc = next(a for a in running.agent.allocator.allocations.values() if a.pod_name == "next")
-        assert (alloc.namespace, alloc.container, alloc.gpu_uuid) == ("default", "main", sim_uuid(1))
+        assert (alloc.namespace, alloc.container, alloc.gpu_uuid) == ("default", "main", sim_uuid(1, NODE))
 
 
 async def test_request_larger_than_any_gpu_is_refused_clearly(root, kubelet, api, k8s):
@@ -153,8 +153,8 @@ async def test_gpu_unhealthy_and_back_sends_two_updates(root, kubelet):
         await kubelet.wait_for(lambda k: all(len(k.plugins[r].updates) == first[r] + 1 for r in (MEM, SM)))
         for r in (MEM, SM):
             devices = kubelet.plugins[r].devices
-            assert {h for i, h in devices.items() if gpu_of(i) == sim_uuid(1)} == {UNHEALTHY}
-            assert {h for i, h in devices.items() if gpu_of(i) == sim_uuid(0)} == {HEALTHY}
+            assert {h for i, h in devices.items() if gpu_of(i) == sim_uuid(1, NODE)} == {UNHEALTHY}
+            assert {h for i, h in devices.items() if gpu_of(i) == sim_uuid(0, NODE)} == {HEALTHY}
         running.backend.inject_health(1, healthy=True, reason="recovered")
         await kubelet.wait_for(lambda k: all(len(k.plugins[r].updates) == first[r] + 2 for r in (MEM, SM)))
         assert set(kubelet.plugins[MEM].devices.values()) == {HEALTHY}
@@ -163,10 +163,10 @@ async def test_gpu_unhealthy_and_back_sends_two_updates(root, kubelet):
 @pytest.mark.parametrize(("resource", "device_id", "says"), [
     (MEM, "GPU-00000000-dead-beef-0000-000000000000::mem::0", "not on this node"),
     (MEM, "not-a-device", "is not <GPU-UUID>::<kind>::<n>"),
-    (MEM, f"{sim_uuid(0)}::sm::0", "is not a alnair/vgpu-memory device"),
-    (SM, f"{sim_uuid(0)}::mem::0", "is not a alnair/vgpu-compute device"),
-    (MEM, f"{sim_uuid(0)}::mem::16", "out of range"),
-    (SM, f"{sim_uuid(1)}::sm::-1", "out of range"),
+    (MEM, f"{sim_uuid(0, NODE)}::sm::0", "is not a alnair/vgpu-memory device"),
+    (SM, f"{sim_uuid(0, NODE)}::mem::0", "is not a alnair/vgpu-compute device"),
+    (MEM, f"{sim_uuid(0, NODE)}::mem::16", "out of range"),
+    (SM, f"{sim_uuid(1, NODE)}::sm::-1", "out of range"),
 ])
 async def test_device_ids_not_ours_are_invalid_argument(root, kubelet, resource, device_id, says):
     async with running_agent(node_settings(root)) as running:
@@ -214,7 +214,7 @@ async def test_node_annotation_tells_the_scheduler_what_is_free(root, kubelet, a
         devices = json.loads(api.node_annotations(NODE)[NODE_GPU_DEVICES])
         assert devices["memoryUnitMiB"] == 1024
         assert [(g["uuid"], g["memoryUnits"], g["memoryUnitsFree"], g["computeUnitsFree"], g["healthy"])
-                for g in devices["gpus"]] == [(sim_uuid(0), 16, 13, 60, True), (sim_uuid(1), 16, 16, 100, True)]
+                for g in devices["gpus"]] == [(sim_uuid(0, NODE), 16, 13, 60, True), (sim_uuid(1, NODE), 16, 16, 100, True)]
 
 
 async def test_refused_second_resource_abandons_the_half_made_allocation(root, kubelet):
@@ -231,7 +231,7 @@ async def test_refused_second_resource_abandons_the_half_made_allocation(root, k
         # kubelet frees what it gave the failed pod; those units are usable at once.
         kubelet.remove_pod("default", "late")
         answers = await kubelet.admit("default", "small", "main", {MEM: 15, SM: 5})
-        assert answers[MEM].envs[ENV_VISIBLE_DEVICES] == sim_uuid(0)
+        assert answers[MEM].envs[ENV_VISIBLE_DEVICES] == sim_uuid(0, NODE)
 
 
 async def test_app_container_reuses_its_init_containers_devices(root, kubelet, api, k8s):

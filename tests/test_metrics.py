@@ -6,7 +6,7 @@ import asyncio
 import socket
 
 import aiohttp
-from agent_harness import node_settings, registered, running_agent
+from agent_harness import NODE, node_settings, registered, running_agent
 
 from alnair_agent.gpu.simulated import sim_uuid
 from alnair_agent.kubelet.emulator import KubeletEmulator
@@ -42,7 +42,7 @@ async def test_healthz_follows_registration_and_metrics_show_units(root):
         assert status == 200
         assert "alnair_device_plugin_registered 1.0" in text
         assert "alnair_allocations 1.0" in text
-        assert f'alnair_gpu_units{{gpu="{sim_uuid(0)}",resource="alnair/vgpu-memory"}} 16.0' in text
+        assert f'alnair_gpu_units{{gpu="{sim_uuid(0, NODE)}",resource="alnair/vgpu-memory"}} 16.0' in text
         free = [line for line in text.splitlines() if line.startswith("alnair_gpu_free_units{")]
-        assert f'alnair_gpu_free_units{{gpu="{sim_uuid(0)}",resource="alnair/vgpu-compute"}} 75.0' in free
-        assert f'alnair_gpu_healthy{{gpu="{sim_uuid(1)}"}} 1.0' in text
+        assert f'alnair_gpu_free_units{{gpu="{sim_uuid(0, NODE)}",resource="alnair/vgpu-compute"}} 75.0' in free
+        assert f'alnair_gpu_healthy{{gpu="{sim_uuid(1, NODE)}"}} 1.0' in text
