@@ -91,7 +91,7 @@ async def test_policy_places_three_containers(root, kubelet, api, k8s, policy, e
         for n in range(3):
             answers = await admit_pod(api, kubelet, f"pod-{n}", memory=4, compute=30)
             placed.append(answers[MEM].envs[ENV_VISIBLE_DEVICES])
-        assert placed == [sim_uuid(i) for i in expected_gpus]
+        assert placed == [sim_uuid(i, NODE) for i in expected_gpus]
 
 
 async def test_memory_and_compute_of_one_container_land_on_one_gpu(root, kubelet, api, k8s):
