@@ -57,7 +57,8 @@ class Agent:
             workspace = Workspace(s.workspace)
             workspace.ensure()
             self.allocator = Allocator(self.inventory, workspace, s.gpu_policy, str(s.shim_dir),
-                                       pods=self.kubernetes.pod_source)
+                                       pods=self.kubernetes.pod_source, place_unscheduled=s.place_unscheduled,
+                                       node_name=s.node_name)
             restored = workspace.load_all()
             self.allocator.restore(restored)
             kwargs = {} if self.unseen_grace_s is None else {"unseen_grace_s": self.unseen_grace_s}

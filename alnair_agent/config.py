@@ -83,6 +83,15 @@ def _float_range(lo: float, hi: float) -> Callable[[str], float]:
     return _range(float, lo, hi)
 
 
+def _bool(text: str) -> bool:
+    if text not in ("true", "false"):
+        raise ValueError("true or false")
+    return text == "true"
+
+
+_bool.__doc__ = "`true`, `false`"
+
+
 def _abs_path(text: str) -> Path:
     if not text.startswith("/"):
         raise ValueError("an absolute path")
@@ -141,7 +150,12 @@ VARIABLES: tuple[Variable, ...] = (
     Variable("ALNAIR_SIM_GPUS", "sim_gpus", _sim_gpus, "2x16GiB",
              "Simulated GPUs when ALNAIR_GPU_BACKEND=simulated."),
     Variable("ALNAIR_GPU_POLICY", "gpu_policy", _choice("binpack", "spread"), "binpack",
-             "Which GPU a container lands on: the fullest that fits (binpack) or the emptiest (spread)."),
+             "Where the agent itself places a container (without an API server, or with ALNAIR_PLACE_UNSCHEDULED): "
+             "the fullest GPU that fits (binpack) or the emptiest (spread). Pods placed by alnair-scheduler go "
+             "where it decided."),
+    Variable("ALNAIR_PLACE_UNSCHEDULED", "place_unscheduled", _bool, "false",
+             "true: the agent places pods that asked for alnair/* resources but bypassed alnair-scheduler; false: "
+             "kubelet's admission of such a pod is refused with a message naming the fix (its schedulerName)."),
     Variable("ALNAIR_MEMORY_UNIT_MIB", "memory_unit_mib", _int_range(1, 1 << 20), "1024",
              "MiB of GPU memory per alnair/vgpu-memory unit."),
     Variable("ALNAIR_KUBERNETES", "kubernetes", _choice("auto", "off"), "auto",
@@ -171,6 +185,7 @@ class Settings:
     gpu_backend: str = "nvml"
     sim_gpus: tuple[SimGpu, ...] = field(default_factory=lambda: parse_sim_gpus("2x16GiB"))
     gpu_policy: str = "binpack"
+    place_unscheduled: bool = False
     memory_unit_mib: int = 1024
     kubernetes: str = "auto"
     metrics_port: int = 9400

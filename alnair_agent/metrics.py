@@ -11,7 +11,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from alnair_agent.constants import RESOURCES
+from alnair_agent.constants import RESOURCE_MEMORY, RESOURCES
 
 if TYPE_CHECKING:
     from alnair_agent.app import Agent
@@ -39,7 +39,9 @@ class AgentCollector(Collector):
         for gpu in a.inventory.gpus.values():
             for r in RESOURCES:
                 total.add_metric([gpu.uuid, r], gpu.units[r])
-                free.add_metric([gpu.uuid, r], rooms[gpu.uuid].free[r] if gpu.uuid in rooms else 0)
+                room = rooms.get(gpu.uuid)
+                left = 0 if room is None else room.memory_free if r == RESOURCE_MEMORY else room.compute_free
+                free.add_metric([gpu.uuid, r], left)
         yield total
         yield free
         healthy = GaugeMetricFamily("alnair_gpu_healthy", "1 when the GPU is healthy", labels=["gpu"])

@@ -65,6 +65,7 @@ def node_settings(root: Path, **overrides: object) -> Settings:
         metrics_port=0,
         resync_interval_s=0.1,
         health_interval_s=0.05,
+        place_unscheduled=True,  # these node tests admit pods without the extender; the cluster tests do not
     )
     return replace(base, **overrides)  # type: ignore[arg-type]
 
@@ -85,6 +86,7 @@ def env_for(settings: Settings) -> dict[str, str]:
         "ALNAIR_KUBERNETES": "off",
         "ALNAIR_METRICS_PORT": str(settings.metrics_port),
         "ALNAIR_RESYNC_INTERVAL_S": str(settings.resync_interval_s),
+        "ALNAIR_PLACE_UNSCHEDULED": "true" if settings.place_unscheduled else "false",
         "ALNAIR_LOG_FORMAT": "json",
     })
     return env

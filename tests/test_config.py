@@ -43,6 +43,7 @@ BAD_VALUES = [
     ("ALNAIR_SIM_GPUS", "0x16GiB", "count >= 1"),
     ("ALNAIR_SIM_GPUS", "65x1GiB", "1..64"),
     ("ALNAIR_GPU_POLICY", "random", "binpack"),
+    ("ALNAIR_PLACE_UNSCHEDULED", "yes", "true or false"),
     ("ALNAIR_MEMORY_UNIT_MIB", "0", "1..1048576"),
     ("ALNAIR_MEMORY_UNIT_MIB", "1.5", "integer"),
     ("ALNAIR_KUBERNETES", "on", "auto"),

@@ -16,7 +16,7 @@ from structlog.testing import capture_logs
 
 from alnair_agent.constants import RESOURCE_COMPUTE, RESOURCE_MEMORY
 from alnair_agent.kube.pods import ContainerRequest
-from alnair_agent.kube.podwatch import PodWatch, WatchTiming, match_request
+from alnair_agent.kube.podwatch import PodWatch, WatchTiming
 from fakes.apiserver import FakeApiServer, make_pod
 from fakes.util import running, wait_until
 
@@ -43,51 +43,6 @@ def names(watch: PodWatch) -> set[str]:
     return {p.name for p in watch.pods()}
 
 
-# -- the matching rule ---------------------------------------------------------------------------------------
-def req(pod: str, container: str = "main", memory: int = 0, compute: int = 0, at: datetime = T0,
-        index: int = 0, namespace: str = "default") -> ContainerRequest:
-    return ContainerRequest(f"uid-{pod}", namespace, pod, container, memory, compute, at, index)
-
-
-def test_match_picks_the_container_asking_for_that_count() -> None:
-    reqs = [req("a", memory=2, compute=30), req("b", memory=4, compute=50)]
-    assert match_request(reqs, RESOURCE_MEMORY, 4, set()) == reqs[1]
-    assert match_request(reqs, RESOURCE_COMPUTE, 30, set()) == reqs[0]
-    assert match_request(reqs, RESOURCE_MEMORY, 3, set()) is None
-    assert match_request(reqs, RESOURCE_MEMORY, 0, set()) is None  # kubelet never allocates zero
-    assert match_request(reqs, "nvidia.com/gpu", 2, set()) is None
-
-
-def test_match_ties_go_to_the_earliest_scheduled_not_taken() -> None:
-    late = req("late", memory=2, at=T0 + timedelta(seconds=5))
-    early = req("early", memory=2, at=T0)
-    middle = req("middle", memory=2, at=T0 + timedelta(seconds=1))
-    reqs = [late, early, middle]
-    assert match_request(reqs, RESOURCE_MEMORY, 2, set()) == early
-    assert match_request(reqs, RESOURCE_MEMORY, 2, {early.key}) == middle
-    assert match_request(reqs, RESOURCE_MEMORY, 2, {early.key, middle.key}) == late
-    assert match_request(reqs, RESOURCE_MEMORY, 2, {early.key, middle.key, late.key}) is None
-
-
-def test_match_same_time_falls_back_to_namespace_pod_and_container_order() -> None:
-    b0, b1 = req("b", "first", memory=1, index=0), req("b", "second", memory=1, index=1)
-    a = req("a", memory=1, namespace="zz")
-    assert match_request([b1, a, b0], RESOURCE_MEMORY, 1, set()) == b0
-    assert match_request([b1, a, b0], RESOURCE_MEMORY, 1, {b0.key}) == b1
-
-
-@given(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 3), st.integers(0, 5), st.booleans()), max_size=12),
-       st.integers(0, 3))
-def test_match_is_the_earliest_eligible_request(rows: list[tuple[int, int, int, bool]], count: int) -> None:
-    reqs = [req(f"p{i}", memory=mem, compute=cpu, at=T0 + timedelta(seconds=at))
-            for i, (mem, cpu, at, _) in enumerate(rows)]
-    taken = {r.key for r, (_, _, _, is_taken) in zip(reqs, rows) if is_taken}
-    eligible = sorted((r for r in reqs if r.memory_units == count and r.key not in taken),
-                      key=ContainerRequest.sort_key)
-    expected = eligible[0] if eligible and count > 0 else None
-    assert match_request(reqs, RESOURCE_MEMORY, count, taken) == expected
-
-
 # -- the watch -----------------------------------------------------------------------------------------------
 async def test_lists_pods_bound_here_then_follows_add_modify_delete(api: FakeApiServer, client: ApiClient) -> None:
     api.add_pod(make_pod("here", containers=[{"name": "main", "memory": 2, "compute": 30}], scheduled_at=T0))
@@ -97,7 +52,7 @@ async def test_lists_pods_bound_here_then_follows_add_modify_delete(api: FakeApi
     async with running(watch.run()):
         assert await watch.wait_synced(5)
         assert names(watch) == {"here"}
-        [pending] = watch.pending_requests()
+        [pending] = watch.find("default", "here").containers
         assert (pending.pod_name, pending.memory_units, pending.compute_units) == ("here", 2, 30)
 
         since = watch.generation
@@ -110,7 +65,7 @@ async def test_lists_pods_bound_here_then_follows_add_modify_delete(api: FakeApi
         api.set_container_running("default", "here", "main")
         api.set_phase("default", "here", "Succeeded")
         await wait_until(lambda: watch.find("default", "here").phase == "Succeeded")
-        assert [r.pod_name for r in watch.pending_requests()] == ["new"]  # finished pods ask for nothing
+        assert [p.name for p in watch.pods() if p.live] == ["new"]  # finished pods ask for nothing
 
         api.delete_pod("default", "new")
         await wait_until(lambda: names(watch) == {"here"})
@@ -128,23 +83,23 @@ async def test_binding_a_pod_to_this_node_adds_it(api: FakeApiServer, client: Ap
         await wait_until(lambda: names(watch) == {"p"})
 
 
-async def test_allocate_waits_briefly_for_a_pod_just_bound(api: FakeApiServer, client: ApiClient) -> None:
-    """kubelet may call Allocate before the watch event of the bind arrives: the match waits for it."""
-    api.add_pod(make_pod("p", node=None, containers=[{"name": "main", "memory": 3, "compute": 40}]))
+async def test_bound_order_is_the_order_pods_were_bound_here(api: FakeApiServer, client: ApiClient) -> None:
+    """kubelet admits pods in the order it sees them bound; the watch records the same order."""
+    api.add_pod(make_pod("listed-late", scheduled_at=T0 + timedelta(seconds=1)))
+    api.add_pod(make_pod("listed-early", scheduled_at=T0))
+    for name in ("b", "a", "c"):
+        api.add_pod(make_pod(name, node=None))
     watch = PodWatch(client, NODE, FAST)
     async with running(watch.run()):
         assert await watch.wait_synced(5)
-        lookup = asyncio.create_task(watch.wait_for_match(RESOURCE_MEMORY, 3, set(), timeout=5))
-        await asyncio.sleep(0.05)
-        assert not lookup.done()
-        api.bind_pod("default", "p", NODE)
-        found = await lookup
-        assert found is not None and (found.pod_name, found.container) == ("p", "main")
-        # Taken already, and nothing else asks for 3: no match, after the (short) wait.
-        assert await watch.wait_for_match(RESOURCE_MEMORY, 3, {found.key}, timeout=0.05) is None
+        for name in ("c", "a", "b"):
+            api.bind_pod("default", name, NODE)
+        await wait_until(lambda: len(watch.pods()) == 5)
+        order = sorted(watch.pods(), key=lambda p: watch.bound_order(p.uid))
+        assert [p.name for p in order] == ["listed-early", "listed-late", "c", "a", "b"]
 
 
-async def test_pending_requests_are_sorted_and_skip_ended_containers(api: FakeApiServer, client: ApiClient) -> None:
+async def test_pods_keep_container_order_and_ended_containers(api: FakeApiServer, client: ApiClient) -> None:
     api.add_pod(make_pod("second", scheduled_at=T0 + timedelta(seconds=1), restart_policy="Never",
                          containers=[{"name": "a", "memory": 1}, {"name": "b", "memory": 1}]))
     api.add_pod(make_pod("first", scheduled_at=T0, init_containers=[{"name": "init", "compute": 5}],
@@ -152,12 +107,11 @@ async def test_pending_requests_are_sorted_and_skip_ended_containers(api: FakeAp
     watch = PodWatch(client, NODE, FAST)
     async with running(watch.run()):
         assert await watch.wait_synced(5)
-        order = [(r.pod_name, r.container) for r in watch.pending_requests()]
-        assert order == [("first", "init"), ("first", "main"), ("second", "a"), ("second", "b")]
+        first = watch.find("default", "first")
+        assert [(c.container, c.kind) for c in first.containers] == [("init", "init"), ("main", "regular")]
         api.set_container_terminated("default", "second", "a", exit_code=0)
-        await wait_until(lambda: ("second", "a") not in [(r.pod_name, r.container) for r in watch.pending_requests()])
-        assert [(r.pod_name, r.container) for r in watch.pending_requests()] == [
-            ("first", "init"), ("first", "main"), ("second", "b")]
+        await wait_until(lambda: watch.find("default", "second").container_ended("a"))
+        assert not watch.find("default", "second").container_ended("b")
 
 
 async def test_survives_a_dropped_watch_connection(api: FakeApiServer, client: ApiClient) -> None:
@@ -256,15 +210,14 @@ async def test_malformed_quantity_is_logged_once_not_on_every_event(api: FakeApi
     warnings = [e for e in logs if e["event"] == "pod_quantity_invalid"]
     assert [(w["pod"], w["container"], w["resource"], w["value"]) for w in warnings] == [
         ("bad", "main", RESOURCE_MEMORY, "1.5")]
-    assert [r.container for r in watch.pending_requests()] == ["ok"]
+    assert [c.container for c in watch.find("default", "bad").containers] == ["ok"]
 
 
 async def test_without_kubernetes_there_are_no_pods() -> None:
     watch = PodWatch.disabled(NODE)
     assert not watch.enabled
     assert await watch.wait_synced(0)
-    assert watch.pods() == [] and watch.pending_requests() == []
-    assert await watch.wait_for_match(RESOURCE_MEMORY, 1, set(), timeout=5) is None  # at once, no wait
+    assert watch.pods() == []
     async with running(watch.run()) as task:
         await asyncio.sleep(0)
         assert not task.done()  # stays up until cancelled, like every service

@@ -77,9 +77,13 @@ class AnnotationWriter:
         self._progress = asyncio.Event()  # replaced after every finished patch; flush waiters hold the one they saw
 
     # -- what other services call ----------------------------------------------------------------------------
-    def set_pod(self, namespace: str, name: str, annotations: Mapping[str, str | None]) -> None:
-        """Want these annotation values on pod namespace/name (None: remove the annotation)."""
+    def set_pod(self, namespace: str, name: str, annotations: Mapping[str, str | None], urgent: bool = False) -> None:
+        """Want these annotation values on pod namespace/name (None: remove the annotation). `urgent` sends them
+        without waiting for the rate limit (someone waits for them: the extender's node lock)."""
         self._set(("pod", namespace, name), annotations)
+        if urgent and self._api is not None:
+            self._flush_mark = max(self._flush_mark, self._seq)
+            self._wake.set()
 
     def set_node(self, annotations: Mapping[str, str | None]) -> None:
         """Want these annotation values on this node (None: remove the annotation)."""

@@ -19,6 +19,14 @@ from typing import Any
 import structlog
 
 from alnair_agent.constants import RESOURCE_COMPUTE, RESOURCE_MEMORY, RESOURCES
+from alnair_agent.node.decision import (
+    ALLOCATED_ANNOTATION,
+    PLACEMENT_ANNOTATION,
+    Decision,
+    DecisionError,
+    parse_decision,
+)
+from alnair_agent.node.fit import KIND_INIT, KIND_REGULAR, KIND_SIDECAR, Need
 
 log = structlog.get_logger(__name__)
 
@@ -61,6 +69,7 @@ class ContainerRequest:
     scheduled_at: datetime = EPOCH  # of its pod; orders ties when matching kubelet's Allocate to a container
     index: int = 0  # position in the pod: init containers first (kubelet admits them first), then containers
     init: bool = False
+    kind: str = KIND_REGULAR  # fit.KIND_INIT (run-once init), KIND_SIDECAR or KIND_REGULAR
 
     def units(self, resource: str) -> int:
         """Units requested of `resource` (one of constants.RESOURCES); 0 for anything else."""
@@ -78,6 +87,9 @@ class ContainerRequest:
     def sort_key(self) -> tuple[datetime, str, str, int]:
         return (self.scheduled_at, self.namespace, self.pod_name, self.index)
 
+    def need(self) -> Need:
+        return Need(self.container, self.memory_units, self.compute_units, self.kind)
+
 
 @dataclass(frozen=True)
 class PodInfo:
@@ -94,6 +106,12 @@ class PodInfo:
     deleting: bool  # metadata.deletionTimestamp is set
     resource_version: str = ""
     invalid: tuple[InvalidQuantity, ...] = ()
+    decision: Decision | None = None  # the extender's placement (ai.centaurus.io/placement)
+    decision_error: str = ""  # why the placement annotation could not be read ("" when absent or fine)
+    allocated: bool = False  # the agent has recorded every Alnair container allocated (ai.centaurus.io/allocated)
+    admitted: bool = False  # kubelet has reported container statuses: it admitted the pod
+    scheduler_name: str = ""
+    created_at: datetime = EPOCH
 
     @property
     def finished(self) -> bool:
@@ -102,6 +120,14 @@ class PodInfo:
 
     def container_ended(self, container: str) -> bool:
         return self.finished or container in self.ended
+
+    @property
+    def live(self) -> bool:
+        """Neither finished nor being deleted: its containers may still run."""
+        return not self.finished and not self.deleting
+
+    def needs(self) -> list[Need]:
+        return [c.need() for c in self.containers]
 
     def request(self, container: str) -> ContainerRequest | None:
         for c in self.containers:
@@ -200,6 +226,7 @@ def _container_requests(
             pod_uid=uid, namespace=namespace, pod_name=name, container=cname,
             memory_units=units[RESOURCE_MEMORY], compute_units=units[RESOURCE_COMPUTE],
             scheduled_at=scheduled_at, index=start + offset, init=init,
+            kind=(KIND_SIDECAR if spec.get("restartPolicy") == "Always" else KIND_INIT) if init else KIND_REGULAR,
         ))
     return out
 
@@ -248,6 +275,15 @@ def parse_pod(obj: Mapping[str, Any]) -> PodInfo:
     phase = status.get("phase")
     node = spec.get("nodeName")
     rv = meta.get("resourceVersion")
+    annotations = _dict(meta.get("annotations"))
+    decision: Decision | None = None
+    decision_error = ""
+    if PLACEMENT_ANNOTATION in annotations:
+        try:
+            decision = parse_decision(annotations[PLACEMENT_ANNOTATION])
+        except DecisionError as e:
+            decision_error = str(e)
+    scheduler = spec.get("schedulerName")
     return PodInfo(
         uid=uid, namespace=namespace, name=name,
         node_name=node if isinstance(node, str) else "",
@@ -258,4 +294,10 @@ def parse_pod(obj: Mapping[str, Any]) -> PodInfo:
         deleting=deleting,
         resource_version=rv if isinstance(rv, str) else "",
         invalid=tuple(invalid),
+        decision=decision,
+        decision_error=decision_error,
+        allocated=ALLOCATED_ANNOTATION in annotations,
+        admitted=bool(_list(status.get("containerStatuses")) or _list(status.get("initContainerStatuses"))),
+        scheduler_name=scheduler if isinstance(scheduler, str) else "",
+        created_at=parse_time(meta.get("creationTimestamp")) or EPOCH,
     )

@@ -1,15 +1,14 @@
-"""The pods bound to this node, kept current by LIST then WATCH, and the rule that matches kubelet's Allocate.
+"""The pods bound to this node, kept current by LIST then WATCH.
 
-kubelet's `Allocate` carries no pod identity, so the device plugin asks this watch which pending container is
-being admitted: the one whose request for the resource equals the count kubelet asks for, not yet taken, the
-earliest scheduled first (`match_request`). kubelet may call Allocate moments after the pod was bound, before the
-watch event arrives, so `wait_for_match` waits briefly for the next change.
+The device plugin asks it which pod kubelet is admitting: the pods bound here that kubelet has not admitted yet,
+in the order they were bound (kubelet sees the same watch order and admits pods one at a time in it). With the
+extender's per-node lock there is only one (see `alnair_agent.node.decision`).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,7 +19,7 @@ from kubernetes_asyncio.client import ApiClient, CoreV1Api
 from kubernetes_asyncio.client.exceptions import ApiException
 
 from alnair_agent.kube.client import read_json
-from alnair_agent.kube.pods import ContainerRequest, PodError, PodInfo, log_invalid, parse_pod
+from alnair_agent.kube.pods import PodError, PodInfo, log_invalid, parse_pod
 
 log = structlog.get_logger(__name__)
 
@@ -41,23 +40,6 @@ class WatchTiming:
     min_healthy_s: float = 1.0  # a watch that ends sooner than this having delivered nothing counts as a failure
 
 
-def match_request(
-    requests: Iterable[ContainerRequest], resource: str, count: int, taken: Collection[tuple[str, str]]
-) -> ContainerRequest | None:
-    """The pending container kubelet is admitting: it asks `count` units of `resource` and is not yet `taken`
-    (a set of (pod_uid, container)); among several, the earliest scheduled (then namespace, pod, container order).
-    """
-    if count <= 0:
-        return None
-    best: ContainerRequest | None = None
-    for req in requests:
-        if req.units(resource) != count or req.key in taken:
-            continue
-        if best is None or req.sort_key() < best.sort_key():
-            best = req
-    return best
-
-
 class PodWatch:
     """Service: the map uid -> PodInfo of the pods bound to `node_name`. `api=None` runs without an API server
     (ALNAIR_KUBERNETES=off): no pods, synced at once, and the device plugin allocates without pod identity."""
@@ -71,7 +53,8 @@ class PodWatch:
         self._synced = asyncio.Event()
         self._changed = asyncio.Event()  # replaced on every change; waiters hold the one they saw
         self._generation = 0
-        self._pending: list[ContainerRequest] | None = None  # cache of pending_requests(), dropped on change
+        self._bound: dict[str, int] = {}  # uid -> order in which the pod was first seen bound here
+        self._next_bound = 0
         if api is None:
             self._synced.set()
 
@@ -107,19 +90,9 @@ class PodWatch:
                 return pod
         return None
 
-    def pending_requests(self) -> list[ContainerRequest]:
-        """Containers asking for Alnair resources whose pod is bound here and still runs (not finished, not being
-        deleted) and which have not ended; sorted by scheduled_at, namespace, pod name, container order."""
-        if self._pending is None:
-            live = [
-                c
-                for pod in self._pods.values()
-                if pod.node_name == self.node_name and not pod.finished and not pod.deleting
-                for c in pod.containers
-                if c.container not in pod.ended
-            ]
-            self._pending = sorted(live, key=ContainerRequest.sort_key)
-        return list(self._pending)
+    def bound_order(self, uid: str) -> int:
+        """Position of the pod in the order the watch first saw pods bound to this node (lower = earlier)."""
+        return self._bound.get(uid, 1 << 62)
 
     # -- waiting ---------------------------------------------------------------------------------------------
     async def wait_synced(self, timeout: float | None = None) -> bool:
@@ -140,22 +113,6 @@ class PodWatch:
         except TimeoutError:
             return self._generation > since
         return True
-
-    async def wait_for_match(
-        self, resource: str, count: int, taken: Collection[tuple[str, str]], timeout: float
-    ) -> ContainerRequest | None:
-        """`match_request` over the pending requests, waiting up to `timeout` s for pod changes when none matches
-        yet (the bind may reach the watch after kubelet's Allocate). None without an API server or on timeout."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
-        while True:
-            since = self._generation
-            found = match_request(self.pending_requests(), resource, count, taken)
-            if found is not None or not self.enabled:
-                return found
-            remaining = deadline - loop.time()
-            if remaining <= 0 or not await self.changed(since, remaining):
-                return match_request(self.pending_requests(), resource, count, taken)
 
     # -- the service -----------------------------------------------------------------------------------------
     async def run(self) -> None:
@@ -204,11 +161,13 @@ class PodWatch:
         rv = (body.get("metadata") or {}).get("resourceVersion")
         if not isinstance(rv, str) or not rv:
             raise WatchProtocolError("pod list has no resourceVersion")
-        for pod in pods.values():
+        for pod in sorted(pods.values(), key=lambda p: (p.created_at, p.namespace, p.name)):
             old = self._pods.get(pod.uid)
             if old is None or old.invalid != pod.invalid:
                 log_invalid(pod)
+            self._note_bound(pod.uid)
         self._pods = pods
+        self._bound = {uid: n for uid, n in self._bound.items() if uid in pods}
         self._rv = rv
         self._bump()
         self._synced.set()
@@ -262,6 +221,7 @@ class PodWatch:
         elif kind == "DELETED":
             uid = (obj.get("metadata") or {}).get("uid")
             if isinstance(uid, str) and self._pods.pop(uid, None) is not None:
+                self._bound.pop(uid, None)
                 self._bump()
         elif kind != "BOOKMARK":
             raise WatchProtocolError(f"unknown watch event type {kind!r}")
@@ -280,16 +240,22 @@ class PodWatch:
         if pod.node_name != self.node_name:  # moved off this node (cannot happen once bound; be safe)
             if old is not None:
                 del self._pods[pod.uid]
+                self._bound.pop(pod.uid, None)
                 self._bump()
             return
         if old is None or old.invalid != pod.invalid:
             log_invalid(pod)
         if old != pod:
             self._pods[pod.uid] = pod
+            self._note_bound(pod.uid)
             self._bump()
+
+    def _note_bound(self, uid: str) -> None:
+        if uid not in self._bound:
+            self._bound[uid] = self._next_bound
+            self._next_bound += 1
 
     def _bump(self) -> None:
         self._generation += 1
-        self._pending = None
         event, self._changed = self._changed, asyncio.Event()
         event.set()

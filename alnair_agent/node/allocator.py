@@ -1,9 +1,25 @@
-"""Allocation policy behind the device plugin: who is being admitted, which GPU, which device IDs.
+"""Allocation behind the device plugin: which container kubelet is admitting, which GPU, which device IDs.
 
-kubelet's GetPreferredAllocation and Allocate carry no pod identity and come once per resource. The allocator
-tells which pending container is being admitted (DESIGN: match by requested amounts, ties to the earliest
-scheduled), picks ONE GPU that fits the container's memory AND compute by the node policy, and steers both
-resources' device IDs to it. Every Allocate answer is backed by a record on disk before it is returned.
+kubelet's GetPreferredAllocation and Allocate carry no pod identity. kubelet admits one pod at a time, each
+container in pod order (init containers first), each resource of a container in random order. With an API server
+the agent never guesses:
+  - the pod being admitted is the earliest-bound pod on this node that kubelet has not admitted yet (no container
+    statuses) and whose Alnair containers are not all allocated; alnair-scheduler's per-node lock makes it the
+    only one (`alnair_agent.node.decision`);
+  - the container is that pod's first container (in pod order) still missing this resource: each resource of a
+    container is allocated exactly once, so this holds in every resource order;
+  - its GPU is the one the extender decided (`ai.centaurus.io/placement`), validated against this agent's own
+    ledger with the shared fit rule. A pod with no decision is refused with a message naming the fix, unless
+    ALNAIR_PLACE_UNSCHEDULED lets the agent place it by ALNAIR_GPU_POLICY.
+The first of a container's resources creates its ONE folder and region with the container's full limits; the
+second names the same folder and limits. Every Allocate answer is backed by a record on disk before it returns.
+
+Without an API server (single-tenant mode) there is no pod identity: each resource is placed as kubelet asks for
+it and a container's memory and compute are paired by arrival (`PAIR_WINDOW_S`).
+
+Units held: a record's device IDs, unless kubelet offers them as available again or the record's pod is gone,
+finished or the container ended (kubelet's record and the pod win; the folder itself is removed later by the
+reconciler, only once kubelet no longer reports the container).
 """
 
 from __future__ import annotations
@@ -11,8 +27,8 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter
-from collections.abc import Collection
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Protocol
 
 import grpc
@@ -34,20 +50,23 @@ from alnair_agent.constants import (
     RESOURCE_MEMORY,
     RESOURCES,
 )
+from alnair_agent.kube.pods import ContainerRequest, PodInfo
+from alnair_agent.node import fit
+from alnair_agent.node.decision import Granted
 from alnair_agent.node.inventory import Inventory, UnknownDevice
-from alnair_agent.node.fit import GpuRoom, choose_gpu
-from alnair_agent.kube.pods import ContainerRequest
 from alnair_agent.node.region import RegionError
 from alnair_agent.node.workspace import Allocation, Workspace, new_allocation_id
 
 log = structlog.get_logger(__name__)
 
-# How long Allocate waits for the pod watch to show the pod being admitted (kubelet and our watch see the
-# binding at about the same time, so the event can trail kubelet's call slightly).
+# How long an admission call waits for the pod watch to show the pod kubelet is admitting (kubelet and the agent
+# watch the same binding, so the agent's event can trail kubelet's call slightly). No lock is held meanwhile.
 POD_WAIT_S = 2.0
-# Without pod identity (ALNAIR_KUBERNETES=off or no matching pod), the other resource's Allocate for the same
-# container follows within this window; an unfinished unidentified allocation older than this is not paired.
+# Without an API server, the other resource's Allocate for the same container follows within this window.
 PAIR_WINDOW_S = 5.0
+GPU_POLICY = {"binpack": fit.PACK, "spread": fit.SPREAD}
+SCHEDULER_HINT = ("set spec.schedulerName to alnair-cost-saving or alnair-high-performance (alnair-scheduler "
+                  "decides each container's GPU), or set ALNAIR_PLACE_UNSCHEDULED=true on the agent")
 
 
 class AllocationError(Exception):
@@ -62,14 +81,19 @@ class AllocationError(Exception):
 class PodSource(Protocol):
     """What the allocator needs of the pod watch (alnair_agent.kube.podwatch.PodWatch)."""
 
-    async def wait_for_match(self, resource: str, count: int, taken: Collection[tuple[str, str]],
-                             timeout: float) -> ContainerRequest | None:
-        """The pending container asking `count` of `resource`, not in `taken` ((pod_uid, container))."""
-        ...
+    @property
+    def synced(self) -> bool: ...
 
+    @property
+    def generation(self) -> int: ...
 
-def _wants(who: ContainerRequest) -> dict[str, int]:
-    return {r: who.units(r) for r in RESOURCES}
+    def pods(self) -> list[PodInfo]: ...
+
+    def get(self, uid: str) -> PodInfo | None: ...
+
+    def bound_order(self, uid: str) -> int: ...
+
+    async def changed(self, since: int, timeout: float | None = None) -> bool: ...
 
 
 @dataclass
@@ -81,16 +105,14 @@ class ContainerAnswer:
     allocation: Allocation
 
 
-@dataclass
-class _Decision:
-    """GetPreferredAllocation's choice, remembered so the Allocate that follows lands on the same container."""
+@dataclass(frozen=True)
+class _Target:
+    """The container kubelet is admitting and the GPU it goes on."""
 
-    resource: str
-    ids: frozenset[str]
+    pod: PodInfo
+    request: ContainerRequest
     gpu_uuid: str
-    who: ContainerRequest | None
-    open_id: str | None
-    at: float = field(default_factory=time.monotonic)
+    existing: Allocation | None  # its record, when its other resource came first
 
 
 class Allocator:
@@ -102,17 +124,26 @@ class Allocator:
         shim_dir: str,
         pods: PodSource | None = None,
         pod_wait_s: float = POD_WAIT_S,
+        place_unscheduled: bool = False,
+        node_name: str = "",
     ) -> None:
         self.inventory = inventory
         self.workspace = workspace
-        self.policy = policy
+        self.policy = GPU_POLICY.get(policy, policy)
+        if self.policy not in fit.POLICIES:
+            raise ValueError(f"unknown GPU policy {policy!r}")
         self.shim_dir = shim_dir
         self.pods = pods
         self.pod_wait_s = pod_wait_s
+        self.place_unscheduled = place_unscheduled
+        self.node_name = node_name
         self.allocations: dict[str, Allocation] = {}
         # Device IDs kubelet reports held (pod-resources) that no record of ours covers: never offered again.
         self.external_held: set[str] = set()
-        self._decisions: list[_Decision] = []
+        # Records whose devices kubelet offered as available again: it freed them (the container is gone).
+        self.freed_by_kubelet: set[str] = set()
+        # Called (pod, {container: Granted}) once every Alnair container of a pod is allocated.
+        self.on_pod_allocated: Callable[[PodInfo, dict[str, Granted]], None] | None = None
         self._lock = asyncio.Lock()
 
     # -- state -----------------------------------------------------------------------------------------------
@@ -121,117 +152,247 @@ class Allocator:
             self.allocations[alloc.id] = alloc
 
     def recorded_ids(self) -> set[str]:
-        """Device IDs our allocation records hold."""
+        """Device IDs our allocation records hold (live or not)."""
         return {i for alloc in self.allocations.values() for i in alloc.all_ids()}
 
+    def live(self, alloc: Allocation) -> bool:
+        """Whether the record's container may still run: kubelet has not freed its devices, and (with an API
+        server) its pod exists, is not finished or being deleted, and the container has not ended."""
+        if alloc.id in self.freed_by_kubelet:
+            return False
+        if self.pods is None or not self.pods.synced or not alloc.pod_uid:
+            return True
+        pod = self.pods.get(alloc.pod_uid)
+        return pod is not None and pod.live and not pod.container_ended(alloc.container)
+
     def held_ids(self) -> set[str]:
-        return self.recorded_ids() | self.external_held
+        """Device IDs not to hand out: those of live records, and those kubelet reports that no record covers."""
+        return {i for a in self.allocations.values() if self.live(a) for i in a.all_ids()} | self.external_held
 
     def _owner_of(self) -> dict[str, Allocation]:
-        return {i: a for a in self.allocations.values() for i in a.all_ids()}
+        return {i: a for a in self.allocations.values() if self.live(a) for i in a.all_ids()}
 
-    def rooms(self, available: dict[str, set[str]] | None = None) -> list[GpuRoom]:
-        """Free units per healthy GPU: offered minus held; for a resource in `available`, kubelet's view too."""
-        held = self.held_ids()
-        used: Counter[tuple[str, str]] = Counter(filter(None, map(Inventory.owner, held)))
-        offered: Counter[tuple[str, str]] = Counter()
-        for resource, ids in (available or {}).items():
-            offered.update(o for o in map(Inventory.owner, ids - held) if o is not None and o[1] == resource)
-        rooms = []
-        for gpu in self.inventory.gpus.values():
-            if not gpu.healthy:
-                continue
-            free = {}
-            for r in RESOURCES:
-                mine = gpu.units[r] - used[(gpu.uuid, r)]
-                free[r] = min(mine, offered[(gpu.uuid, r)]) if available and r in available else mine
-            rooms.append(GpuRoom(gpu.uuid, gpu.info.index, free, dict(gpu.units)))
-        return rooms
+    def rooms(self, ignore: frozenset[str] | set[str] = frozenset()) -> list[fit.Room]:
+        """Free units per healthy GPU: offered minus held (minus `ignore`: devices being handed on within a pod)."""
+        used: Counter[tuple[str, str]] = Counter(filter(None, map(Inventory.owner, self.held_ids() - ignore)))
+        return [fit.Room(gpu.uuid, gpu.info.index,
+                         gpu.units[RESOURCE_MEMORY] - used[(gpu.uuid, RESOURCE_MEMORY)],
+                         gpu.units[RESOURCE_COMPUTE] - used[(gpu.uuid, RESOURCE_COMPUTE)],
+                         gpu.units[RESOURCE_MEMORY], gpu.units[RESOURCE_COMPUTE])
+                for gpu in self.inventory.gpus.values() if gpu.healthy]
+
+    def pods_held(self) -> set[str]:
+        """UIDs of the pods whose units the free counts subtract (for the node annotation)."""
+        return {a.pod_uid for a in self.allocations.values() if a.pod_uid and self.live(a)}
 
     def remove(self, alloc_id: str) -> Allocation | None:
+        self.freed_by_kubelet.discard(alloc_id)
         return self.allocations.pop(alloc_id, None)
 
+    def _release_freed(self, available: list[str]) -> None:
+        """IDs kubelet offers as available are free in kubelet's record: any record still holding one is of a
+        container that kubelet no longer has (kubelet's record wins); its units come back now."""
+        owners = self._owner_of()
+        for device_id in available:
+            alloc = owners.get(device_id)
+            if alloc is not None and alloc.id not in self.freed_by_kubelet:
+                self.freed_by_kubelet.add(alloc.id)
+                log.info("allocation_freed_by_kubelet", allocation=alloc.id, pod=alloc.ref(), device=device_id)
+
     # -- who is being admitted -------------------------------------------------------------------------------
-    def _open_for(self, resource: str, count: int) -> Allocation | None:
-        """The newest allocation still missing `resource` that this request completes."""
-        now = time.time()
-        for alloc in sorted(self.allocations.values(), key=lambda a: a.created_at, reverse=True):
-            if alloc.device_ids.get(resource):
+    def _records_of(self, pod_uid: str) -> dict[str, Allocation]:
+        return {a.container: a for a in self.allocations.values() if a.pod_uid == pod_uid}
+
+    @staticmethod
+    def _missing(c: ContainerRequest, record: Allocation | None) -> list[str]:
+        """Resources the container asks for that its record does not hold yet."""
+        return [r for r in RESOURCES if c.units(r) > 0 and (record is None or r not in record.device_ids)]
+
+    def _pending(self) -> list[PodInfo]:
+        """Pods bound here that kubelet has not admitted yet, in bind order."""
+        assert self.pods is not None
+        out = []
+        for pod in self.pods.pods():
+            if pod.node_name != self.node_name and self.node_name:
                 continue
-            if alloc.identified:
-                if alloc.wanted.get(resource, 0) == count:
-                    return alloc
-            elif now - alloc.created_at <= PAIR_WINDOW_S:
-                return alloc
+            if not pod.live or pod.admitted or not pod.containers:
+                continue
+            records = self._records_of(pod.uid)
+            if all(not self._missing(c, records.get(c.container)) for c in pod.containers):
+                continue
+            out.append(pod)
+        return sorted(out, key=lambda p: (self.pods.bound_order(p.uid), p.created_at, p.namespace, p.name))
+
+    def _next_container(self, pod: PodInfo, resource: str) -> ContainerRequest | None:
+        records = self._records_of(pod.uid)
+        for c in pod.containers:
+            if resource in self._missing(c, records.get(c.container)):
+                return c
         return None
 
-    def _taken(self, resource: str) -> set[tuple[str, str]]:
-        return {(a.pod_uid, a.container) for a in self.allocations.values() if a.identified and a.device_ids.get(resource)}
+    def _find(self, resource: str, count: int) -> tuple[PodInfo, ContainerRequest] | None:
+        for pod in self._pending():
+            c = self._next_container(pod, resource)
+            if c is not None and c.units(resource) == count:
+                return pod, c
+        return None
 
-    async def _identify(self, resource: str, count: int) -> tuple[Allocation | None, ContainerRequest | None]:
-        open_alloc = self._open_for(resource, count)
-        if open_alloc is not None or self.pods is None:
-            return open_alloc, None
-        who = await self.pods.wait_for_match(resource, count, self._taken(resource), self.pod_wait_s)
-        if who is None:
-            log.warning("allocate_pod_unknown", resource=resource, units=count,
-                        hint="no pending pod on this node asks for this amount; allocating without pod identity")
-        return None, who
+    def _describe_pending(self, resource: str, count: int) -> str:
+        pending = self._pending()
+        if not pending:
+            return (f"no pod bound to this node is waiting for admission with a container asking {count} {resource} "
+                    "(the pod may have been deleted, or the agent's pod watch is behind)")
+        parts = []
+        for pod in pending[:5]:
+            c = self._next_container(pod, resource)
+            parts.append(f"{pod.namespace}/{pod.name} (next {resource}: "
+                         f"{f'{c.container} asks {c.units(resource)}' if c else 'none'})")
+        return (f"no pod waiting for admission has a container asking {count} {resource} next; waiting: "
+                + ", ".join(parts))
+
+    async def _identify(self, resource: str, count: int) -> tuple[PodInfo, ContainerRequest] | AllocationError:
+        """The pod and container kubelet is admitting; waits (without the lock) for the watch to show it."""
+        assert self.pods is not None
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.pod_wait_s
+        while True:
+            since = self.pods.generation
+            found = self._find(resource, count) if self.pods.synced else None
+            if found is not None:
+                return found
+            remaining = deadline - loop.time()
+            if remaining <= 0 or not await self.pods.changed(since, remaining):
+                found = self._find(resource, count) if self.pods.synced else None
+                if found is not None:
+                    return found
+                return AllocationError(grpc.StatusCode.FAILED_PRECONDITION,
+                                       "cannot tell which pod kubelet is admitting: "
+                                       + self._describe_pending(resource, count))
+
+    def _gpu_for(self, pod: PodInfo, c: ContainerRequest, resource: str, existing: Allocation | None) -> str:
+        """The container's GPU: its record's, else the extender's decision, else (if allowed) the agent's choice."""
+        if existing is not None:
+            return existing.gpu_uuid
+        ref = f"pod {pod.namespace}/{pod.name} container {c.container!r}"
+        if pod.decision_error:
+            raise AllocationError(grpc.StatusCode.FAILED_PRECONDITION,
+                                  f"{ref}: its placement annotation is unreadable ({pod.decision_error})")
+        decision = pod.decision
+        if decision is not None:
+            if self.node_name and decision.node != self.node_name:
+                raise AllocationError(grpc.StatusCode.FAILED_PRECONDITION,
+                                      f"{ref}: alnair-scheduler placed it on node {decision.node!r}, not this node "
+                                      f"{self.node_name!r}")
+            gpu_uuid = decision.gpus.get(c.container)
+            if gpu_uuid is None:
+                raise AllocationError(grpc.StatusCode.FAILED_PRECONDITION,
+                                      f"{ref}: alnair-scheduler's placement names no GPU for this container")
+            gpu = self.inventory.gpus.get(gpu_uuid)
+            if gpu is None:
+                raise AllocationError(grpc.StatusCode.FAILED_PRECONDITION,
+                                      f"{ref}: alnair-scheduler placed it on GPU {gpu_uuid}, which is not on this node")
+            if not gpu.healthy:
+                raise AllocationError(grpc.StatusCode.UNAVAILABLE,
+                                      f"{ref}: alnair-scheduler placed it on GPU {gpu_uuid}, which is unhealthy")
+            return gpu_uuid
+        if not self.place_unscheduled:
+            raise AllocationError(grpc.StatusCode.FAILED_PRECONDITION,
+                                  f"{ref} asks for Alnair resources but was not placed by alnair-scheduler "
+                                  f"(spec.schedulerName is {pod.scheduler_name or 'default-scheduler'!r}): "
+                                  + SCHEDULER_HINT)
+        records = self._records_of(pod.uid)
+        if any(n.kind == fit.KIND_INIT for n in pod.needs()) and records:
+            return next(iter(records.values())).gpu_uuid  # kubelet reuses init devices: one GPU per such pod
+        placed = fit.place([c.need()], self.rooms(), self.policy)
+        if not isinstance(placed, fit.Placement):
+            raise AllocationError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{ref}: {placed.reason}")
+        return placed.gpus[c.container]
+
+    def _same_pod(self, device_ids: list[str], pod_uid: str) -> set[str]:
+        """Of `device_ids`, those a live record of the same pod holds (kubelet reusing init containers' devices)."""
+        owners = self._owner_of()
+        return {i for i in device_ids if i in owners and owners[i].pod_uid == pod_uid}
+
+    def _check_room(self, target: _Target, resource: str, handed_on: set[str]) -> None:
+        """The shared fit rule against this agent's ledger: the GPU must have room for what is not held yet."""
+        c = target.request
+        memory = c.memory_units if target.existing is None or resource == RESOURCE_MEMORY else 0
+        compute = c.compute_units if target.existing is None or resource == RESOURCE_COMPUTE else 0
+        room = next((r for r in self.rooms(handed_on) if r.uuid == target.gpu_uuid), None)
+        if room is None or not room.fits(memory, compute):
+            have = room.describe() if room is not None else f"GPU {target.gpu_uuid} is not available"
+            raise AllocationError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                  f"pod {target.pod.namespace}/{target.pod.name} container {c.container!r} needs "
+                                  f"{memory} memory + {compute} compute units on GPU {target.gpu_uuid}; {have}")
+
+    async def _target(self, resource: str, count: int) -> _Target:
+        found = await self._identify(resource, count)
+        if isinstance(found, AllocationError):
+            raise found
+        pod, c = found
+        existing = self._records_of(pod.uid).get(c.container)
+        return _Target(pod, c, self._gpu_for(pod, c, resource, existing), existing)
 
     # -- GetPreferredAllocation ------------------------------------------------------------------------------
     async def preferred(self, resource: str, available: list[str], must_include: list[str], size: int) -> list[str]:
-        async with self._lock:
-            return await self._preferred(resource, available, must_include, size)
-
-    async def _preferred(self, resource: str, available: list[str], must_include: list[str], size: int) -> list[str]:
         if size <= 0:
             raise AllocationError(grpc.StatusCode.INVALID_ARGUMENT, f"allocation size {size} for {resource} must be > 0")
         self._check([*available, *must_include], resource)
-        open_alloc, who = await self._identify(resource, size)
-        try:
-            return self._prefer_on_gpu(resource, available, must_include, size, open_alloc, who)
-        except AllocationError:
-            if open_alloc is not None:
-                # kubelet fails the whole admission when one resource cannot be had: the half-made allocation
-                # would only hold units that kubelet is about to free.
-                self._abandon(open_alloc, f"its {resource} cannot be placed on GPU {open_alloc.gpu_uuid}")
-            raise
+        if len(must_include) > size:
+            raise AllocationError(grpc.StatusCode.INVALID_ARGUMENT,
+                                  f"must_include_deviceIDs names {len(must_include)} {resource} devices, more than "
+                                  f"the allocation size {size}")
+        if self.pods is None:
+            async with self._lock:
+                self._release_freed(available)
+                open_alloc = self._open_for(resource, size)
+                try:
+                    gpu_uuid = open_alloc.gpu_uuid if open_alloc else self._choose_unidentified(resource, size)
+                    return self._pick(resource, available, must_include, size, gpu_uuid)
+                except AllocationError:
+                    if open_alloc is not None:
+                        # kubelet fails the whole admission when one resource cannot be had: the half-made
+                        # allocation would only hold units that kubelet is about to free.
+                        self._abandon(open_alloc, f"its {resource} cannot be placed on GPU {open_alloc.gpu_uuid}")
+                    raise
+        target = await self._target(resource, size)
+        async with self._lock:
+            self._release_freed(available)
+            self._check_room(target, resource, self._same_pod(must_include, target.pod.uid))
+            return self._pick(resource, available, must_include, size, target.gpu_uuid)
 
-    def _prefer_on_gpu(self, resource: str, available: list[str], must_include: list[str], size: int,
-                       open_alloc: Allocation | None, who: ContainerRequest | None) -> list[str]:
-        if open_alloc is not None:
-            gpu_uuid = open_alloc.gpu_uuid
-        else:
-            need = _wants(who) if who is not None else {resource: size}
-            gpu_uuid = self._choose(resource, set(available), need)
+    def _pick(self, resource: str, available: list[str], must_include: list[str], size: int, gpu_uuid: str) -> list[str]:
+        """must_include first (the v1beta1 contract: kubelet has already given them to the container), then free
+        devices of the container's GPU."""
         held = self.held_ids()
-        on_gpu = [i for i in available if i not in held and i.startswith(gpu_uuid + DEVICE_ID_SEPARATOR)]
-        must = [i for i in must_include if i in on_gpu]
-        chosen = must + [i for i in on_gpu if i not in must][: max(0, size - len(must))]
+        prefix = gpu_uuid + DEVICE_ID_SEPARATOR
+        must = list(dict.fromkeys(must_include))
+        off_gpu = [i for i in must if not i.startswith(prefix)]
+        if off_gpu:
+            raise AllocationError(grpc.StatusCode.FAILED_PRECONDITION,
+                                  f"kubelet requires device {off_gpu[0]} (reused from another container of the pod), "
+                                  f"but this container's {resource} must come from GPU {gpu_uuid}")
+        on_gpu = [i for i in available if i not in held and i.startswith(prefix) and i not in must]
+        chosen = must + on_gpu[: size - len(must)]
         if len(chosen) < size:
             raise AllocationError(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"GPU {gpu_uuid} has {len(on_gpu)} free {resource} units; the container needs {size} on the same GPU "
-                "as its other resource",
+                f"GPU {gpu_uuid} has {len(must) + len(on_gpu)} {resource} units kubelet offers and the agent holds "
+                f"free; the container needs {size} there",
             )
-        self._decisions = [d for d in self._decisions if time.monotonic() - d.at < 60.0]
-        self._decisions.append(_Decision(resource, frozenset(chosen), gpu_uuid, who,
-                                         open_alloc.id if open_alloc else None))
         return chosen
 
-    def _choose(self, resource: str, available: set[str], need: dict[str, int]) -> str:
-        room = choose_gpu(self.rooms({resource: available}), need, self.policy)
-        if room is None:
-            biggest = {r: max((g.units[r] for g in self.inventory.gpus.values()), default=0) for r in RESOURCES}
-            what = ", ".join(f"{n} {r}" for r, n in need.items() if n)
-            if any(need.get(r, 0) > biggest[r] for r in RESOURCES):
-                sizes = ", ".join(f"{biggest[r]} {r}" for r in RESOURCES)
-                raise AllocationError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                      f"request of {what} is larger than any single GPU on this node "
-                                      f"(largest offers {sizes}); memory and compute must come from one GPU")
-            raise AllocationError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                  f"no healthy GPU has {what} free at once; memory and compute must come from one GPU")
-        return room.uuid
+    def _abandon(self, alloc: Allocation, why: str) -> None:
+        log.warning("allocation_abandoned", allocation=alloc.id, reason=why)
+        self.workspace.remove(alloc.id)
+        self.remove(alloc.id)
+
+    def _choose_unidentified(self, resource: str, size: int) -> str:
+        placed = fit.place([fit.Need("container", size if resource == RESOURCE_MEMORY else 0,
+                                     size if resource == RESOURCE_COMPUTE else 0)], self.rooms(), self.policy)
+        if not isinstance(placed, fit.Placement):
+            raise AllocationError(grpc.StatusCode.RESOURCE_EXHAUSTED, placed.reason)
+        return placed.gpus["container"]
 
     def _check(self, device_ids: list[str], resource: str) -> None:
         try:
@@ -241,10 +402,6 @@ class Allocator:
 
     # -- Allocate -------------------------------------------------------------------------------------------
     async def allocate(self, resource: str, device_ids: list[str]) -> ContainerAnswer:
-        async with self._lock:
-            return await self._allocate(resource, device_ids)
-
-    async def _allocate(self, resource: str, device_ids: list[str]) -> ContainerAnswer:
         if not device_ids:
             raise AllocationError(grpc.StatusCode.INVALID_ARGUMENT, f"Allocate for {resource} names no device IDs")
         if len(set(device_ids)) != len(device_ids):
@@ -256,21 +413,55 @@ class Allocator:
                                   f"Allocate for {resource} spans GPUs {sorted(gpus)}; a container's units must "
                                   "come from one GPU (use GetPreferredAllocation)")
         gpu_uuid = gpus.pop()
-        decision = self._take_decision(resource, device_ids)
-        if decision is not None:
-            open_alloc = self.allocations.get(decision.open_id) if decision.open_id else None
-            who = decision.who
-        else:
-            open_alloc, who = await self._identify(resource, len(device_ids))
-        pod_uid = open_alloc.pod_uid if open_alloc is not None else (who.pod_uid if who is not None else "")
+        if self.pods is None:
+            async with self._lock:
+                return self._allocate_unidentified(resource, device_ids, gpu_uuid)
+        target = await self._target(resource, len(device_ids))
+        async with self._lock:
+            if target.gpu_uuid != gpu_uuid:
+                raise AllocationError(grpc.StatusCode.FAILED_PRECONDITION,
+                                      f"pod {target.pod.namespace}/{target.pod.name} container "
+                                      f"{target.request.container!r} goes on GPU {target.gpu_uuid}; kubelet offers "
+                                      f"{resource} devices of GPU {gpu_uuid}")
+            reused = self._take_devices(device_ids, target.pod.uid)
+            self._check_room(target, resource, set(reused))
+            if target.existing is not None:
+                alloc = self._complete(target.existing, resource, device_ids)
+            else:
+                alloc = self._create(gpu_uuid, resource, device_ids, target.pod, target.request)
+            if reused:
+                self._release(reused, keep=alloc.id)
+            answer = ContainerAnswer(self._envs(alloc), self._mounts(alloc), alloc)
+            log.info("allocated", allocation=alloc.id, resource=resource, units=len(device_ids), gpu=gpu_uuid,
+                     pod=alloc.ref(), container=alloc.container)
+            self._maybe_confirm(target.pod)
+            return answer
+
+    def _take_devices(self, device_ids: list[str], pod_uid: str) -> list[str]:
+        """Check that no live container of another pod holds the devices; return those an ended container of the
+        same pod holds (kubelet hands an init container's devices to the next container of the pod)."""
         owners = self._owner_of()
-        reused = [i for i in device_ids if i in owners and pod_uid and owners[i].pod_uid == pod_uid
-                  and owners[i] is not open_alloc]
+        reused = [i for i in device_ids if i in owners and pod_uid and owners[i].pod_uid == pod_uid]
         busy = sorted(i for i in device_ids if (i in owners and i not in reused) or i in self.external_held)
         if busy:
             holder = owners[busy[0]].describe() if busy[0] in owners else "a container kubelet reports"
             raise AllocationError(grpc.StatusCode.FAILED_PRECONDITION,
                                   f"device ID {busy[0]} is still held by {holder}; refusing to double-book it")
+        return reused
+
+    def _maybe_confirm(self, pod: PodInfo) -> None:
+        records = self._records_of(pod.uid)
+        if any(self._missing(c, records.get(c.container)) for c in pod.containers):
+            return
+        granted = {name: Granted(a.gpu_uuid, a.id, a.memory_limit, a.compute_limit) for name, a in records.items()
+                   if pod.request(name) is not None}
+        log.info("pod_allocated", pod=f"{pod.namespace}/{pod.name}", containers=len(granted))
+        if self.on_pod_allocated is not None:
+            self.on_pod_allocated(pod, granted)
+
+    def _allocate_unidentified(self, resource: str, device_ids: list[str], gpu_uuid: str) -> ContainerAnswer:
+        open_alloc = self._open_for(resource, len(device_ids))
+        self._take_devices(device_ids, "")
         if open_alloc is not None and open_alloc.gpu_uuid != gpu_uuid:
             raise AllocationError(grpc.StatusCode.FAILED_PRECONDITION,
                                   f"{open_alloc.describe()} holds its other resource on GPU {open_alloc.gpu_uuid}; "
@@ -278,34 +469,27 @@ class Allocator:
         if open_alloc is not None:
             alloc = self._complete(open_alloc, resource, device_ids)
         else:
-            alloc = self._create(gpu_uuid, resource, device_ids, who)
-        if reused:
-            # kubelet hands an ended init container's devices to the next container of the same pod.
-            self._release(reused, owners)
+            alloc = self._create(gpu_uuid, resource, device_ids, None, None)
         log.info("allocated", allocation=alloc.id, resource=resource, units=len(device_ids), gpu=gpu_uuid,
-                 pod=f"{alloc.namespace}/{alloc.pod_name}" if alloc.identified else None,
-                 container=alloc.container or None)
+                 pod=None, container=None)
         return ContainerAnswer(self._envs(alloc), self._mounts(alloc), alloc)
 
-    def _release(self, device_ids: list[str], owners: dict[str, Allocation]) -> None:
-        for alloc in {owners[i].id: owners[i] for i in device_ids}.values():
+    def _open_for(self, resource: str, count: int) -> Allocation | None:
+        """Without pod identity: the newest unfinished allocation of the last PAIR_WINDOW_S lacking `resource`."""
+        now = time.time()
+        for alloc in sorted(self.allocations.values(), key=lambda a: a.created_at, reverse=True):
+            if not alloc.identified and not alloc.device_ids.get(resource) and now - alloc.created_at <= PAIR_WINDOW_S:
+                return alloc
+        return None
+
+    def _release(self, device_ids: list[str], keep: str) -> None:
+        """Take `device_ids` out of every record but `keep` (they were handed on within the pod)."""
+        owners = {i: a for a in self.allocations.values() if a.id != keep for i in a.all_ids()}
+        for alloc in {owners[i].id: owners[i] for i in device_ids if i in owners}.values():
             for resource, ids in alloc.device_ids.items():
                 alloc.device_ids[resource] = [i for i in ids if i not in device_ids]
             self.workspace.save(alloc)
             log.info("devices_reused_within_pod", allocation=alloc.id, container=alloc.container, devices=len(device_ids))
-
-    def _abandon(self, alloc: Allocation, why: str) -> None:
-        log.warning("allocation_abandoned", allocation=alloc.id, reason=why)
-        self.workspace.remove(alloc.id)
-        self.remove(alloc.id)
-
-    def _take_decision(self, resource: str, device_ids: list[str]) -> _Decision | None:
-        ids = frozenset(device_ids)
-        for d in self._decisions:
-            if d.resource == resource and d.ids == ids:
-                self._decisions.remove(d)
-                return d
-        return None
 
     def _limits(self, alloc: Allocation) -> tuple[int, int]:
         mem_units = max(alloc.wanted.get(RESOURCE_MEMORY, 0), len(alloc.device_ids.get(RESOURCE_MEMORY, [])))
@@ -313,18 +497,20 @@ class Allocator:
         # A cap of the whole GPU is no cap: the shim then stays out of the launch path.
         return mem_units * self.inventory.memory_unit_bytes, (compute if 0 < compute < 100 else 0)
 
-    def _create(self, gpu_uuid: str, resource: str, device_ids: list[str], who: ContainerRequest | None) -> Allocation:
-        wanted = _wants(who) if who is not None else {resource: len(device_ids)}
+    def _create(self, gpu_uuid: str, resource: str, device_ids: list[str], pod: PodInfo | None,
+                c: ContainerRequest | None) -> Allocation:
+        wanted = {r: c.units(r) for r in RESOURCES} if c is not None else {resource: len(device_ids)}
         alloc = Allocation(
             id=new_allocation_id(), gpu_uuid=gpu_uuid, device_ids={resource: list(device_ids)},
             wanted={r: n for r, n in wanted.items() if n}, memory_limit=0, compute_limit=0,
-            namespace=who.namespace if who else "", pod_name=who.pod_name if who else "",
-            pod_uid=who.pod_uid if who else "", container=who.container if who else "",
+            namespace=pod.namespace if pod else "", pod_name=pod.name if pod else "",
+            pod_uid=pod.uid if pod else "", container=c.container if c else "",
         )
         alloc.memory_limit, alloc.compute_limit = self._limits(alloc)
         try:
             region = self.workspace.create(alloc)
         except OSError as e:
+            self.workspace.remove(alloc.id)
             raise AllocationError(grpc.StatusCode.INTERNAL,
                                   f"cannot create workspace for {alloc.describe()} under {self.workspace.root}: {e}") from e
         region.close()
@@ -357,7 +543,8 @@ class Allocator:
             ENV_ALLOCATION_ID: alloc.id,
         }
         # kubelet merges the two resources' answers first-wins per variable: name a limit only once it is
-        # known, so the answers never disagree (the region carries the final limits either way).
+        # known, so the answers never disagree (the region carries the final limits either way). With pod
+        # identity both limits are known from the first answer on.
         if RESOURCE_MEMORY in alloc.wanted:
             envs[ENV_MEMORY_LIMIT] = str(alloc.memory_limit)
         if RESOURCE_COMPUTE in alloc.wanted:

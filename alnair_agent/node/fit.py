@@ -1,40 +1,247 @@
-"""Which GPU a container lands on: ALNAIR_GPU_POLICY, as a pure function of free and total units."""
+"""THE fit rule: which GPU each container of a pod lands on, by profile. One definition, imported by the scheduler
+extender (filter, prioritize and bind all call `place`) and by the agent (which validates a decision against its
+own ledger with `Room.fits`, and places pods itself only where the operator allows it).
+
+Units: memory in `alnair/vgpu-memory` units, compute in percent of one GPU. A container's memory and compute come
+from ONE GPU. Containers that run at the same time must fit at the same time:
+  - sidecars (init containers with restartPolicy Always) and regular containers run together (the "steady" set);
+  - each run-once init container runs alone, beside the sidecars declared before it.
+
+kubelet hands a run-once init container's devices to the next containers of the same pod (its device manager
+reuses them), so a pod with such an init container gets ALL its Alnair containers on ONE GPU: every group must fit
+there by itself. Otherwise each steady container is placed on its own, largest first:
+  - PACK (cost-saving, `binpack`): the GPU left fullest after placing it (best fit);
+  - SPREAD (high-performance, `spread`): the GPU left emptiest (worst fit); when spreading finds no room for every
+    container, packing is tried before giving up, so whether a pod fits never depends on its profile.
+Ties go to the lowest GPU index. Everything is integer or exact-fraction arithmetic: deterministic.
+"""
 
 from __future__ import annotations
 
+import math
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from fractions import Fraction
 
-from alnair_agent.constants import RESOURCES
-
-BINPACK = "binpack"
+PACK = "pack"
 SPREAD = "spread"
-POLICIES = (BINPACK, SPREAD)
+POLICIES = (PACK, SPREAD)
+
+KIND_INIT = "init"  # run-once init container
+KIND_SIDECAR = "sidecar"  # init container with restartPolicy Always: runs beside the regular containers
+KIND_REGULAR = "regular"
+
+MAX_SCORE = 10  # kube-scheduler's MaxExtenderPriority
 
 
 @dataclass(frozen=True)
-class GpuRoom:
-    """What one healthy GPU has free (and in all) of each resource."""
+class Need:
+    """One container's request: units that must come from one GPU."""
+
+    name: str
+    memory: int
+    compute: int
+    kind: str = KIND_REGULAR
+
+    def describe(self) -> str:
+        return f"{self.memory} memory + {self.compute} compute units"
+
+
+@dataclass(frozen=True)
+class Room:
+    """One healthy GPU: units free and offered of each resource."""
 
     uuid: str
     index: int
-    free: dict[str, int]
-    total: dict[str, int]
+    memory_free: int
+    compute_free: int
+    memory_total: int
+    compute_total: int
 
-    def fits(self, need: dict[str, int]) -> bool:
-        return all(self.free.get(r, 0) >= n for r, n in need.items())
+    def fits(self, memory: int, compute: int) -> bool:
+        return self.memory_free >= memory and self.compute_free >= compute
 
-    def free_share_after(self, need: dict[str, int]) -> float:
-        """Free fraction left after placing `need`, averaged over both resources (0 = full, 1 = empty)."""
-        shares = [(self.free[r] - need.get(r, 0)) / self.total[r] for r in RESOURCES if self.total.get(r)]
-        return sum(shares) / len(shares) if shares else 0.0
+    def less(self, memory: int, compute: int) -> Room:
+        return Room(self.uuid, self.index, self.memory_free - memory, self.compute_free - compute,
+                    self.memory_total, self.compute_total)
+
+    def empty(self) -> Room:
+        return Room(self.uuid, self.index, self.memory_total, self.compute_total, self.memory_total,
+                    self.compute_total)
+
+    def free_share(self) -> Fraction:
+        """Free fraction, averaged over both resources (0 = full, 1 = empty)."""
+        shares = [Fraction(free, total) for free, total in ((self.memory_free, self.memory_total),
+                                                            (self.compute_free, self.compute_total)) if total > 0]
+        return sum(shares, Fraction(0)) / len(shares) if shares else Fraction(0)
+
+    def describe(self) -> str:
+        return (f"GPU {self.index}: {self.memory_free}/{self.memory_total} memory, "
+                f"{self.compute_free}/{self.compute_total} compute free")
 
 
-def choose_gpu(rooms: list[GpuRoom], need: dict[str, int], policy: str) -> GpuRoom | None:
-    """binpack: the GPU left fullest; spread: the GPU left emptiest; ties go to the lowest index."""
-    if policy not in POLICIES:
-        raise ValueError(f"unknown policy {policy!r}")
-    fitting = [room for room in rooms if room.fits(need)]
+@dataclass(frozen=True)
+class Placement:
+    """Where each container goes: container name -> GPU UUID."""
+
+    gpus: Mapping[str, str]
+
+    fits = True
+
+
+@dataclass(frozen=True)
+class NoFit:
+    """Why the pod does not fit; `resolvable` is False when it would not fit even with every GPU empty."""
+
+    reason: str
+    resolvable: bool = True
+
+    fits = False
+
+
+def groups(needs: Sequence[Need]) -> list[tuple[Need, ...]]:
+    """Each set of containers that must fit at the same time: every run-once init container beside the sidecars
+    declared before it, then the steady set."""
+    out: list[tuple[Need, ...]] = []
+    sidecars: list[Need] = []
+    for need in needs:
+        if need.kind == KIND_SIDECAR:
+            sidecars.append(need)
+        elif need.kind == KIND_INIT:
+            out.append((*sidecars, need))
+    steady = tuple(n for n in needs if n.kind != KIND_INIT)
+    if steady:
+        out.append(steady)
+    return out
+
+
+def _label(need: Need) -> str:
+    return {KIND_INIT: "init container", KIND_SIDECAR: "sidecar"}.get(need.kind, "container")
+
+
+def _after(room: Room, need: Need) -> Fraction:
+    return room.less(need.memory, need.compute).free_share()
+
+
+def _choose(rooms: Iterable[Room], need: Need, policy: str) -> Room | None:
+    fitting = [r for r in rooms if r.fits(need.memory, need.compute)]
     if not fitting:
         return None
-    sign = 1 if policy == BINPACK else -1
-    return min(fitting, key=lambda room: (sign * room.free_share_after(need), room.index))
+    sign = 1 if policy == PACK else -1
+    return min(fitting, key=lambda r: (sign * _after(r, need), r.index))
+
+
+def _one_by_one(needs: Sequence[Need], rooms: Sequence[Room], policy: str) -> Placement | Need:
+    """Greedy, largest dominant share first; returns the first container that found no room on failure."""
+    mem_scale = max((r.memory_total for r in rooms), default=0) or 1
+    comp_scale = max((r.compute_total for r in rooms), default=0) or 1
+
+    def key(item: tuple[int, Need]) -> tuple[Fraction, int, int, int]:
+        pos, n = item
+        return (-max(Fraction(n.memory, mem_scale), Fraction(n.compute, comp_scale)), -n.memory, -n.compute, pos)
+
+    free = {r.uuid: r for r in rooms}
+    placed: dict[str, str] = {}
+    for _, need in sorted(enumerate(needs), key=key):
+        room = _choose(free.values(), need, policy)
+        if room is None:
+            return need
+        free[room.uuid] = room.less(need.memory, need.compute)
+        placed[need.name] = room.uuid
+    return Placement(placed)
+
+
+def _one_gpu(needs: Sequence[Need], rooms: Sequence[Room], policy: str) -> Placement | None:
+    """All containers on one GPU where every group fits by itself (pods with run-once init containers)."""
+    demand = [(sum(n.memory for n in g), sum(n.compute for n in g)) for g in groups(needs)]
+    fitting = [r for r in rooms if all(r.fits(m, c) for m, c in demand)]
+    if not fitting:
+        return None
+    peak_m = max(m for m, _ in demand)
+    peak_c = max(c for _, c in demand)
+    sign = 1 if policy == PACK else -1
+    best = min(fitting, key=lambda r: (sign * r.less(peak_m, peak_c).free_share(), r.index))
+    return Placement({n.name: best.uuid for n in needs})
+
+
+def _place(needs: Sequence[Need], rooms: Sequence[Room], policy: str) -> Placement | NoFit:
+    if any(n.kind == KIND_INIT for n in needs):
+        placed = _one_gpu(needs, rooms, policy)
+        if placed is not None:
+            return placed
+        free = "; ".join(r.describe() for r in rooms)
+        return NoFit("the pod has init containers asking for Alnair resources, so all its Alnair containers go on "
+                     f"one GPU (kubelet reuses an init container's devices), and no GPU has room for each of its "
+                     f"groups: {', '.join(n.name for n in needs)}; {free}")
+    steady = [n for n in needs if n.kind != KIND_INIT]
+    result = _one_by_one(steady, rooms, policy)
+    if isinstance(result, Need) and policy != PACK:
+        result = _one_by_one(steady, rooms, PACK)
+    if isinstance(result, Placement):
+        return result
+    free = "; ".join(r.describe() for r in rooms)
+    if len(steady) == 1:
+        return NoFit(f"no healthy GPU has room for {_label(result)} {result.name!r} ({result.describe()} on one "
+                     f"GPU); {free}")
+    return NoFit(f"containers {', '.join(repr(n.name) for n in steady)} do not fit the GPUs together: no room left "
+                 f"for {_label(result)} {result.name!r} ({result.describe()} on one GPU) after placing the others; "
+                 f"{free}")
+
+
+def place(needs: Sequence[Need], rooms: Sequence[Room], policy: str) -> Placement | NoFit:
+    """Where each container of a pod goes on a node whose healthy GPUs have `rooms` free, by `policy`."""
+    if policy not in POLICIES:
+        raise ValueError(f"unknown placement policy {policy!r}")
+    needs = [n for n in needs if n.memory or n.compute]
+    if not needs:
+        return Placement({})
+    if not rooms:
+        return NoFit("node has no healthy GPU", resolvable=False)
+    result = _place(needs, rooms, policy)
+    if isinstance(result, NoFit) and not isinstance(_place(needs, [r.empty() for r in rooms], policy), Placement):
+        # It would not fit even on empty GPUs: preemption cannot help.
+        mem = max(r.memory_total for r in rooms)
+        comp = max(r.compute_total for r in rooms)
+        return NoFit(f"the request is larger than any single GPU on this node can hold (largest offers {mem} memory "
+                     f"+ {comp} compute units; memory and compute of a container come from one GPU): "
+                     + result.reason, resolvable=False)
+    return result
+
+
+def usage(needs: Sequence[Need], placement: Mapping[str, str]) -> dict[str, tuple[int, int]]:
+    """Units a placed pod holds per GPU (memory, compute): per GPU, the largest of its groups' sums there."""
+    out: dict[str, tuple[int, int]] = {}
+    for group in groups([n for n in needs if n.name in placement]):
+        per_gpu: dict[str, list[int]] = {}
+        for n in group:
+            m_c = per_gpu.setdefault(placement[n.name], [0, 0])
+            m_c[0] += n.memory
+            m_c[1] += n.compute
+        for gpu, (m, c) in per_gpu.items():
+            old = out.get(gpu, (0, 0))
+            out[gpu] = (max(old[0], m), max(old[1], c))
+    return out
+
+
+def utilization(rooms: Sequence[Room], extra: Mapping[str, tuple[int, int]] | None = None) -> Fraction:
+    """Share of the rooms' units in use (plus `extra` per GPU): the mean of memory and compute used / offered."""
+    extra = extra or {}
+    shares: list[Fraction] = []
+    for total_of, free_of, pick in ((lambda r: r.memory_total, lambda r: r.memory_free, 0),
+                                    (lambda r: r.compute_total, lambda r: r.compute_free, 1)):
+        offered = sum(total_of(r) for r in rooms)
+        used = sum(total_of(r) - free_of(r) + extra.get(r.uuid, (0, 0))[pick] for r in rooms)
+        if offered > 0:
+            shares.append(min(Fraction(1), Fraction(used, offered)))
+    return sum(shares, Fraction(0)) / len(shares) if shares else Fraction(0)
+
+
+def score(needs: Sequence[Need], rooms: Sequence[Room], policy: str) -> int:
+    """0..MAX_SCORE: PACK favours the node most used once the pod runs there, SPREAD the least used; 0 where the
+    pod does not fit."""
+    placed = place(needs, rooms, policy)
+    if not isinstance(placed, Placement):
+        return 0
+    used = utilization(rooms, usage(needs, placed.gpus))
+    packed = max(0, min(MAX_SCORE, math.floor(MAX_SCORE * used + Fraction(1, 2))))  # round half up
+    return packed if policy == PACK else MAX_SCORE - packed

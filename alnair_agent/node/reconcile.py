@@ -1,10 +1,14 @@
 """Keeps the allocator's records true to kubelet and the pods: restart recovery, ended containers, heartbeats.
 
 - kubelet's pod-resources API is the authority on which container holds which device IDs: IDs it reports that
-  no record covers are held (never offered again), and an unidentified record learns its pod from it.
-- A container has ended when its pod says so (terminated, or the pod is gone), or, without an API server, when
-  kubelet no longer reports its devices. Its last figures are written to the pod, and only then is its
-  workspace removed. A workspace whose devices kubelet still reports for a live container is never removed.
+  no record covers are held (never offered again), an unidentified record learns its pod from it, and a record
+  whose devices kubelet reports for another container is corrected to that container.
+- A record is retired (its last figures written to the pod, then its folder removed) only when its container has
+  ended (per the pod: terminated for good, or the pod is gone; without an API server: unseen by kubelet for a
+  while) AND kubelet no longer reports the container's devices. Nothing kubelet still reports is ever retired.
+- The node annotation (`alnair_agent.node.gpu_devices`) reports free units, the pods they account for and a
+  heartbeat; the pod annotation `ai.centaurus.io/allocated` confirms a pod's admission (it releases the
+  extender's node lock, so it is written at once).
 - The agent's heartbeat goes into every live region.
 """
 
@@ -13,15 +17,20 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from dataclasses import replace
+from datetime import datetime, timezone
 from collections.abc import Awaitable, Callable
 from typing import Protocol
 
 import structlog
 
 from alnair_agent import constants as C
+from alnair_agent.kube.pods import PodInfo
 from alnair_agent.node.allocator import Allocator
+from alnair_agent.node.decision import ALLOCATED_ANNOTATION, Granted, allocated_json
+from alnair_agent.node.gpu_devices import HEARTBEAT_S, GpuReport, NodeReport
 from alnair_agent.kubelet.podresources import DeviceAssignment
-from alnair_agent.kube.pods import PodInfo, container_ended
+from alnair_agent.kube.pods import container_ended
 from alnair_agent.node.region import Region, RegionError
 from alnair_agent.node.workspace import Allocation, Workspace
 
@@ -31,6 +40,9 @@ HEARTBEAT_INTERVAL_S = 0.5
 # A fresh allocation is not yet visible in pod-resources (kubelet records it as the container is created):
 # only after this long may its absence there mean that the container is gone.
 UNSEEN_GRACE_S = 30.0
+# One reconcile pass waits at most this long for ended containers' final figures to be written (an API outage
+# must not hold the pass: what is not written yet is retried on the next pass, the folder kept meanwhile).
+FINAL_FLUSH_S = 2.0
 
 
 class PodStates(Protocol):
@@ -45,7 +57,9 @@ class PodStates(Protocol):
 
 
 class AnnotationSink(Protocol):
-    def set_pod(self, namespace: str, name: str, annotations: dict[str, str | None]) -> None: ...
+    def set_pod(self, namespace: str, name: str, annotations: dict[str, str | None], urgent: bool = False) -> None: ...
+
+    def written_pod(self, namespace: str, name: str) -> dict[str, str | None]: ...
 
     def set_node(self, annotations: dict[str, str | None]) -> None: ...
 
@@ -72,21 +86,19 @@ def figures(alloc: Allocation, region: Region | None, state: str) -> dict[str, o
     return out
 
 
-def node_gpu_devices(allocator: Allocator) -> dict[str, object]:
+def node_report(allocator: Allocator, heartbeat: datetime) -> NodeReport:
     """The node annotation the scheduler extender reads: each GPU's units, free units and health."""
     inventory = allocator.inventory
     rooms = {room.uuid: room for room in allocator.rooms()}
     gpus = []
     for gpu in inventory.gpus.values():
         room = rooms.get(gpu.uuid)
-        gpus.append({
-            "uuid": gpu.uuid, "index": gpu.info.index, "name": gpu.info.name, "healthy": gpu.healthy,
-            "memoryUnits": gpu.units[C.RESOURCE_MEMORY],
-            "memoryUnitsFree": room.free[C.RESOURCE_MEMORY] if room else 0,
-            "computeUnits": gpu.units[C.RESOURCE_COMPUTE],
-            "computeUnitsFree": room.free[C.RESOURCE_COMPUTE] if room else 0,
-        })
-    return {"memoryUnitMiB": inventory.memory_unit_bytes >> 20, "gpus": gpus}
+        gpus.append(GpuReport(
+            index=gpu.info.index, uuid=gpu.uuid, name=gpu.info.name, healthy=gpu.healthy,
+            memory_units=gpu.units[C.RESOURCE_MEMORY], memory_free=room.memory_free if room else 0,
+            compute_units=gpu.units[C.RESOURCE_COMPUTE], compute_free=room.compute_free if room else 0,
+        ))
+    return NodeReport(inventory.memory_unit_bytes >> 20, tuple(gpus), heartbeat, frozenset(allocator.pods_held()))
 
 
 def annotation_key(container: str) -> str:
@@ -113,6 +125,8 @@ class Reconciler:
         self.unseen_grace_s = unseen_grace_s
         self._regions: dict[str, Region] = {}
         self.kick = asyncio.Event()
+        self._report: NodeReport | None = None  # last node report set (its heartbeat is kept while nothing changes)
+        allocator.on_pod_allocated = self._confirm
 
     def _figures(self, alloc: Allocation, state: str) -> dict[str, object]:
         region = self._region(alloc.id)
@@ -151,26 +165,51 @@ class Reconciler:
 
     async def once(self) -> None:
         held = await self._held()
-        by_id: dict[str, DeviceAssignment] = {}
+        by_id: dict[str, DeviceAssignment] | None = None
         if held is not None:
-            ours = self.allocator.recorded_ids()
             by_id = {i: h for h in held if h.resource in C.RESOURCES for i in h.device_ids}
+            self._correct_identities(by_id)
+            ours = self.allocator.recorded_ids()
             external = {i for i in by_id if i not in ours}
             if external != self.allocator.external_held:
                 log.info("pod_resources_external_devices", count=len(external))
                 self.allocator.external_held = external
-            self._learn_identities(by_id)
+        elif self.list_held is None:
+            by_id = None
         for alloc_id in [i for i in self._regions if i not in self.allocator.allocations]:
             self._forget_region(alloc_id)  # abandoned by the allocator
         now = time.time()
+        ending: list[Allocation] = []
         for alloc in list(self.allocator.allocations.values()):
-            if self._ended(alloc, by_id if held is not None else None, now):
-                await self._retire(alloc)
+            if self._retirable(alloc, by_id, held is not None, now):
+                ending.append(alloc)
             elif self.annotations is not None and alloc.identified:
                 self.annotations.set_pod(alloc.namespace, alloc.pod_name, {
                     annotation_key(alloc.container): json.dumps(self._figures(alloc, "running"), sort_keys=True)})
+        if ending:
+            await self._retire(ending)
+        self._set_node_report()
+
+    def _set_node_report(self) -> None:
+        if self.annotations is None:
+            return
+        now = datetime.now(timezone.utc)
+        report = node_report(self.allocator, now)
+        last = self._report
+        if last is not None and last.heartbeat is not None and replace(report, heartbeat=None) == replace(
+                last, heartbeat=None) and (now - last.heartbeat).total_seconds() < HEARTBEAT_S:
+            report = last  # nothing changed and the heartbeat is recent: no write
+        self._report = report
+        self.annotations.set_node({C.NODE_GPU_DEVICES: report.to_json()})
+
+    def _confirm(self, pod: PodInfo, granted: dict[str, Granted]) -> None:
+        """Every Alnair container of the pod is allocated: say so on the pod at once (it releases the extender's
+        node lock) and refresh the node report."""
         if self.annotations is not None:
-            self.annotations.set_node({C.NODE_GPU_DEVICES: json.dumps(node_gpu_devices(self.allocator), sort_keys=True)})
+            self.annotations.set_pod(pod.namespace, pod.name,
+                                     {ALLOCATED_ANNOTATION: allocated_json(self.allocator.node_name, granted)},
+                                     urgent=True)
+        self.kick.set()
 
     def _learn_identities(self, by_id: dict[str, DeviceAssignment]) -> None:
         for alloc in self.allocator.allocations.values():
@@ -183,29 +222,77 @@ class Reconciler:
                 log.info("allocation_identified", allocation=alloc.id, pod=f"{owner.namespace}/{owner.pod}",
                          container=owner.container)
 
-    def _ended(self, alloc: Allocation, by_id: dict[str, DeviceAssignment] | None, now: float) -> bool:
-        in_use = by_id is not None and any(i in by_id for i in alloc.all_ids())
-        if self.pods is not None and self.pods.synced and alloc.identified:
-            return container_ended(self._pod(alloc), alloc.container)
-        if by_id is None:
-            return False  # no authority to ask: keep it
-        return not in_use and now - alloc.created_at > self.unseen_grace_s
+    def _correct_identities(self, by_id: dict[str, DeviceAssignment]) -> None:
+        """kubelet's record wins: a record whose devices kubelet reports for another container becomes that
+        container's (its pod UID from the watch), unless another record already is that container's."""
+        self._learn_identities(by_id)
+        claimed = {(a.namespace, a.pod_name, a.container) for a in self.allocator.allocations.values()
+                   if a.identified}
+        for alloc in self.allocator.allocations.values():
+            if not alloc.identified or not self.allocator.live(alloc):
+                continue
+            owners = {(by_id[i].namespace, by_id[i].pod, by_id[i].container) for i in alloc.all_ids() if i in by_id}
+            if len(owners) != 1:
+                continue
+            owner = owners.pop()
+            mine = (alloc.namespace, alloc.pod_name, alloc.container)
+            if owner == mine or owner in claimed:
+                continue
+            pod = self.pods.find(owner[0], owner[1]) if self.pods is not None else None
+            log.warning("allocation_identity_corrected", allocation=alloc.id, was="/".join(mine),
+                        now="/".join(owner))
+            claimed.discard(mine)
+            claimed.add(owner)
+            alloc.namespace, alloc.pod_name, alloc.container = owner
+            alloc.pod_uid = pod.uid if pod is not None else ""
+            self.workspace.save(alloc)
 
-    async def _retire(self, alloc: Allocation) -> None:
-        if self.annotations is not None and alloc.identified:
-            self.annotations.set_pod(alloc.namespace, alloc.pod_name, {
-                annotation_key(alloc.container): json.dumps(self._figures(alloc, "ended"), sort_keys=True)})
-            if not await self.annotations.flush(timeout=10.0):
-                log.warning("allocation_final_figures_pending", allocation=alloc.id)
-                return  # keep the workspace until the figures are written; retried next round
-        self._forget_region(alloc.id)
-        self.workspace.remove(alloc.id)
-        self.allocator.remove(alloc.id)
-        if self.annotations is not None and alloc.identified and self._pod_gone(alloc):
-            # A later pod of the same name (StatefulSet) must get its annotations written afresh.
-            self.annotations.forget_pod(alloc.namespace, alloc.pod_name)
-        log.info("allocation_ended", allocation=alloc.id, pod=f"{alloc.namespace}/{alloc.pod_name}" if alloc.identified else None,
-                 container=alloc.container or None)
+    def _reported(self, alloc: Allocation, by_id: dict[str, DeviceAssignment]) -> bool:
+        """Whether kubelet still reports any of the record's devices for the record's own container."""
+        for i in alloc.all_ids():
+            a = by_id.get(i)
+            if a is not None and (not alloc.identified or (a.namespace, a.pod, a.container) == (
+                    alloc.namespace, alloc.pod_name, alloc.container)):
+                return True
+        return False
+
+    def _retirable(self, alloc: Allocation, by_id: dict[str, DeviceAssignment] | None, asked: bool,
+                   now: float) -> bool:
+        if self.list_held is not None and not asked:
+            return False  # kubelet unreachable: no authority to say the container is gone
+        reported = by_id is not None and self._reported(alloc, by_id)
+        if reported:
+            return False
+        if self.pods is not None and self.pods.synced and alloc.identified:
+            return alloc.id in self.allocator.freed_by_kubelet or container_ended(self._pod(alloc), alloc.container)
+        if by_id is None:
+            return False
+        return now - alloc.created_at > self.unseen_grace_s
+
+    async def _retire(self, ending: list[Allocation]) -> None:
+        finals: dict[str, tuple[str, str, str, str]] = {}
+        if self.annotations is not None:
+            for alloc in ending:
+                if alloc.identified:
+                    value = json.dumps(self._figures(alloc, "ended"), sort_keys=True)
+                    key = annotation_key(alloc.container)
+                    self.annotations.set_pod(alloc.namespace, alloc.pod_name, {key: value})
+                    finals[alloc.id] = (alloc.namespace, alloc.pod_name, key, value)
+            if finals and not await self.annotations.flush(timeout=FINAL_FLUSH_S):
+                log.warning("allocation_final_figures_pending", allocations=len(finals))
+        for alloc in ending:
+            final = finals.get(alloc.id)
+            if final is not None and self.annotations is not None and not self._pod_gone(alloc):
+                namespace, name, key, value = final
+                if self.annotations.written_pod(namespace, name).get(key) != value:
+                    continue  # keep the folder until the figures are written; retried next pass
+            self._forget_region(alloc.id)
+            self.workspace.remove(alloc.id)
+            self.allocator.remove(alloc.id)
+            if self.annotations is not None and alloc.identified and self._pod_gone(alloc):
+                # A later pod of the same name (StatefulSet) must get its annotations written afresh.
+                self.annotations.forget_pod(alloc.namespace, alloc.pod_name)
+            log.info("allocation_ended", allocation=alloc.id, pod=alloc.ref(), container=alloc.container or None)
 
     def _pod(self, alloc: Allocation) -> PodInfo | None:
         """The allocation's pod as the watch knows it (by uid; by name for one identified from pod-resources)."""

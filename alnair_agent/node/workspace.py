@@ -59,6 +59,10 @@ class Allocation:
     def all_ids(self) -> set[str]:
         return {i for ids in self.device_ids.values() for i in ids}
 
+    def ref(self) -> str | None:
+        """namespace/pod for logs; None when unidentified."""
+        return f"{self.namespace}/{self.pod_name}" if self.identified else None
+
     def describe(self) -> str:
         who = f"{self.namespace}/{self.pod_name}/{self.container}" if self.identified else "unidentified container"
         return f"allocation {self.id} ({who})"

@@ -1,0 +1,144 @@
+"""The placement decision, its confirmation and the per-node lock: the records the scheduler extender and the
+node agent hand each other through pod annotations. One definition of each; both sides import this module.
+
+- `ai.centaurus.io/placement` (written by the extender at bind, before it binds the pod; never changed after):
+  `{"node": "<node>", "profile": "<schedulerName>", "decidedAt": "<RFC 3339>", "gpus": {"<container>": "<GPU UUID>"}}`
+  — the GPU of every container of the pod that asks for Alnair resources.
+- `ai.centaurus.io/allocated` (written by the agent once kubelet has allocated every such container):
+  `{"node": "<node>", "containers": {"<container>": {"gpu": "<GPU UUID>", "allocation": "<id>",
+  "memoryLimitBytes": n, "computeLimitPercent": n}}}` — what each container really got.
+- The lock: a node is locked by a pod that has a placement for it, no `allocated` record, is neither finished nor
+  being deleted, and was decided less than `LOCK_TTL_S` ago. The extender binds no other pod to a locked node, so
+  at most one pod per node is between bind and admission, and the agent knows which pod kubelet is admitting. The
+  lock is derived from the pods themselves (one writer per record), so it survives restarts of either side and is
+  released by the pod's admission, its deletion, its failure or the expiry — whichever comes first.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+from alnair_agent.constants import ANNOTATION_PREFIX
+
+PLACEMENT_ANNOTATION = ANNOTATION_PREFIX + "placement"
+ALLOCATED_ANNOTATION = ANNOTATION_PREFIX + "allocated"
+# A bound pod that kubelet has not admitted within this long no longer holds its node's lock (kubelet admits a
+# bound pod within a second or two; a node whose kubelet is down is NotReady and gets no pods anyway).
+LOCK_TTL_S = 30.0
+_MAX_CONTAINERS = 1024  # far above what a pod can have; bounds what a hostile annotation makes us parse
+
+
+class DecisionError(ValueError):
+    """A placement or allocated annotation that is not what this module writes; the message says what is wrong."""
+
+
+def rfc3339(when: datetime) -> str:
+    return when.astimezone(timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def parse_time(value: Any) -> datetime | None:
+    if not isinstance(value, str) or not value:
+        return None
+    try:
+        parsed = datetime.fromisoformat(value.replace("Z", "+00:00"))
+    except ValueError:
+        return None
+    return parsed if parsed.tzinfo else parsed.replace(tzinfo=timezone.utc)
+
+
+def _load(text: Any, key: str) -> Mapping[str, Any]:
+    if not isinstance(text, str):
+        raise DecisionError(f"{key} is not a string")
+    try:
+        doc = json.loads(text)
+    except ValueError as e:
+        raise DecisionError(f"{key} is not JSON: {e}") from None
+    if not isinstance(doc, Mapping):
+        raise DecisionError(f"{key} is not a JSON object")
+    return doc
+
+
+def _str_map(value: Any, key: str, what: str) -> dict[str, str]:
+    if not isinstance(value, Mapping) or len(value) > _MAX_CONTAINERS:
+        raise DecisionError(f"{key}: {what} must be an object of container name -> string")
+    out = {}
+    for name, item in value.items():
+        if not isinstance(name, str) or not name or not isinstance(item, str) or not item:
+            raise DecisionError(f"{key}: {what} must map container names to non-empty strings")
+        out[name] = item
+    return out
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The extender's placement of one pod."""
+
+    node: str
+    profile: str
+    decided_at: datetime
+    gpus: Mapping[str, str]  # container -> GPU UUID
+
+    def to_json(self) -> str:
+        return json.dumps({"node": self.node, "profile": self.profile, "decidedAt": rfc3339(self.decided_at),
+                           "gpus": dict(sorted(self.gpus.items()))}, sort_keys=True)
+
+    def expired(self, now: datetime) -> bool:
+        return now - self.decided_at >= timedelta(seconds=LOCK_TTL_S)
+
+
+def parse_decision(text: Any) -> Decision:
+    doc = _load(text, PLACEMENT_ANNOTATION)
+    node, profile, when = doc.get("node"), doc.get("profile"), parse_time(doc.get("decidedAt"))
+    if not isinstance(node, str) or not node:
+        raise DecisionError(f"{PLACEMENT_ANNOTATION}: node must be a non-empty string")
+    if not isinstance(profile, str):
+        raise DecisionError(f"{PLACEMENT_ANNOTATION}: profile must be a string")
+    if when is None:
+        raise DecisionError(f"{PLACEMENT_ANNOTATION}: decidedAt must be an RFC 3339 time")
+    return Decision(node, profile, when, _str_map(doc.get("gpus"), PLACEMENT_ANNOTATION, "gpus"))
+
+
+@dataclass(frozen=True)
+class Granted:
+    """What one container really got, as the agent records it on the pod."""
+
+    gpu: str
+    allocation: str
+    memory_limit_bytes: int
+    compute_limit_percent: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"gpu": self.gpu, "allocation": self.allocation, "memoryLimitBytes": self.memory_limit_bytes,
+                "computeLimitPercent": self.compute_limit_percent}
+
+
+def allocated_json(node: str, containers: Mapping[str, Granted]) -> str:
+    return json.dumps({"node": node, "containers": {n: g.to_dict() for n, g in sorted(containers.items())}},
+                      sort_keys=True)
+
+
+def parse_allocated(text: Any) -> dict[str, Granted]:
+    doc = _load(text, ALLOCATED_ANNOTATION)
+    containers = doc.get("containers")
+    if not isinstance(containers, Mapping) or len(containers) > _MAX_CONTAINERS:
+        raise DecisionError(f"{ALLOCATED_ANNOTATION}: containers must be an object")
+    out = {}
+    for name, item in containers.items():
+        if not isinstance(name, str) or not isinstance(item, Mapping):
+            raise DecisionError(f"{ALLOCATED_ANNOTATION}: containers must map names to objects")
+        gpu, alloc = item.get("gpu"), item.get("allocation")
+        mem, comp = item.get("memoryLimitBytes"), item.get("computeLimitPercent")
+        if not isinstance(gpu, str) or not isinstance(alloc, str) or any(
+                isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in (mem, comp)):
+            raise DecisionError(f"{ALLOCATED_ANNOTATION}: container {name!r} has malformed fields")
+        out[name] = Granted(gpu, alloc, mem, comp)  # type: ignore[arg-type]
+    return out
+
+
+def holds_lock(decision: Decision | None, confirmed: bool, live: bool, now: datetime) -> bool:
+    """Whether a pod with this decision holds its node's lock (see the module doc)."""
+    return decision is not None and not confirmed and live and not decision.expired(now)
