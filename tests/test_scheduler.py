@@ -21,20 +21,18 @@ from aiohttp.test_utils import TestClient, TestServer
 from structlog.testing import capture_logs
 
 from alnair_agent.constants import NODE_GPU_DEVICES, RESOURCE_COMPUTE, RESOURCE_MEMORY
+from alnair_agent.node.gpu_devices import AnnotationError, report_of_node
 from alnair_agent.scheduler.extender import (
     PROFILE_COST_SAVING,
     PROFILE_HIGH_PERFORMANCE,
-    AnnotationError,
     RequestError,
-    check_fit,
     filter_nodes,
-    parse_node_gpus,
     parse_pod_request,
     prioritize_nodes,
-    score,
 )
 from alnair_agent.scheduler.main import main
 from alnair_agent.scheduler.server import build_app
+from alnair_agent.scheduler.view import ClusterView
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -117,13 +115,27 @@ def pod(containers: Iterable[Spec] = (("train", 4, 50),), init: Iterable[Spec] =
 
 
 def args(p: dict[str, Any], nodes: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """ExtenderArgs with full nodes (nodeCacheCapable: false), as kube-scheduler encodes it."""
-    return {"Pod": p, "Nodes": {"metadata": {}, "items": list(nodes)}, "NodeNames": None}
+    """ExtenderArgs as a node-cache-capable extender gets it: node names only."""
+    return {"Pod": p, "Nodes": None, "NodeNames": [n["metadata"]["name"] for n in nodes]}
+
+
+def view_of(nodes: Sequence[dict[str, Any]]) -> ClusterView:
+    """The extender's view after its node watch delivered `nodes`."""
+    view = ClusterView()
+    for n in nodes:
+        view.apply_node(n)
+    return view
 
 
 def fit(p: dict[str, Any], gpus: Sequence[dict[str, Any]]) -> tuple[bool, str, bool]:
-    verdict = check_fit(parse_pod_request(p), parse_node_gpus(node("n", gpus)))
-    return verdict.fits, verdict.reason, verdict.resolvable
+    n = node("n", gpus)
+    result = filter_nodes(args(p, [n]), view_of([n]))
+    assert not result.error, result.error
+    if result.node_names == ["n"]:
+        return True, "", True
+    if "n" in result.failed:
+        return False, result.failed["n"], True
+    return False, result.unresolvable["n"], False
 
 
 # -- filter: does the pod fit a node's GPUs ---------------------------------------------------------------------
@@ -149,10 +161,13 @@ FIT_CASES = [
     ("no-alnair-request", {"containers": [("web", None, None)]}, [gpu(0, mem_free=0, comp_free=0)], True, True, []),
     ("zero-quantities-ask-nothing", {"containers": [("web", 0, "0")]}, [], True, True, []),
     # init containers run alone, before the others: their units are free again afterwards
-    ("init-fits-alone", {"init": [("setup", 16, 100)], "containers": [("a", 16, 100), ("b", 16, 100)]},
+    ("init-fits-alone", {"init": [("setup", 16, 100)], "containers": [("a", 8, 50), ("b", 8, 50)]},
      [gpu(0), gpu(1)], True, True, []),
+    # kubelet hands an init container's devices to the next containers: such a pod goes on one GPU
+    ("init-makes-the-pod-one-gpu", {"init": [("setup", 16, 100)], "containers": [("a", 16, 100), ("b", 16, 100)]},
+     [gpu(0), gpu(1)], False, False, ["init containers", "one GPU", "setup, a, b"]),
     ("init-too-big", {"init": [("setup", 12, 10)], "containers": [("a", 1, 10)]}, [gpu(0, mem_free=8)], False,
-     True, ["init container 'setup'", "12 memory"]),
+     True, ["init containers", "setup", "GPU 0: 8/16 memory"]),
     ("each-init-alone", {"init": [("i1", 16, 100), ("i2", 16, 100)], "containers": [("a", 1, 1)]}, [gpu(0)],
      True, True, []),
     # sidecars (restartPolicy Always) keep running beside everything after them
@@ -160,7 +175,7 @@ FIT_CASES = [
      [gpu(0), gpu(1)], False, False, ["'proxy'", "'a'", "'b'", "do not fit the GPUs together"]),
     ("sidecar-counts-with-later-init", {"sidecars": [("proxy", 8, 10)], "init": [("setup", 12, 10)],
                                         "containers": [("a", 1, 1)]},
-     [gpu(0, mem_free=16)], False, False, ["'proxy', 'setup'", "together"]),
+     [gpu(0, mem_free=16)], False, False, ["proxy, setup", "one GPU"]),
     # regular containers run together: first-fit-decreasing into the GPUs
     ("two-containers-one-gpu", {"containers": [("a", 8, 50), ("b", 8, 50)]}, [gpu(0)], True, True, []),
     ("two-containers-two-gpus", {"containers": [("a", 10, 60), ("b", 10, 60)]}, [gpu(0), gpu(1)], True, True, []),
@@ -188,10 +203,10 @@ def test_fit(kwargs: dict[str, Any], gpus: list[dict[str, Any]], fits: bool, res
 
 def test_requests_are_the_fallback_for_limits() -> None:
     request = parse_pod_request(pod(containers=[("a", 4, 20)], requests_only=True))
-    assert [(c.name, c.memory, c.compute) for c in request.containers] == [("a", 4, 20)]
+    assert [(c.name, c.memory, c.compute) for c in request.needs] == [("a", 4, 20)]
     both = pod(containers=[("a", 4, 20)])
     both["spec"]["containers"][0]["resources"]["requests"][RESOURCE_MEMORY] = "1"  # limits win
-    assert parse_pod_request(both).containers[0].memory == 4
+    assert parse_pod_request(both).needs[0].memory == 4
 
 
 @pytest.mark.parametrize("resource, value", [(RESOURCE_MEMORY, "1.5"), (RESOURCE_MEMORY, "2Gi"),
@@ -203,8 +218,9 @@ def test_malformed_quantity_names_pod_container_resource_value(resource: str, va
         parse_pod_request(p)
     for word in ("ml/trainer-0", "'train'", resource, value):
         assert word in str(e.value)
-    result = filter_nodes(args(p, [node("gpu-1", [gpu(0)])])).to_json()
-    assert value in result["Error"] and result["Nodes"] is None and result["FailedNodes"] == {}
+    nodes = [node("gpu-1", [gpu(0)])]
+    result = filter_nodes(args(p, nodes), view_of(nodes)).to_json()
+    assert value in result["Error"] and result["NodeNames"] is None and result["FailedNodes"] == {}
 
 
 @pytest.mark.parametrize("annotation, words", [
@@ -222,7 +238,7 @@ def test_malformed_quantity_names_pod_container_resource_value(resource: str, va
 def test_missing_or_unreadable_annotation(annotation: str | None, words: list[str]) -> None:
     n = node("gpu-1", None if annotation is None else [], annotation=annotation)
     with pytest.raises(AnnotationError) as e:
-        parse_node_gpus(n)
+        report_of_node(n)
     for word in words:
         assert word in str(e.value)
 
@@ -230,7 +246,7 @@ def test_missing_or_unreadable_annotation(annotation: str | None, words: list[st
 def test_annotation_gpus_come_in_index_order_with_defaults() -> None:
     text = json.dumps({"memoryUnitMiB": 512, "gpus": [
         gpu(2, mem_free=3), {"memoryUnits": 8, "memoryUnitsFree": 8, "computeUnits": 100, "computeUnitsFree": 5}]})
-    parsed = parse_node_gpus(node("n", annotation=text))
+    parsed = report_of_node(node("n", annotation=text))
     assert parsed.memory_unit_mib == 512
     assert [(g.index, g.healthy, g.memory_free, g.compute_free) for g in parsed.gpus] == [(1, True, 8, 5),
                                                                                          (2, True, 3, 100)]
@@ -239,19 +255,19 @@ def test_annotation_gpus_come_in_index_order_with_defaults() -> None:
 def test_filter_sorts_nodes_into_passed_failed_and_unresolvable() -> None:
     nodes = [node("free", [gpu(0)]), node("busy", [gpu(0, mem_free=1)]), node("plain"),
              node("broken", annotation="{"), node("sick", [gpu(0, healthy=False)])]
-    result = filter_nodes(args(pod(), nodes)).to_json()
-    assert [n["metadata"]["name"] for n in result["Nodes"]["items"]] == ["free"]
-    assert result["Nodes"]["items"][0] == nodes[0]  # passed back untouched
-    assert list(result["FailedNodes"]) == ["busy"]
+    result = filter_nodes(args(pod(), nodes + [node("unknown")]), view_of(nodes)).to_json()
+    assert result["NodeNames"] == ["free"]
+    assert sorted(result["FailedNodes"]) == ["busy", "unknown"]  # not in the node watch yet: maybe later
+    assert "unknown to alnair-scheduler" in result["FailedNodes"]["unknown"]
     assert sorted(result["FailedAndUnresolvableNodes"]) == ["broken", "plain", "sick"]
     assert "no ai.centaurus.io/gpu-devices annotation" in result["FailedAndUnresolvableNodes"]["plain"]
-    assert result["Error"] == "" and result["NodeNames"] is None
+    assert result["Error"] == "" and result["Nodes"] is None
 
 
 def test_a_pod_without_alnair_requests_passes_every_node() -> None:
     nodes = [node("plain"), node("broken", annotation="{"), node("full", [gpu(0, mem_free=0, comp_free=0)])]
-    result = filter_nodes(args(pod(containers=[("web", None, None)]), nodes)).to_json()
-    assert [n["metadata"]["name"] for n in result["Nodes"]["items"]] == ["plain", "broken", "full"]
+    result = filter_nodes(args(pod(containers=[("web", None, None)]), nodes), view_of(nodes)).to_json()
+    assert result["NodeNames"] == ["plain", "broken", "full"]
     assert result["FailedNodes"] == {} and result["FailedAndUnresolvableNodes"] == {}
 
 
@@ -281,16 +297,17 @@ SCORES = [
 
 @pytest.mark.parametrize("profile, expected", SCORES, ids=[s[0] or "no-name" for s in SCORES])
 def test_scores_by_profile(profile: str, expected: dict[str, int]) -> None:
-    request = parse_pod_request(pod(containers=[("train", 2, 10)], scheduler=profile))
-    got = {name: score(request, parse_node_gpus(node(name, gpus))) for name, gpus in SCORE_NODES.items()}
-    assert got == expected
+    nodes = [node(name, gpus) for name, gpus in SCORE_NODES.items()]
+    result = prioritize_nodes(args(pod(containers=[("train", 2, 10)], scheduler=profile), nodes), view_of(nodes))
+    assert {h.host: h.score for h in result.hosts} == expected
 
 
 def test_cost_saving_packs_and_high_performance_spreads() -> None:
     nodes = [node(name, gpus) for name, gpus in SCORE_NODES.items() if name in ("idle", "half", "busy")]
 
     def ranking(profile: str) -> list[str]:
-        hosts = prioritize_nodes(args(pod(containers=[("train", 2, 10)], scheduler=profile), nodes)).hosts
+        hosts = prioritize_nodes(args(pod(containers=[("train", 2, 10)], scheduler=profile), nodes),
+                                 view_of(nodes)).hosts
         return [h.host for h in sorted(hosts, key=lambda h: -h.score)]
 
     assert ranking(PROFILE_COST_SAVING) == ["busy", "half", "idle"]
@@ -299,23 +316,29 @@ def test_cost_saving_packs_and_high_performance_spreads() -> None:
 
 def test_only_running_containers_count_towards_utilization() -> None:
     # The init container's 12 units are free again once it ends; the sidecar's 4 stay with the pod.
-    request = parse_pod_request(pod(containers=[("a", 2, 10)], init=[("setup", 12, 90)],
-                                    sidecars=[("proxy", 4, 10)]))
-    assert score(request, parse_node_gpus(node("n", [gpu(0)]))) == 3  # (6/16 + 20/100)/2 = 0.29 -> 3
+    nodes = [node("n", [gpu(0)])]
+    p = pod(containers=[("a", 2, 10)], init=[("setup", 12, 90)], sidecars=[("proxy", 4, 10)])
+    [host] = prioritize_nodes(args(p, nodes), view_of(nodes)).hosts
+    assert host.score == 3  # (6/16 + 20/100)/2 = 0.29 -> 3
 
 
 def test_scores_are_zero_for_nodes_without_the_annotation() -> None:
     nodes = [node("plain"), node("broken", annotation="nope"), node("ok", [gpu(0)])]
-    result = prioritize_nodes(args(pod(scheduler=PROFILE_HIGH_PERFORMANCE), nodes))
+    result = prioritize_nodes(args(pod(scheduler=PROFILE_HIGH_PERFORMANCE), nodes), view_of(nodes))
     assert result.to_json() == [{"Host": "plain", "Score": 0}, {"Host": "broken", "Score": 0},
                                 {"Host": "ok", "Score": 6}]  # (4/16 + 50/100)/2 = 0.375 -> 4; 10 - 4 = 6
 
 
 # -- the HTTP extender, as kube-scheduler calls it --------------------------------------------------------------
 
+HTTP_NODES = [node("gpu-a", [gpu(0, mem_free=2), gpu(1, mem_free=12, comp_free=70)]),
+              node("gpu-b", [gpu(0, mem_free=2), gpu(1, comp_free=20)]),
+              node("cpu-only")] + [node(name, SCORE_NODES[name]) for name in ("idle", "half", "busy")]
+
+
 @pytest.fixture
 async def client() -> AsyncIterator[TestClient[Any, Any]]:
-    async with TestClient(TestServer(build_app())) as c:
+    async with TestClient(TestServer(build_app(view_of(HTTP_NODES)))) as c:
         yield c
 
 
@@ -328,14 +351,12 @@ async def post(client: TestClient[Any, Any], path: str, body: Any) -> Any:
 
 
 async def test_http_filter_answers_an_extender_filter_result(client: TestClient[Any, Any]) -> None:
-    nodes = [node("gpu-a", [gpu(0, mem_free=2), gpu(1, mem_free=12, comp_free=70)]),
-             node("gpu-b", [gpu(0, mem_free=2), gpu(1, comp_free=20)]),
-             node("cpu-only")]
+    nodes = HTTP_NODES[:3]
     with capture_logs() as logs:
         result = await post(client, "/filter", args(pod(), nodes))
     assert set(result) == {"Nodes", "NodeNames", "FailedNodes", "FailedAndUnresolvableNodes", "Error"}
-    assert result["Error"] == "" and result["NodeNames"] is None
-    assert result["Nodes"]["items"] == nodes[:1]
+    assert result["Error"] == "" and result["Nodes"] is None
+    assert result["NodeNames"] == ["gpu-a"]
     reason = result["FailedNodes"]["gpu-b"]
     assert "'train'" in reason and "GPU 1: 16/16 memory, 20/100 compute free" in reason
     assert list(result["FailedAndUnresolvableNodes"]) == ["cpu-only"]
@@ -351,8 +372,8 @@ async def test_http_filter_answers_an_extender_filter_result(client: TestClient[
     (b"null", "must be a JSON object"),
     (json.dumps({"Nodes": {"items": []}, "NodeNames": None}).encode(), "no Pod"),
     (json.dumps({"Pod": "trainer-0", "Nodes": {"items": []}}).encode(), "no Pod"),
-    (json.dumps({"Pod": pod(), "Nodes": None, "NodeNames": None}).encode(), "neither Nodes nor NodeNames"),
-    (json.dumps({"Pod": pod(), "Nodes": {"items": "gpu-a"}}).encode(), "no items"),
+    (json.dumps({"Pod": pod(), "Nodes": None, "NodeNames": None}).encode(), "neither NodeNames nor Nodes"),
+    (json.dumps({"Pod": pod(), "NodeNames": ["gpu-a", 7]}).encode(), "list of strings"),
     (json.dumps({"Pod": pod(containers=[("train", "lots", 50)]), "Nodes": {"items": []}}).encode(),
      "pod ml/trainer-0: container 'train': alnair/vgpu-memory = \"lots\""),
 ])
@@ -364,17 +385,17 @@ async def test_http_filter_puts_every_failure_in_error(client: TestClient[Any, A
     assert [e["event"] for e in logs] == ["filter_error"]
 
 
-async def test_http_filter_with_node_names_only(client: TestClient[Any, Any]) -> None:
-    names = {"Pod": pod(containers=[("web", None, None)]), "Nodes": None, "NodeNames": ["gpu-a", "gpu-b"]}
-    result = await post(client, "/filter", names)
-    assert result["NodeNames"] == ["gpu-a", "gpu-b"] and result["Nodes"] is None and result["Error"] == ""
-    result = await post(client, "/filter", names | {"Pod": pod()})
-    assert "nodeCacheCapable: false" in result["Error"] and result["NodeNames"] is None
+async def test_http_filter_reads_only_names_from_whole_nodes(client: TestClient[Any, Any]) -> None:
+    """A kube-scheduler configured without nodeCacheCapable sends Node objects: only their names count; the
+    view (the node watch) says what each node has."""
+    stale = node("gpu-b", [gpu(0), gpu(1)])  # the object says empty GPUs; the view knows better
+    result = await post(client, "/filter", {"Pod": pod(), "Nodes": {"items": [HTTP_NODES[0], stale]}})
+    assert result["NodeNames"] == ["gpu-a"] and list(result["FailedNodes"]) == ["gpu-b"]
 
 
 async def test_http_field_names_match_case_insensitively_like_go(client: TestClient[Any, Any]) -> None:
-    result = await post(client, "/filter", {"pod": pod(), "nodes": {"items": [node("gpu-a", [gpu(0)])]}})
-    assert [n["metadata"]["name"] for n in result["Nodes"]["items"]] == ["gpu-a"]
+    result = await post(client, "/filter", {"pod": pod(), "nodenames": ["gpu-a"]})
+    assert result["NodeNames"] == ["gpu-a"]
 
 
 async def test_http_prioritize_answers_a_host_priority_list(client: TestClient[Any, Any]) -> None:
@@ -392,26 +413,24 @@ async def test_http_prioritize_failures_give_zero_scores_and_a_log_line(client: 
         bad = pod(containers=[("train", 4, "1.5")])
         scores = await post(client, "/prioritize", args(bad, [node("gpu-a", [gpu(0)]), node("gpu-b", [gpu(0)])]))
         assert scores == [{"Host": "gpu-a", "Score": 0}, {"Host": "gpu-b", "Score": 0}]
-        names_only = {"Pod": pod(), "NodeNames": ["gpu-a"]}
-        assert await post(client, "/prioritize", names_only) == [{"Host": "gpu-a", "Score": 0}]
     errors = [e for e in logs if e["event"] == "prioritize_error"]
-    assert len(errors) == 3 and all(e["log_level"] == "warning" for e in errors)
+    assert len(errors) == 2 and all(e["log_level"] == "warning" for e in errors)
     assert "not JSON" in errors[0]["error"]
     assert "alnair/vgpu-compute = \"1.5\"" in errors[1]["error"]
-    assert "nodeCacheCapable" in errors[2]["error"]
 
 
-async def test_http_takes_bodies_larger_than_aiohttp_default(client: TestClient[Any, Any]) -> None:
-    # 400 nodes with kubelet-sized status blocks: several MiB, like a real cluster's NodeList.
+async def test_http_takes_bodies_larger_than_aiohttp_default() -> None:
+    # A kube-scheduler not configured node-cache-capable sends 400 nodes with kubelet-sized status blocks: MiBs.
     nodes = [node(f"gpu-{i:03d}", [gpu(0, mem_free=i % 17)]) for i in range(400)]
     for n in nodes:
         n["status"]["images"] = [{"names": [f"registry.example.com/team/image-{k}:{'x' * 64}"],
                                   "sizeBytes": 123456789} for k in range(50)]
-    body = json.dumps(args(pod(), nodes)).encode()
+    body = json.dumps({"Pod": pod(), "Nodes": {"items": nodes}}).encode()
     assert len(body) > 2 * 1024 * 1024
-    result = await post(client, "/filter", body)
+    async with TestClient(TestServer(build_app(view_of(nodes)))) as big:
+        result = await post(big, "/filter", body)
     assert result["Error"] == ""
-    assert len(result["Nodes"]["items"]) == sum(1 for i in range(400) if i % 17 >= 4)
+    assert len(result["NodeNames"]) == sum(1 for i in range(400) if i % 17 >= 4)
 
 
 async def test_http_healthz(client: TestClient[Any, Any]) -> None:
@@ -434,26 +453,32 @@ def test_bad_port_variable_stops_with_a_message(monkeypatch: pytest.MonkeyPatch,
 
 
 async def test_process_serves_until_sigterm() -> None:
-    env = os.environ | {"ALNAIR_SCHEDULER_PORT": "0"}
+    env = os.environ | {"ALNAIR_SCHEDULER_PORT": "0", "ALNAIR_SCHEDULER_HEALTH_PORT": "0", "ALNAIR_KUBERNETES": "off"}
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "alnair_agent.scheduler.main", "--host", "127.0.0.1", env=env,
         stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
     assert proc.stderr is not None
     try:
-        line = json.loads(await asyncio.wait_for(proc.stderr.readline(), 20))
-        assert line["event"] == "scheduler_listening" and line["level"] == "info"
-        base = f"http://{line['addresses'][0]}"
+        while True:
+            line = json.loads(await asyncio.wait_for(proc.stderr.readline(), 20))
+            if line["event"] == "scheduler_listening":
+                break
+        assert line["level"] == "info" and len(line["addresses"]) == 2  # verbs, then health
+        base, health = (f"http://{a}" for a in line["addresses"])
         async with aiohttp.ClientSession() as session:
-            async with session.get(f"{base}/healthz") as resp:
+            async with session.get(f"{health}/healthz") as resp:
+                assert resp.status == 200
+            async with session.get(f"{health}/readyz") as resp:
                 assert resp.status == 200
             async with session.post(f"{base}/filter", data=b"garbage") as resp:
                 assert resp.status == 200 and "not JSON" in (await resp.json())["Error"]
-            async with session.post(f"{base}/filter", json=args(pod(), [node("gpu-a", [gpu(0)])])) as resp:
-                assert [n["metadata"]["name"] for n in (await resp.json())["Nodes"]["items"]] == ["gpu-a"]
+            async with session.post(f"{base}/bind", json={"PodName": "p", "PodNamespace": "d", "PodUID": "u",
+                                                          "Node": "n"}) as resp:
+                assert "without an API server" in (await resp.json())["Error"]
         proc.send_signal(signal.SIGTERM)
         assert await asyncio.wait_for(proc.wait(), 20) == 0
         events = [json.loads(raw)["event"] for raw in (await proc.stderr.read()).splitlines()]
-        assert events == ["filter_error", "filter", "scheduler_stopping", "scheduler_stopped"]
+        assert events[0] == "filter_error" and events[-1] == "scheduler_stopped"
     finally:
         if proc.returncode is None:
             proc.kill()
@@ -467,6 +492,7 @@ async def test_process_exits_1_when_the_port_is_taken() -> None:
         port = taken.getsockname()[1]
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "alnair_agent.scheduler.main", "--host", "127.0.0.1", "--port", str(port),
+            "--health-port", "0", "--kubernetes", "off",
             stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
         _, err = await asyncio.wait_for(proc.communicate(), 20)
     assert proc.returncode == 1

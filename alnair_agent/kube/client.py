@@ -46,8 +46,13 @@ def _kubeconfig_path(env: Mapping[str, str]) -> Path | None:
 
 async def api_client(settings: Settings, env: Mapping[str, str] | None = None) -> ApiClient | None:
     """The ApiClient the agent uses, or None when it runs without an API server. Caller closes it."""
+    return await connect(settings.kubernetes, env)
+
+
+async def connect(mode: str, env: Mapping[str, str] | None = None) -> ApiClient | None:
+    """An ApiClient by `mode` (`auto` | `off`, see the module doc), or None. Caller closes it."""
     env = os.environ if env is None else env
-    if settings.kubernetes == "off":
+    if mode == "off":
         log.info("kubernetes_off")
         return None
     cfg = Configuration()

@@ -18,7 +18,6 @@ Ties go to the lowest GPU index. Everything is integer or exact-fraction arithme
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
@@ -236,12 +235,43 @@ def utilization(rooms: Sequence[Room], extra: Mapping[str, tuple[int, int]] | No
     return sum(shares, Fraction(0)) / len(shares) if shares else Fraction(0)
 
 
+def peak(needs: Sequence[Need]) -> tuple[int, int]:
+    """Units the pod holds at its peak (memory, compute): per resource, the largest of its groups' sums. Where it
+    goes does not change this, so neither does it change a node's utilization once the pod runs there."""
+    sums = [(sum(n.memory for n in g), sum(n.compute for n in g)) for g in groups(needs)]
+    return (max((m for m, _ in sums), default=0), max((c for _, c in sums), default=0))
+
+
+def check(needs: Sequence[Need], rooms: Sequence[Room], policy: str) -> Placement | NoFit | bool:
+    """Whether the pod fits: True for a lone container that fits (no need to choose its GPU), else `place`."""
+    live = [n for n in needs if n.memory or n.compute]
+    if len(live) == 1 and live[0].kind != KIND_INIT and rooms:
+        if any(r.fits(live[0].memory, live[0].compute) for r in rooms):
+            return True
+    return place(needs, rooms, policy)
+
+
 def score(needs: Sequence[Need], rooms: Sequence[Room], policy: str) -> int:
-    """0..MAX_SCORE: PACK favours the node most used once the pod runs there, SPREAD the least used; 0 where the
-    pod does not fit."""
-    placed = place(needs, rooms, policy)
-    if not isinstance(placed, Placement):
+    """0..MAX_SCORE: PACK favours the node most used once the pod runs there (its sidecars and regular containers
+    added), SPREAD the least used; 0 where the pod does not fit. Utilization is the mean over memory and compute of min(1, used / offered), rounded half up,
+    in integers (exact, and cheap enough for thousands of nodes per request)."""
+    result = check(needs, rooms, policy)
+    if result is not True and not isinstance(result, Placement):
         return 0
-    used = utilization(rooms, usage(needs, placed.gpus))
-    packed = max(0, min(MAX_SCORE, math.floor(MAX_SCORE * used + Fraction(1, 2))))  # round half up
+    steady = [n for n in needs if n.kind != KIND_INIT]  # run-once init containers end before the pod runs
+    add_m, add_c = sum(n.memory for n in steady), sum(n.compute for n in steady)
+    shares = []
+    for offered, used in ((sum(r.memory_total for r in rooms), sum(r.memory_total - r.memory_free for r in rooms) + add_m),
+                          (sum(r.compute_total for r in rooms), sum(r.compute_total - r.compute_free for r in rooms) + add_c)):
+        if offered > 0:
+            shares.append((min(used, offered), offered))
+    if not shares:
+        packed = 0
+    elif len(shares) == 1:
+        (a, b), = shares
+        packed = (2 * MAX_SCORE * a + b) // (2 * b)
+    else:
+        (a, b), (c, d) = shares
+        packed = (MAX_SCORE * (a * d + c * b) + b * d) // (2 * b * d)
+    packed = max(0, min(MAX_SCORE, packed))
     return packed if policy == PACK else MAX_SCORE - packed

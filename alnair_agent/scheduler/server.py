@@ -1,9 +1,11 @@
-"""The extender's HTTP side (aiohttp): POST /filter, POST /prioritize, GET /healthz.
+"""The extender's HTTP side (aiohttp): POST /filter, /prioritize, /bind on the verbs' address (kube-scheduler in
+the same pod: 127.0.0.1), and GET /healthz (process up) and /readyz (node and pod watches synced) on a health port
+of its own, bound to every address so kubelet's probes reach it.
 
 Every POST is answered 200 with a body kube-scheduler can decode: a failure (a body that is not JSON, a missing
-Pod, a malformed quantity, even a bug) goes into the filter answer's `Error`, or gives zero scores and a log line
-for prioritize. Decoding, judging and encoding run in a worker thread: kube-scheduler may send thousands of Node
-objects (megabytes of JSON), and the event loop keeps answering /healthz and other requests meanwhile.
+Pod, a malformed quantity, even a bug) goes into the answer's `Error`, or gives zero scores and a log line for
+prioritize. The verbs run on the event loop against the in-memory view (they only read it, in well under the
+time a request takes to arrive); bind awaits the API server.
 """
 
 from __future__ import annotations
@@ -16,12 +18,16 @@ from typing import Any
 import structlog
 from aiohttp import web
 
+from alnair_agent.scheduler.bind import Binder
 from alnair_agent.scheduler.extender import FilterResult, PrioritizeResult, filter_nodes, prioritize_nodes
+from alnair_agent.scheduler.view import ClusterView
 
 log = structlog.get_logger(__name__)
 
-MAX_BODY_BYTES = 256 * 1024 * 1024  # a NodeList of 5000 nodes is tens of MiB; aiohttp's default is 1 MiB
+MAX_BODY_BYTES = 256 * 1024 * 1024  # a kube-scheduler not node-cache-capable sends whole NodeLists (tens of MiB)
 SHUTDOWN_TIMEOUT_S = 10.0  # on SIGTERM, how long requests in flight may take to finish
+VIEW_KEY = web.AppKey("view", ClusterView)
+BINDER_KEY = web.AppKey("binder", Binder)
 
 
 @dataclass(frozen=True)
@@ -32,34 +38,30 @@ class Answer:
     summary: dict[str, Any]  # what the log line says
 
 
-def _decode(body: bytes) -> Any:
-    return json.loads(body)
-
-
 def _encode(obj: Any) -> bytes:
     return json.dumps(obj, separators=(",", ":")).encode()
 
 
-def answer_filter(body: bytes) -> Answer:
+def answer_filter(body: bytes, view: ClusterView) -> Answer:
     """Bytes in, bytes out; never raises."""
     try:
-        result = filter_nodes(_decode(body))
+        result = filter_nodes(json.loads(body), view)
     except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
         result = FilterResult(error=f"request body is not JSON ExtenderArgs: {e}")
     except Exception as e:  # a bug must not take kube-scheduler's request down with it
         log.exception("filter_failed")
         result = FilterResult(error=f"alnair-scheduler internal error: {type(e).__name__}: {e}")
-    passed = result.nodes if result.nodes is not None else result.node_names or []
-    summary = {"passed": len(passed), "failed": len(result.failed), "unresolvable": len(result.unresolvable)}
+    summary = {"passed": len(result.node_names or []), "failed": len(result.failed),
+               "unresolvable": len(result.unresolvable)}
     if result.failed or result.unresolvable:
         log.debug("filter_reasons", pod=result.pod, failed=result.failed, unresolvable=result.unresolvable)
     return Answer(_encode(result.to_json()), result.pod, result.error, summary)
 
 
-def answer_prioritize(body: bytes) -> Answer:
+def answer_prioritize(body: bytes, view: ClusterView) -> Answer:
     """Bytes in, bytes out; never raises."""
     try:
-        result = prioritize_nodes(_decode(body))
+        result = prioritize_nodes(json.loads(body), view)
     except ValueError as e:
         result = PrioritizeResult(error=f"request body is not JSON ExtenderArgs: {e}")
     except Exception as e:
@@ -67,7 +69,6 @@ def answer_prioritize(body: bytes) -> Answer:
         result = PrioritizeResult(error=f"alnair-scheduler internal error: {type(e).__name__}: {e}")
     best = max(result.hosts, key=lambda h: h.score, default=None)
     summary = {"nodes": len(result.hosts), "best": best.host if best else "", "best_score": best.score if best else 0}
-    log.debug("prioritize_scores", pod=result.pod, scores={h.host: h.score for h in result.hosts})
     return Answer(_encode(result.to_json()), result.pod, result.error, summary)
 
 
@@ -90,7 +91,7 @@ async def _filter(request: web.Request) -> web.Response:
     if isinstance(body, str):
         answer = Answer(_encode(FilterResult(error=body).to_json()), "", body, {})
     else:
-        answer = await asyncio.to_thread(answer_filter, body)
+        answer = answer_filter(body, request.app[VIEW_KEY])
     if answer.error:
         log.warning("filter_error", pod=answer.pod, error=answer.error)
     else:
@@ -103,7 +104,7 @@ async def _prioritize(request: web.Request) -> web.Response:
     if isinstance(body, str):
         answer = Answer(_encode([]), "", body, {})
     else:
-        answer = await asyncio.to_thread(answer_prioritize, body)
+        answer = answer_prioritize(body, request.app[VIEW_KEY])
     if answer.error:
         log.warning("prioritize_error", pod=answer.pod, error=answer.error, **answer.summary)
     else:
@@ -111,27 +112,77 @@ async def _prioritize(request: web.Request) -> web.Response:
     return _json(answer.body)
 
 
+async def _bind(request: web.Request) -> web.Response:
+    body = await _read(request)
+    if isinstance(body, str):
+        error = body
+    else:
+        try:
+            args = json.loads(body)
+        except ValueError as e:
+            error = f"request body is not JSON ExtenderBindingArgs: {e}"
+        else:
+            binder = request.app.get(BINDER_KEY)
+            if binder is None:
+                error = "alnair-scheduler runs without an API server (--kubernetes off) and cannot bind"
+            else:
+                try:
+                    error = await binder.bind(args)
+                except Exception as e:  # a bug must not take kube-scheduler's request down with it
+                    log.exception("bind_failed")
+                    error = f"alnair-scheduler internal error: {type(e).__name__}: {e}"
+    if error:
+        log.warning("bind_error", error=error)
+    return _json(_encode({"Error": error}))
+
+
 async def _healthz(request: web.Request) -> web.Response:
     return web.Response(text="ok\n")
 
 
-def build_app() -> web.Application:
+async def _readyz(request: web.Request) -> web.Response:
+    if request.app[VIEW_KEY].synced:
+        return web.Response(text="ok\n")
+    return web.Response(status=503, text="node and pod watches not synced yet\n")
+
+
+def build_app(view: ClusterView, binder: Binder | None = None) -> web.Application:
     app = web.Application(client_max_size=MAX_BODY_BYTES)
+    app[VIEW_KEY] = view
+    if binder is not None:
+        app[BINDER_KEY] = binder
     app.router.add_post("/filter", _filter)
     app.router.add_post("/prioritize", _prioritize)
+    app.router.add_post("/bind", _bind)
     app.router.add_get("/healthz", _healthz)
+    app.router.add_get("/readyz", _readyz)
     return app
 
 
-async def serve(host: str, port: int, stop: asyncio.Event) -> None:
+def build_health_app(view: ClusterView) -> web.Application:
+    app = web.Application()
+    app[VIEW_KEY] = view
+    app.router.add_get("/healthz", _healthz)
+    app.router.add_get("/readyz", _readyz)
+    return app
+
+
+async def serve(host: str, port: int, stop: asyncio.Event, view: ClusterView, binder: Binder | None = None,
+                health_port: int | None = None) -> None:
     """Listen until `stop` is set, then stop accepting, let requests in flight finish, and return."""
-    runner = web.AppRunner(build_app(), access_log=None, shutdown_timeout=SHUTDOWN_TIMEOUT_S)
-    await runner.setup()
+    runners = [web.AppRunner(build_app(view, binder), access_log=None, shutdown_timeout=SHUTDOWN_TIMEOUT_S)]
+    if health_port is not None:
+        runners.append(web.AppRunner(build_health_app(view), access_log=None))
     try:
-        await web.TCPSite(runner, host, port, shutdown_timeout=SHUTDOWN_TIMEOUT_S).start()
-        addresses = [f"{a[0]}:{a[1]}" for a in runner.addresses if isinstance(a, tuple)]
+        for runner in runners:
+            await runner.setup()
+        await web.TCPSite(runners[0], host, port, shutdown_timeout=SHUTDOWN_TIMEOUT_S).start()
+        if health_port is not None:
+            await web.TCPSite(runners[1], "0.0.0.0", health_port).start()
+        addresses = [f"{a[0]}:{a[1]}" for r in runners for a in r.addresses if isinstance(a, tuple)]
         log.info("scheduler_listening", addresses=addresses)
         await stop.wait()
         log.info("scheduler_stopping")
     finally:
-        await runner.cleanup()
+        for runner in runners:
+            await runner.cleanup()

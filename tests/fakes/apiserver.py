@@ -9,6 +9,8 @@ Serves, on 127.0.0.1 through aiohttp's TestServer:
   GET   /api/v1/namespaces/{ns}/pods/{name}                  the pod, or 404 Status
   PATCH /api/v1/namespaces/{ns}/pods/{name}                  JSON merge patch (application/merge-patch+json only;
                                                               anything else is 415), 404 for unknown pods
+  POST  /api/v1/namespaces/{ns}/pods/{name}/binding          a v1 Binding: sets spec.nodeName (409 if bound)
+  GET   /api/v1/nodes, ?watch=true                           NodeList / node watch, as for pods
   GET/PATCH /api/v1/nodes/{name}                             the same for nodes
 
 Usage:
@@ -24,8 +26,10 @@ Usage:
         api.pod("default", "p1")["metadata"]["annotations"]
         api.patches                             # every PATCH received: Patch(kind, namespace, name, content_type, body)
 
-Field selectors: only `spec.nodeName=X` (and none). A watch with a selector sees ADDED when an object starts to
-match it (e.g. a pod bound to X), MODIFIED while it matches, DELETED when it stops matching or is deleted.
+Field selectors on pods: `spec.nodeName=X`, `spec.schedulerName=X`, or both joined by a comma (and none). A watch
+with a selector sees ADDED when an object starts to match it (e.g. a pod bound to X), MODIFIED while it matches,
+DELETED when it stops matching or is deleted. A PATCH whose body names metadata.resourceVersion is refused with 409
+Conflict when the object has moved on, as the real API server does.
 """
 
 from __future__ import annotations
@@ -163,26 +167,57 @@ class _Event:
     rv: int
     old: dict[str, Any] | None  # None: created
     new: dict[str, Any] | None  # None: deleted
+    kind: str = "pod"  # "pod" | "node"
+
+
+Selector = dict[str, str]  # field path -> value; all must match
 
 
 @dataclass
 class _Watcher:
-    node: str | None
+    selector: Selector
+    kind: str = "pod"
     queue: asyncio.Queue[_Event | str] = field(default_factory=asyncio.Queue)  # str: "drop" | "gone" | "stop"
+
+
+_SELECTABLE = {"spec.nodeName": ("spec", "nodeName"), "spec.schedulerName": ("spec", "schedulerName")}
 
 
 def _node_of(pod: Mapping[str, Any] | None) -> str | None:
     return None if pod is None else (pod.get("spec") or {}).get("nodeName")
 
 
-def _selector_node(selector: str | None) -> str | None:
-    if not selector:
-        return None
-    key, sep, value = selector.partition("=")
-    if key.strip() != "spec.nodeName" or not sep:
-        raise web.HTTPBadRequest(text=json.dumps(status(400, "BadRequest", f"unsupported selector {selector}")),
-                                 content_type="application/json")
-    return value.lstrip("=").strip()
+def _matches(obj: Mapping[str, Any] | None, selector: Selector) -> bool:
+    if obj is None:
+        return False
+    for path, value in selector.items():
+        section, key = _SELECTABLE[path]
+        if ((obj.get(section) or {}).get(key) or "") != value:
+            return False
+    return True
+
+
+def _selector(text: str | None) -> Selector:
+    out: Selector = {}
+    for part in (text or "").split(","):
+        if not part.strip():
+            continue
+        key, sep, value = part.partition("=")
+        if key.strip() not in _SELECTABLE or not sep:
+            raise web.HTTPBadRequest(text=json.dumps(status(400, "BadRequest", f"unsupported selector {text}")),
+                                     content_type="application/json")
+        out[key.strip()] = value.lstrip("=").strip()
+    return out
+
+
+def _precondition(old: Mapping[str, Any], body: Any, plural: str, name: str) -> web.Response | None:
+    """409 when the patch names a resourceVersion the object no longer has (optimistic concurrency)."""
+    wanted = ((body.get("metadata") or {}) if isinstance(body, dict) else {}).get("resourceVersion")
+    if wanted is not None and wanted != old["metadata"].get("resourceVersion"):
+        return web.json_response(status(409, "Conflict", f'Operation cannot be fulfilled on {plural} "{name}": the '
+                                        "object has been modified; please apply your changes to the latest version"),
+                                 status=409)
+    return None
 
 
 class FakeApiServer:
@@ -197,6 +232,8 @@ class FakeApiServer:
         self._watchers: list[_Watcher] = []
         self._failures: dict[str, list[int]] = {}
         self.patches: list[Patch] = []
+        self.bindings: list[tuple[str, str, str]] = []  # (namespace, pod, node) of every Binding accepted
+        self.on_pod_change: list[Callable[[dict[str, Any] | None, dict[str, Any] | None], None]] = []
         self.requests: list[tuple[str, str]] = []  # (method, path?query) of every request
         self.watch_connections = 0
         self.list_calls = 0
@@ -209,6 +246,8 @@ class FakeApiServer:
         app.router.add_get("/api/v1/namespaces/{ns}/pods", self._list_or_watch)
         app.router.add_get("/api/v1/namespaces/{ns}/pods/{name}", self._get_pod)
         app.router.add_patch("/api/v1/namespaces/{ns}/pods/{name}", self._patch_pod)
+        app.router.add_post("/api/v1/namespaces/{ns}/pods/{name}/binding", self._bind)
+        app.router.add_get("/api/v1/nodes", self._list_or_watch_nodes)
         app.router.add_get("/api/v1/nodes/{name}", self._get_node)
         app.router.add_patch("/api/v1/nodes/{name}", self._patch_node)
         self._server = TestServer(app, host="127.0.0.1")
@@ -286,12 +325,15 @@ class FakeApiServer:
         old = self._pods[(namespace, name)]
         self._commit((namespace, name), old, None)
 
-    def add_node(self, name: str, annotations: Mapping[str, str] | None = None) -> dict[str, Any]:
-        node = make_node(name, annotations)
-        self._rv += 1
-        node["metadata"]["resourceVersion"] = str(self._rv)
-        self._nodes[name] = node
-        return copy.deepcopy(node)
+    def add_node(self, name: str, annotations: Mapping[str, str] | None = None,
+                 node: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """Add a node (`node`: a whole Node object to use instead of the minimal one)."""
+        obj = copy.deepcopy(dict(node)) if node is not None else make_node(name, annotations)
+        self._commit_node(name, None, obj)
+        return copy.deepcopy(obj)
+
+    def delete_node(self, name: str) -> None:
+        self._commit_node(name, self._nodes[name], None)
 
     def pod(self, namespace: str, name: str) -> dict[str, Any]:
         return copy.deepcopy(self._pods[(namespace, name)])
@@ -361,7 +403,26 @@ class FakeApiServer:
                              "restartCount": 0, "image": "busybox:1.36", "imageID": "", "started": ready})
         return self.modify_pod(namespace, name, change)
 
+    def _commit_node(self, name: str, old: dict[str, Any] | None, new: dict[str, Any] | None) -> None:
+        self._rv += 1
+        if new is None:
+            assert old is not None
+            del self._nodes[name]
+            gone = copy.deepcopy(old)
+            gone["metadata"]["resourceVersion"] = str(self._rv)
+            event = _Event(self._rv, gone, None, "node")
+        else:
+            new["metadata"]["resourceVersion"] = str(self._rv)
+            self._nodes[name] = new
+            event = _Event(self._rv, copy.deepcopy(old) if old else None, copy.deepcopy(new), "node")
+        self._events.append(event)
+        for w in self._watchers:
+            if w.kind == "node":
+                w.queue.put_nowait(event)
+
     def _commit(self, key: tuple[str, str], old: dict[str, Any] | None, new: dict[str, Any] | None) -> None:
+        for hook in self.on_pod_change:
+            hook(copy.deepcopy(old) if old else None, copy.deepcopy(new) if new else None)
         self._rv += 1
         if new is None:
             assert old is not None
@@ -375,7 +436,8 @@ class FakeApiServer:
             event = _Event(self._rv, copy.deepcopy(old) if old else None, copy.deepcopy(new))
         self._events.append(event)
         for w in self._watchers:
-            w.queue.put_nowait(event)
+            if w.kind == "pod":
+                w.queue.put_nowait(event)
 
     def _take_failure(self, op: str) -> web.Response | None:
         queued = self._failures.get(op)
@@ -386,9 +448,11 @@ class FakeApiServer:
                                  status=code)
 
     @staticmethod
-    def _event_for(event: _Event, node: str | None) -> dict[str, Any] | None:
-        old_match = event.old is not None and (node is None or _node_of(event.old) == node)
-        new_match = event.new is not None and (node is None or _node_of(event.new) == node)
+    def _event_for(event: _Event, selector: Selector, kind: str = "pod") -> dict[str, Any] | None:
+        if event.kind != kind:
+            return None
+        old_match = _matches(event.old, selector)
+        new_match = _matches(event.new, selector)
         if new_match and not old_match:
             return {"type": "ADDED", "object": event.new}
         if new_match and old_match:
@@ -400,25 +464,36 @@ class FakeApiServer:
             return {"type": "DELETED", "object": obj}
         return None
 
-    def _pods_on(self, node: str | None, namespace: str | None) -> list[dict[str, Any]]:
+    def _pods_on(self, selector: Selector, namespace: str | None) -> list[dict[str, Any]]:
         return [copy.deepcopy(p) for (ns, _), p in sorted(self._pods.items())
-                if (node is None or _node_of(p) == node) and (namespace is None or ns == namespace)]
+                if _matches(p, selector) and (namespace is None or ns == namespace)]
 
     async def _list_or_watch(self, request: web.Request) -> web.StreamResponse:
         self.requests.append((request.method, request.path_qs))
-        node = _selector_node(request.query.get("fieldSelector"))
+        selector = _selector(request.query.get("fieldSelector"))
         namespace = request.match_info.get("ns")
         if request.query.get("watch", "").lower() in ("true", "1"):  # the client sends "True"
-            return await self._watch(request, node)
+            return await self._watch(request, selector)
         self.list_calls += 1
         failure = self._take_failure("list")
         if failure is not None:
             return failure
         return web.json_response({"kind": "PodList", "apiVersion": "v1",
                                   "metadata": {"resourceVersion": str(self._rv)},
-                                  "items": self._pods_on(node, namespace)})
+                                  "items": self._pods_on(selector, namespace)})
 
-    async def _watch(self, request: web.Request, node: str | None) -> web.StreamResponse:
+    async def _list_or_watch_nodes(self, request: web.Request) -> web.StreamResponse:
+        self.requests.append((request.method, request.path_qs))
+        if request.query.get("watch", "").lower() in ("true", "1"):
+            return await self._watch(request, {}, "node")
+        failure = self._take_failure("list_nodes")
+        if failure is not None:
+            return failure
+        body = json.dumps({"kind": "NodeList", "apiVersion": "v1", "metadata": {"resourceVersion": str(self._rv)},
+                           "items": [self._nodes[n] for n in sorted(self._nodes)]})
+        return web.Response(body=body.encode(), content_type="application/json")
+
+    async def _watch(self, request: web.Request, selector: Selector, kind: str = "pod") -> web.StreamResponse:
         self.watch_connections += 1
         failure = self._take_failure("watch")
         if failure is not None:
@@ -433,17 +508,19 @@ class FakeApiServer:
             await resp.write(json.dumps(obj).encode() + b"\n")
 
         gone = status(410, "Expired", "too old resource version")
-        watcher = _Watcher(node)
+        watcher = _Watcher(selector, kind)
         if raw_rv in ("", "0"):
             # No version: the current state as ADDED events, then changes (the API server's "start at most recent").
-            backlog: list[dict[str, Any]] = [{"type": "ADDED", "object": p} for p in self._pods_on(node, None)]
+            current = self._pods_on(selector, None) if kind == "pod" else [
+                copy.deepcopy(self._nodes[n]) for n in sorted(self._nodes)]
+            backlog: list[dict[str, Any]] = [{"type": "ADDED", "object": p} for p in current]
         else:
             since = int(raw_rv)
             if since < self._oldest_rv:
                 await send({"type": "ERROR", "object": gone})
                 await resp.write_eof()
                 return resp
-            backlog = [ev for e in self._events if e.rv > since if (ev := self._event_for(e, node))]
+            backlog = [ev for e in self._events if e.rv > since if (ev := self._event_for(e, selector, kind))]
         self._watchers.append(watcher)
         try:
             for ev in backlog:
@@ -461,7 +538,7 @@ class FakeApiServer:
                     if item == "stop":
                         break
                     assert isinstance(item, _Event)
-                    ev = self._event_for(item, node)
+                    ev = self._event_for(item, selector, kind)
                     if ev is not None:
                         await send(ev)
         except TimeoutError:
@@ -496,9 +573,37 @@ class FakeApiServer:
         old = self._pods.get((ns, name))
         if old is None:
             return web.json_response(status(404, "NotFound", f'pods "{name}" not found'), status=404)
+        conflict = _precondition(old, body, "pods", name)
+        if conflict is not None:
+            return conflict
         new = merge_patch(old, body)
         self._commit((ns, name), old, new)
         return web.json_response(new)
+
+    async def _bind(self, request: web.Request) -> web.Response:
+        self.requests.append((request.method, request.path_qs))
+        ns, name = request.match_info["ns"], request.match_info["name"]
+        failure = self._take_failure("bind")
+        if failure is not None:
+            return failure
+        try:
+            body = await request.json()
+            target = body["target"]["name"]
+        except (ValueError, KeyError, TypeError):
+            return web.json_response(status(400, "BadRequest", "not a v1 Binding"), status=400)
+        old = self._pods.get((ns, name))
+        if old is None:
+            return web.json_response(status(404, "NotFound", f'pods "{name}" not found'), status=404)
+        uid = (body.get("metadata") or {}).get("uid")
+        if uid and uid != old["metadata"]["uid"]:
+            return web.json_response(status(409, "Conflict", f"pod {name} uid mismatch"), status=409)
+        if (old.get("spec") or {}).get("nodeName"):
+            return web.json_response(status(409, "Conflict", f'pod {name} is already assigned to node '
+                                            f'"{old["spec"]["nodeName"]}"'), status=409)
+        self.bindings.append((ns, name, target))
+        self.bind_pod(ns, name, target)
+        return web.json_response({"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success",
+                                  "code": 201}, status=201)
 
     async def _get_node(self, request: web.Request) -> web.Response:
         self.requests.append((request.method, request.path_qs))
@@ -523,8 +628,9 @@ class FakeApiServer:
         old = self._nodes.get(name)
         if old is None:
             return web.json_response(status(404, "NotFound", f'nodes "{name}" not found'), status=404)
-        self._rv += 1
+        conflict = _precondition(old, body, "nodes", name)
+        if conflict is not None:
+            return conflict
         new = merge_patch(old, body)
-        new["metadata"]["resourceVersion"] = str(self._rv)
-        self._nodes[name] = new
+        self._commit_node(name, old, new)
         return web.json_response(new)

@@ -1,0 +1,131 @@
+"""LIST then WATCH one kind of object through kubernetes-asyncio, feeding a handler, until cancelled.
+
+The same loop as the agent's pod watch, for the extender's nodes and pods: raw JSON (no client models: cheaper,
+and thousands of Node objects stay affordable), resumed from the last resourceVersion, a fresh LIST on 410 Gone,
+capped exponential backoff with jitter on failures (so a fleet does not retry in lockstep after an outage).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import structlog
+from kubernetes_asyncio import watch
+from kubernetes_asyncio.client.exceptions import ApiException
+
+from alnair_agent.kube.client import read_json
+
+log = structlog.get_logger(__name__)
+
+
+class WatchProtocolError(RuntimeError):
+    """The API server sent something that is not a list or a watch event."""
+
+
+@dataclass(frozen=True)
+class ReflectorTiming:
+    backoff_initial_s: float = 0.2
+    backoff_max_s: float = 30.0
+    watch_timeout_s: int = 300
+    connect_timeout_s: float = 10.0
+    list_timeout_s: float = 120.0
+    min_healthy_s: float = 1.0
+
+
+@dataclass
+class Reflector:
+    """`list_call(**kwargs)` is a kubernetes-asyncio list method (e.g. CoreV1Api.list_node); `on_list(items)` gets
+    every LIST, `on_event(type, obj)` every ADDED/MODIFIED/DELETED event."""
+
+    name: str
+    list_call: Callable[..., Awaitable[Any]]
+    on_list: Callable[[Sequence[Any]], None]
+    on_event: Callable[[str, Mapping[str, Any]], None]
+    field_selector: str | None = None
+    timing: ReflectorTiming = ReflectorTiming()
+    synced: asyncio.Event | None = None
+
+    def __post_init__(self) -> None:
+        self._rv: str | None = None
+        if self.synced is None:
+            self.synced = asyncio.Event()
+
+    def _kwargs(self) -> dict[str, Any]:
+        return {"field_selector": self.field_selector} if self.field_selector else {}
+
+    async def run(self) -> None:
+        backoff = self.timing.backoff_initial_s
+        while True:
+            try:
+                if self._rv is None:
+                    await self._list()
+                if await self._watch():
+                    backoff = self.timing.backoff_initial_s
+                    continue
+                failure: dict[str, Any] = {"error": "WatchEndedEarly"}
+            except ApiException as e:
+                if e.status == 410:
+                    log.info("watch_expired", watch=self.name, resource_version=self._rv)
+                    self._rv = None
+                    continue
+                failure = {"error": "ApiException", "status": e.status, "reason": e.reason}
+            except (aiohttp.ClientError, TimeoutError, OSError, ValueError, WatchProtocolError) as e:
+                failure = {"error": type(e).__name__, "detail": str(e)[:200]}
+            delay = backoff * random.uniform(0.5, 1.0)
+            log.warning("watch_failed", watch=self.name, retry_in_s=round(delay, 3), **failure)
+            await asyncio.sleep(delay)
+            backoff = min(backoff * 2, self.timing.backoff_max_s)
+
+    async def _list(self) -> None:
+        resp = await self.list_call(_preload_content=False, _request_timeout=self.timing.list_timeout_s,
+                                    **self._kwargs())
+        body = await read_json(resp)
+        if not isinstance(body, Mapping) or not isinstance(body.get("items", []), list):
+            raise WatchProtocolError(f"{self.name}: the LIST answer is not a list")
+        rv = (body.get("metadata") or {}).get("resourceVersion")
+        if not isinstance(rv, str) or not rv:
+            raise WatchProtocolError(f"{self.name}: the LIST answer has no resourceVersion")
+        self.on_list(body.get("items") or [])
+        self._rv = rv
+        assert self.synced is not None
+        self.synced.set()
+        log.info("watch_listed", watch=self.name, items=len(body.get("items") or []), resource_version=rv)
+
+    async def _watch(self) -> bool:
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        events = 0
+        timeout = aiohttp.ClientTimeout(sock_connect=self.timing.connect_timeout_s,
+                                        sock_read=self.timing.watch_timeout_s + self.timing.connect_timeout_s)
+        async with watch.Watch(return_type="object") as w:
+            stream = w.stream(self.list_call, resource_version=self._rv, timeout_seconds=self.timing.watch_timeout_s,
+                              allow_watch_bookmarks=True, _request_timeout=timeout, **self._kwargs())
+            try:
+                async for event in stream:
+                    self._apply(event)
+                    events += 1
+            except ApiException:
+                raise
+            except Exception as e:
+                # kubernetes-asyncio's Watch signals a malformed event with a bare Exception: retried, not a crash.
+                if type(e) is not Exception:
+                    raise
+                raise WatchProtocolError(str(e)[:200]) from None
+        return events > 0 or loop.time() - started >= self.timing.min_healthy_s
+
+    def _apply(self, event: Any) -> None:
+        if not isinstance(event, Mapping) or not isinstance(event.get("raw_object"), Mapping):
+            raise WatchProtocolError(f"{self.name}: not a watch event: {event!r:.200}")
+        kind, obj = event.get("type"), event["raw_object"]
+        if kind in ("ADDED", "MODIFIED", "DELETED"):
+            self.on_event(kind, obj)
+        elif kind != "BOOKMARK":
+            raise WatchProtocolError(f"{self.name}: unknown watch event type {kind!r}")
+        rv = (obj.get("metadata") or {}).get("resourceVersion")
+        if isinstance(rv, str) and rv:
+            self._rv = rv

@@ -1,0 +1,276 @@
+"""The extender's view of the cluster: each node's GPUs and free units, and which node is locked by which pod.
+
+Fed by watches (nodes, and the pods of Alnair's scheduler profiles) and by the extender's own binds. A node's free
+units are what its agent reports (`ai.centaurus.io/gpu-devices`) minus the units of the pods placed on it that the
+report does not account for yet (its `pods` list): pods bound with a decision, and binds in flight. So a burst of
+binds never double-books a GPU, however stale the report, and after a restart the view is rebuilt from the pods'
+own decisions. A node is locked while a pod placed on it waits for admission (`alnair_agent.node.decision`).
+
+Everything here runs on the event loop; nothing blocks. Per-node summaries are cached by a version number that
+every change of the node, or of a pod on it, bumps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+import structlog
+
+from alnair_agent.kube.pods import PodError, PodInfo, parse_pod
+from alnair_agent.node import fit
+from alnair_agent.node.decision import LOCK_TTL_S, Decision
+from alnair_agent.node.gpu_devices import STALE_AFTER_S, AnnotationError, NodeReport, report_of_node
+
+log = structlog.get_logger(__name__)
+
+
+def utcnow() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+@dataclass
+class NodeState:
+    name: str
+    report: NodeReport | None
+    error: str = ""  # why the report is missing or unreadable
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """A bind in flight: decided here, not yet visible in the pod watch."""
+
+    uid: str
+    namespace: str
+    name: str
+    needs: tuple[fit.Need, ...]
+    decision: Decision
+
+
+@dataclass(frozen=True)
+class Summary:
+    """A node as filter and prioritize see it, cached per node version."""
+
+    rooms: tuple[fit.Room, ...] | None  # None: the node takes no Alnair pods (reason in `error`)
+    error: str
+    resolvable: bool
+    locked_by: str  # namespace/name of the pod holding the node's lock, "" if none
+    lock_expires: datetime | None
+    valid_until: datetime | None = None  # a lock expires or the report goes stale then: summarize afresh
+
+
+@dataclass
+class ClusterView:
+    nodes: dict[str, NodeState] = field(default_factory=dict)
+    pods: dict[str, PodInfo] = field(default_factory=dict)  # uid -> pod (Alnair profiles' pods)
+    reservations: dict[str, Reservation] = field(default_factory=dict)
+    synced: bool = False
+    _on_node: dict[str, set[str]] = field(default_factory=dict)  # node -> uids placed there (pods, reservations)
+    _version: dict[str, int] = field(default_factory=dict)
+    _cache: dict[str, tuple[int, Summary]] = field(default_factory=dict)
+    _changed: asyncio.Condition | None = None
+
+    # -- feeding -----------------------------------------------------------------------------------------------
+    def _bump(self, node: str) -> None:
+        self._version[node] = self._version.get(node, 0) + 1
+        self._cache.pop(node, None)
+
+    def _notify(self) -> None:
+        cond = self._changed
+        if cond is not None:
+            async def wake() -> None:
+                async with cond:
+                    cond.notify_all()
+            loop = asyncio.get_running_loop()
+            loop.create_task(wake())
+
+    def apply_node(self, obj: Any) -> None:
+        name = _name_of(obj)
+        if not name:
+            return
+        try:
+            state = NodeState(name, report_of_node(obj))
+        except AnnotationError as e:
+            state = NodeState(name, None, str(e))
+        old = self.nodes.get(name)
+        if old is None or old.report != state.report or old.error != state.error:
+            self.nodes[name] = state
+            self._bump(name)
+            self._notify()
+
+    def delete_node(self, name: str) -> None:
+        if self.nodes.pop(name, None) is not None:
+            self._bump(name)
+
+    def replace_nodes(self, objs: Iterable[Any]) -> None:
+        seen = set()
+        for obj in objs:
+            self.apply_node(obj)
+            seen.add(_name_of(obj))
+        for name in [n for n in self.nodes if n not in seen]:
+            self.delete_node(name)
+
+    def _placed_node(self, pod: PodInfo) -> str:
+        if pod.decision is not None and pod.node_name == pod.decision.node:
+            return pod.node_name
+        return ""
+
+    def apply_pod(self, obj: Any) -> None:
+        try:
+            pod = parse_pod(obj if isinstance(obj, Mapping) else {})
+        except PodError as e:
+            log.warning("pod_unparseable", error=str(e))
+            return
+        self.store_pod(pod)
+
+    def store_pod(self, pod: PodInfo) -> None:
+        old = self.pods.get(pod.uid)
+        if old == pod:
+            return
+        self.pods[pod.uid] = pod
+        for node in {self._placed_node(pod), old and self._placed_node(old)} - {"", None}:
+            self._index(pod.uid, node)
+        reservation = self.reservations.get(pod.uid)
+        if reservation is not None and (self._placed_node(pod) == reservation.decision.node or not pod.live):
+            del self.reservations[pod.uid]  # the watch shows the bind (or the pod's end): it speaks for itself now
+            self._index(pod.uid, reservation.decision.node)
+        self._notify()
+
+    def delete_pod(self, uid: str) -> None:
+        old = self.pods.pop(uid, None)
+        reservation = self.reservations.pop(uid, None)
+        for node in {old and self._placed_node(old), reservation and reservation.decision.node} - {"", None}:
+            self._index(uid, node)
+        self._notify()
+
+    def replace_pods(self, pods: Sequence[Any], selector_profile: str) -> None:
+        """A fresh LIST of one profile's pods: those of the profile not in it are gone."""
+        listed = set()
+        for obj in pods:
+            self.apply_pod(obj)
+            listed.add(((obj.get("metadata") or {}).get("uid")) if isinstance(obj, Mapping) else None)
+        for uid in [u for u, p in self.pods.items() if p.scheduler_name == selector_profile and u not in listed]:
+            self.delete_pod(uid)
+
+    def _index(self, uid: str, node: str) -> None:
+        on = self._on_node.setdefault(node, set())
+        if self._counts_on(uid, node):
+            on.add(uid)
+        else:
+            on.discard(uid)
+        self._bump(node)
+
+    def reserve(self, reservation: Reservation) -> None:
+        self.reservations[reservation.uid] = reservation
+        self._on_node.setdefault(reservation.decision.node, set()).add(reservation.uid)
+        self._bump(reservation.decision.node)
+
+    def unreserve(self, uid: str) -> None:
+        reservation = self.reservations.pop(uid, None)
+        if reservation is not None:
+            self._index(uid, reservation.decision.node)
+            self._notify()
+
+    # -- reading -----------------------------------------------------------------------------------------------
+    def _counts_on(self, uid: str, node: str) -> bool:
+        r = self.reservations.get(uid)
+        if r is not None and r.decision.node == node:
+            return True
+        pod = self.pods.get(uid)
+        return pod is not None and self._placed_node(pod) == node
+
+    def _placed(self, node: str) -> list[tuple[str, str, tuple[fit.Need, ...], Decision, bool, bool]]:
+        """(uid, ref, needs, decision, live, confirmed) of every pod placed on `node`."""
+        out = []
+        for uid in sorted(self._on_node.get(node, ())):
+            r = self.reservations.get(uid)
+            pod = self.pods.get(uid)
+            if r is not None and r.decision.node == node:
+                live = pod.live if pod is not None else True
+                confirmed = pod.allocated if pod is not None else False
+                out.append((uid, f"{r.namespace}/{r.name}", r.needs, r.decision, live, confirmed))
+            elif pod is not None and pod.decision is not None and self._placed_node(pod) == node:
+                out.append((uid, f"{pod.namespace}/{pod.name}", tuple(pod.needs()), pod.decision, pod.live,
+                            pod.allocated))
+        return out
+
+    def summary(self, node: str, now: datetime | None = None) -> Summary:
+        now = now or utcnow()
+        version = self._version.get(node, 0)
+        cached = self._cache.get(node)
+        if cached is not None and cached[0] == version and (cached[1].valid_until is None or now < cached[1].valid_until):
+            return cached[1]
+        summary = self._summarize(node, now)
+        self._cache[node] = (version, summary)
+        return summary
+
+    def _summarize(self, node: str, now: datetime) -> Summary:
+        state = self.nodes.get(node)
+        if state is None:
+            return Summary(None, "node is unknown to alnair-scheduler (not in its node watch yet)", True, "", None)
+        report = state.report
+        if report is None:
+            return Summary(None, state.error, False, "", None)
+        if report.stale(now):
+            age = int((now - report.heartbeat).total_seconds()) if report.heartbeat else 0
+            return Summary(None, f"the node's Alnair agent has not reported for {age} s (more than {STALE_AFTER_S:.0f} "
+                           "s): it takes no new pods until its agent is back", True, "", None)
+        rooms = {r.uuid: r for r in report.rooms()}
+        if not rooms:
+            unhealthy = len(report.gpus) - len(report.healthy)
+            return Summary(None, f"node has no healthy GPU ({len(report.gpus)} GPU(s), {unhealthy} unhealthy)", False,
+                           "", None)
+        locked_by, expires = "", None
+        for uid, ref, needs, decision, live, confirmed in self._placed(node):
+            if not live:
+                continue
+            if not confirmed and not decision.expired(now):
+                locked_by = ref
+                candidate = decision.decided_at + timedelta(seconds=LOCK_TTL_S)
+                expires = candidate if expires is None or candidate < expires else expires
+            if uid in report.pods:
+                continue  # the report's free counts already subtract it
+            for gpu, (m, c) in fit.usage(needs, decision.gpus).items():
+                room = rooms.get(gpu)
+                if room is not None:
+                    rooms[gpu] = room.less(m, c)
+        valid = expires
+        if report.heartbeat is not None:
+            stale_at = report.heartbeat + timedelta(seconds=STALE_AFTER_S)
+            valid = stale_at if valid is None or stale_at < valid else valid
+        return Summary(tuple(sorted(rooms.values(), key=lambda r: r.index)), "", True, locked_by, expires, valid)
+
+    def locked(self, node: str, now: datetime | None = None) -> str:
+        return self.summary(node, now).locked_by
+
+    # -- waiting -----------------------------------------------------------------------------------------------
+    async def wait_unlocked(self, node: str, timeout: float) -> bool:
+        """Wait until `node` has no lock holder (re-checked on every change and at lock expiry); False on timeout.
+        Returns with the view's condition NOT held: the caller must reserve before awaiting anything else."""
+        if self._changed is None:
+            self._changed = asyncio.Condition()
+        cond = self._changed
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while True:
+            summary = self.summary(node)
+            if not summary.locked_by:
+                return True
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                return False
+            until_expiry = (summary.lock_expires - utcnow()).total_seconds() if summary.lock_expires else remaining
+            async with cond:
+                try:
+                    await asyncio.wait_for(cond.wait(), max(0.001, min(remaining, until_expiry)))
+                except TimeoutError:
+                    pass
+
+
+def _name_of(obj: Any) -> str:
+    meta = obj.get("metadata") if isinstance(obj, Mapping) else None
+    name = meta.get("name") if isinstance(meta, Mapping) else None
+    return name if isinstance(name, str) else ""
