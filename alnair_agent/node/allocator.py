@@ -147,6 +147,15 @@ class Allocator:
         self._lock = asyncio.Lock()
 
     # -- state -----------------------------------------------------------------------------------------------
+    @property
+    def external_held(self) -> set[str]:
+        return self._external_held
+
+    @external_held.setter
+    def external_held(self, ids: set[str]) -> None:
+        self._external_held = set(ids)
+        self._external_used = Counter(filter(None, map(Inventory.owner, self._external_held)))
+
     def restore(self, allocations: list[Allocation]) -> None:
         for alloc in allocations:
             self.allocations[alloc.id] = alloc
@@ -173,8 +182,13 @@ class Allocator:
         return {i: a for a in self.allocations.values() if self.live(a) for i in a.all_ids()}
 
     def rooms(self, ignore: frozenset[str] | set[str] = frozenset()) -> list[fit.Room]:
-        """Free units per healthy GPU: offered minus held (minus `ignore`: devices being handed on within a pod)."""
-        used: Counter[tuple[str, str]] = Counter(filter(None, map(Inventory.owner, self.held_ids() - ignore)))
+        """Free units per healthy GPU: offered minus held (minus `ignore`: devices being handed on within a pod).
+        A record's devices are all on its GPU (checked at Allocate), so units are counted per record."""
+        used = Counter(self._external_used)
+        for a in self.allocations.values():
+            if self.live(a):
+                for r, ids in a.device_ids.items():
+                    used[(a.gpu_uuid, r)] += len(ids) - (len(ignore.intersection(ids)) if ignore else 0)
         return [fit.Room(gpu.uuid, gpu.info.index,
                          gpu.units[RESOURCE_MEMORY] - used[(gpu.uuid, RESOURCE_MEMORY)],
                          gpu.units[RESOURCE_COMPUTE] - used[(gpu.uuid, RESOURCE_COMPUTE)],
@@ -203,12 +217,19 @@ class Allocator:
     def _records_of(self, pod_uid: str) -> dict[str, Allocation]:
         return {a.container: a for a in self.allocations.values() if a.pod_uid == pod_uid}
 
+    def _records_by_pod(self) -> dict[str, dict[str, Allocation]]:
+        out: dict[str, dict[str, Allocation]] = {}
+        for a in self.allocations.values():
+            if a.pod_uid:
+                out.setdefault(a.pod_uid, {})[a.container] = a
+        return out
+
     @staticmethod
     def _missing(c: ContainerRequest, record: Allocation | None) -> list[str]:
         """Resources the container asks for that its record does not hold yet."""
         return [r for r in RESOURCES if c.units(r) > 0 and (record is None or r not in record.device_ids)]
 
-    def _pending(self) -> list[PodInfo]:
+    def _pending(self, by_pod: dict[str, dict[str, Allocation]]) -> list[PodInfo]:
         """Pods bound here that kubelet has not admitted yet, in bind order."""
         assert self.pods is not None
         out = []
@@ -217,28 +238,30 @@ class Allocator:
                 continue
             if not pod.live or pod.admitted or not pod.containers:
                 continue
-            records = self._records_of(pod.uid)
+            records = by_pod.get(pod.uid, {})
             if all(not self._missing(c, records.get(c.container)) for c in pod.containers):
                 continue
             out.append(pod)
         return sorted(out, key=lambda p: (self.pods.bound_order(p.uid), p.created_at, p.namespace, p.name))
 
-    def _next_container(self, pod: PodInfo, resource: str) -> ContainerRequest | None:
-        records = self._records_of(pod.uid)
+    def _next_container(self, pod: PodInfo, resource: str,
+                        records: dict[str, Allocation] | None = None) -> ContainerRequest | None:
+        records = self._records_of(pod.uid) if records is None else records
         for c in pod.containers:
             if resource in self._missing(c, records.get(c.container)):
                 return c
         return None
 
     def _find(self, resource: str, count: int) -> tuple[PodInfo, ContainerRequest] | None:
-        for pod in self._pending():
-            c = self._next_container(pod, resource)
+        by_pod = self._records_by_pod()
+        for pod in self._pending(by_pod):
+            c = self._next_container(pod, resource, by_pod.get(pod.uid, {}))
             if c is not None and c.units(resource) == count:
                 return pod, c
         return None
 
     def _describe_pending(self, resource: str, count: int) -> str:
-        pending = self._pending()
+        pending = self._pending(self._records_by_pod())
         if not pending:
             return (f"no pod bound to this node is waiting for admission with a container asking {count} {resource} "
                     "(the pod may have been deleted, or the agent's pod watch is behind)")

@@ -11,15 +11,18 @@ kubelet hands a run-once init container's devices to the next containers of the 
 reuses them), so a pod with such an init container gets ALL its Alnair containers on ONE GPU: every group must fit
 there by itself. Otherwise each steady container is placed on its own, largest first:
   - PACK (cost-saving, `binpack`): the GPU left fullest after placing it (best fit);
-  - SPREAD (high-performance, `spread`): the GPU left emptiest (worst fit); when spreading finds no room for every
-    container, packing is tried before giving up, so whether a pod fits never depends on its profile.
+  - SPREAD (high-performance, `spread`): the GPU left emptiest (worst fit).
+When one policy finds no room for every container the other is tried before giving up, so whether a pod fits
+never depends on its profile.
 Ties go to the lowest GPU index. Everything is integer or exact-fraction arithmetic: deterministic.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 from fractions import Fraction
 
 PACK = "pack"
@@ -46,9 +49,8 @@ class Need:
         return f"{self.memory} memory + {self.compute} compute units"
 
 
-@dataclass(frozen=True)
-class Room:
-    """One healthy GPU: units free and offered of each resource."""
+class Room(NamedTuple):
+    """One healthy GPU: units free and offered of each resource. (A NamedTuple: `place` makes many of them.)"""
 
     uuid: str
     index: int
@@ -68,11 +70,17 @@ class Room:
         return Room(self.uuid, self.index, self.memory_total, self.compute_total, self.memory_total,
                     self.compute_total)
 
-    def free_share(self) -> Fraction:
-        """Free fraction, averaged over both resources (0 = full, 1 = empty)."""
-        shares = [Fraction(free, total) for free, total in ((self.memory_free, self.memory_total),
-                                                            (self.compute_free, self.compute_total)) if total > 0]
-        return sum(shares, Fraction(0)) / len(shares) if shares else Fraction(0)
+    def free_share(self, memory: int = 0, compute: int = 0) -> float:
+        """Free fraction once `memory` and `compute` are taken, averaged over both resources (0 = full, 1 = empty).
+        A float: it only orders GPUs (deterministically), and filter runs it for thousands of nodes."""
+        mt, ct = self.memory_total, self.compute_total
+        if mt > 0 and ct > 0:
+            return ((self.memory_free - memory) / mt + (self.compute_free - compute) / ct) / 2
+        if mt > 0:
+            return (self.memory_free - memory) / mt
+        if ct > 0:
+            return (self.compute_free - compute) / ct
+        return 0.0
 
     def describe(self) -> str:
         return (f"GPU {self.index}: {self.memory_free}/{self.memory_total} memory, "
@@ -118,30 +126,36 @@ def _label(need: Need) -> str:
     return {KIND_INIT: "init container", KIND_SIDECAR: "sidecar"}.get(need.kind, "container")
 
 
-def _after(room: Room, need: Need) -> Fraction:
-    return room.less(need.memory, need.compute).free_share()
-
-
 def _choose(rooms: Iterable[Room], need: Need, policy: str) -> Room | None:
-    fitting = [r for r in rooms if r.fits(need.memory, need.compute)]
-    if not fitting:
-        return None
+    m, c = need.memory, need.compute
     sign = 1 if policy == PACK else -1
-    return min(fitting, key=lambda r: (sign * _after(r, need), r.index))
+    best: Room | None = None
+    best_key: tuple[float, int] | None = None
+    for r in rooms:
+        if r.memory_free >= m and r.compute_free >= c:
+            key = (sign * r.free_share(m, c), r.index)
+            if best_key is None or key < best_key:
+                best, best_key = r, key
+    return best
+
+
+@functools.lru_cache(maxsize=1024)
+def _largest_first(needs: tuple[Need, ...], mem_scale: int, comp_scale: int) -> tuple[Need, ...]:
+    """Containers by dominant share, largest first (ties: more memory, more compute, pod order). Exact fractions:
+    this order decides which container goes first, so no rounding may flip it."""
+    def key(item: tuple[int, Need]) -> tuple[Fraction, int, int, int]:
+        pos, n = item
+        return (-max(Fraction(n.memory, mem_scale), Fraction(n.compute, comp_scale)), -n.memory, -n.compute, pos)
+    return tuple(n for _, n in sorted(enumerate(needs), key=key))
 
 
 def _one_by_one(needs: Sequence[Need], rooms: Sequence[Room], policy: str) -> Placement | Need:
     """Greedy, largest dominant share first; returns the first container that found no room on failure."""
     mem_scale = max((r.memory_total for r in rooms), default=0) or 1
     comp_scale = max((r.compute_total for r in rooms), default=0) or 1
-
-    def key(item: tuple[int, Need]) -> tuple[Fraction, int, int, int]:
-        pos, n = item
-        return (-max(Fraction(n.memory, mem_scale), Fraction(n.compute, comp_scale)), -n.memory, -n.compute, pos)
-
     free = {r.uuid: r for r in rooms}
     placed: dict[str, str] = {}
-    for _, need in sorted(enumerate(needs), key=key):
+    for need in _largest_first(tuple(needs), mem_scale, comp_scale):
         room = _choose(free.values(), need, policy)
         if room is None:
             return need
@@ -159,7 +173,7 @@ def _one_gpu(needs: Sequence[Need], rooms: Sequence[Room], policy: str) -> Place
     peak_m = max(m for m, _ in demand)
     peak_c = max(c for _, c in demand)
     sign = 1 if policy == PACK else -1
-    best = min(fitting, key=lambda r: (sign * r.less(peak_m, peak_c).free_share(), r.index))
+    best = min(fitting, key=lambda r: (sign * r.free_share(peak_m, peak_c), r.index))
     return Placement({n.name: best.uuid for n in needs})
 
 
@@ -174,8 +188,9 @@ def _place(needs: Sequence[Need], rooms: Sequence[Room], policy: str) -> Placeme
                      f"groups: {', '.join(n.name for n in needs)}; {free}")
     steady = [n for n in needs if n.kind != KIND_INIT]
     result = _one_by_one(steady, rooms, policy)
-    if isinstance(result, Need) and policy != PACK:
-        result = _one_by_one(steady, rooms, PACK)
+    if isinstance(result, Need):  # the other policy may fit what this one did not
+        other = _one_by_one(steady, rooms, SPREAD if policy == PACK else PACK)
+        result = other if isinstance(other, Placement) else result
     if isinstance(result, Placement):
         return result
     free = "; ".join(r.describe() for r in rooms)
@@ -235,6 +250,100 @@ def utilization(rooms: Sequence[Room], extra: Mapping[str, tuple[int, int]] | No
     return sum(shares, Fraction(0)) / len(shares) if shares else Fraction(0)
 
 
+@dataclass(frozen=True)
+class FreeSummary:
+    """A node's rooms digested once (per change of the node) for the many questions of filter and prioritize:
+    the distinct (memory free, compute free) pairs no other pair dominates, and the sums for utilization."""
+
+    frontier: tuple[tuple[int, int], ...]
+    memory_total: int
+    memory_used: int
+    compute_total: int
+    compute_used: int
+
+    @classmethod
+    def of(cls, rooms: Sequence[Room]) -> FreeSummary:
+        pairs = sorted({(r.memory_free, r.compute_free) for r in rooms}, reverse=True)
+        frontier: list[tuple[int, int]] = []
+        for m, c in pairs:  # memory descending: keep a pair only if it has more compute than every kept one
+            if not frontier or c > frontier[-1][1]:
+                frontier.append((m, c))
+        return cls(tuple(frontier), sum(r.memory_total for r in rooms),
+                   sum(r.memory_total - r.memory_free for r in rooms), sum(r.compute_total for r in rooms),
+                   sum(r.compute_total - r.compute_free for r in rooms))
+
+    def holds(self, memory: int, compute: int) -> bool:
+        """Whether one room has `memory` and `compute` free at once."""
+        for m, c in self.frontier:
+            if m < memory:
+                return False
+            if c >= compute:
+                return True
+        return False
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A pod's needs with what filter and prioritize ask of them on every node, computed once per request."""
+
+    needs: tuple[Need, ...]
+    has_init: bool
+    steady_memory: int
+    steady_compute: int
+    key: int  # hash of the needs, computed once: verdicts are memoized per node state under it
+
+    @classmethod
+    def of(cls, needs: Sequence[Need]) -> Shape:
+        live = tuple(n for n in needs if n.memory or n.compute)
+        steady = [n for n in live if n.kind != KIND_INIT]
+        return cls(live, any(n.kind == KIND_INIT for n in live), sum(n.memory for n in steady),
+                   sum(n.compute for n in steady), hash(live))
+
+
+def verdict(shape: Shape, rooms: Sequence[Room], free: FreeSummary, policy: str) -> Placement | NoFit | None:
+    """Whether the pod fits, as `place` decides: None (fits, where it goes not worked out), a Placement, or
+    NoFit. Answered without placing when one GPU can hold all its steady containers together: then `place` always
+    succeeds (whatever it puts elsewhere only leaves that GPU more room for the rest). Filter asks this for
+    thousands of nodes per pod."""
+    if not shape.needs:
+        return None
+    if not shape.has_init and free.holds(shape.steady_memory, shape.steady_compute):
+        return None
+    return place(shape.needs, rooms, policy)
+
+
+def fits_fast(shape: Shape, rooms: Sequence[Room], free: FreeSummary, policy: str) -> bool:
+    return not isinstance(verdict(shape, rooms, free, policy), NoFit)
+
+
+def score_fast(shape: Shape, rooms: Sequence[Room], free: FreeSummary, policy: str) -> int:
+    """`score` with the pod's shape and the node's rooms digested (the same integers)."""
+    if not fits_fast(shape, rooms, free, policy):
+        return 0
+    return score_of(shape, free, policy)
+
+
+def score_of(shape: Shape, free: FreeSummary, policy: str) -> int:
+    """The score on a node the pod fits."""
+    return _score_of((shape.steady_memory, shape.steady_compute), free, policy)
+
+
+def _score_of(added: tuple[int, int], free: FreeSummary, policy: str) -> int:
+    b, d = free.memory_total, free.compute_total
+    a = min(free.memory_used + added[0], b)
+    c = min(free.compute_used + added[1], d)
+    if b > 0 and d > 0:  # floor(10 * (a/b + c/d) / 2 + 1/2): the mean of the two shares, rounded half up
+        packed = (MAX_SCORE * (a * d + c * b) + b * d) // (2 * b * d)
+    elif b > 0:
+        packed = (2 * MAX_SCORE * a + b) // (2 * b)
+    elif d > 0:
+        packed = (2 * MAX_SCORE * c + d) // (2 * d)
+    else:
+        packed = 0
+    packed = max(0, min(MAX_SCORE, packed))
+    return packed if policy == PACK else MAX_SCORE - packed
+
+
 def peak(needs: Sequence[Need]) -> tuple[int, int]:
     """Units the pod holds at its peak (memory, compute): per resource, the largest of its groups' sums. Where it
     goes does not change this, so neither does it change a node's utilization once the pod runs there."""
@@ -242,36 +351,8 @@ def peak(needs: Sequence[Need]) -> tuple[int, int]:
     return (max((m for m, _ in sums), default=0), max((c for _, c in sums), default=0))
 
 
-def check(needs: Sequence[Need], rooms: Sequence[Room], policy: str) -> Placement | NoFit | bool:
-    """Whether the pod fits: True for a lone container that fits (no need to choose its GPU), else `place`."""
-    live = [n for n in needs if n.memory or n.compute]
-    if len(live) == 1 and live[0].kind != KIND_INIT and rooms:
-        if any(r.fits(live[0].memory, live[0].compute) for r in rooms):
-            return True
-    return place(needs, rooms, policy)
-
-
 def score(needs: Sequence[Need], rooms: Sequence[Room], policy: str) -> int:
     """0..MAX_SCORE: PACK favours the node most used once the pod runs there (its sidecars and regular containers
-    added), SPREAD the least used; 0 where the pod does not fit. Utilization is the mean over memory and compute of min(1, used / offered), rounded half up,
-    in integers (exact, and cheap enough for thousands of nodes per request)."""
-    result = check(needs, rooms, policy)
-    if result is not True and not isinstance(result, Placement):
-        return 0
-    steady = [n for n in needs if n.kind != KIND_INIT]  # run-once init containers end before the pod runs
-    add_m, add_c = sum(n.memory for n in steady), sum(n.compute for n in steady)
-    shares = []
-    for offered, used in ((sum(r.memory_total for r in rooms), sum(r.memory_total - r.memory_free for r in rooms) + add_m),
-                          (sum(r.compute_total for r in rooms), sum(r.compute_total - r.compute_free for r in rooms) + add_c)):
-        if offered > 0:
-            shares.append((min(used, offered), offered))
-    if not shares:
-        packed = 0
-    elif len(shares) == 1:
-        (a, b), = shares
-        packed = (2 * MAX_SCORE * a + b) // (2 * b)
-    else:
-        (a, b), (c, d) = shares
-        packed = (MAX_SCORE * (a * d + c * b) + b * d) // (2 * b * d)
-    packed = max(0, min(MAX_SCORE, packed))
-    return packed if policy == PACK else MAX_SCORE - packed
+    added), SPREAD the least used; 0 where the pod does not fit. Utilization is the mean over memory and compute of
+    min(1, used / offered), rounded half up, in integers (exact, and cheap enough for thousands of nodes)."""
+    return score_fast(Shape.of(needs), rooms, FreeSummary.of(rooms), policy)

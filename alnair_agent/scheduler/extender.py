@@ -22,14 +22,15 @@ or a pod asking for no Alnair resources: every node scores 0 (no opinion). A nod
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any
+from typing import Any, NamedTuple
 
 from alnair_agent.kube.pods import PodError, parse_pod
 from alnair_agent.node import fit
-from alnair_agent.scheduler.view import ClusterView
+from alnair_agent.scheduler.view import ClusterView, utcnow
 
 PROFILE_COST_SAVING = "alnair-cost-saving"
 PROFILE_HIGH_PERFORMANCE = "alnair-high-performance"
@@ -106,8 +107,7 @@ class FilterResult:
                 "FailedAndUnresolvableNodes": self.unresolvable, "Error": self.error}
 
 
-@dataclass(frozen=True)
-class HostPriority:
+class HostPriority(NamedTuple):
     host: str
     score: int
 
@@ -124,7 +124,20 @@ class PrioritizeResult:
     pod: str = ""
 
     def to_json(self) -> list[dict[str, Any]]:
-        return [h.to_json() for h in self.hosts]
+        return [{"Host": host, "Score": value} for host, value in self.hosts]
+
+    def encode(self) -> bytes:
+        """`json.dumps(self.to_json())`, compact, without building thousands of dicts first."""
+        parts = [f'{{"Host":{_quoted(host)},"Score":{int(value)}}}' for host, value in self.hosts]
+        return ("[" + ",".join(parts) + "]").encode()
+
+
+_PLAIN_NAME = re.compile(r"[a-z0-9.-]*")
+
+
+def _quoted(name: str) -> str:
+    """A JSON string; node names (DNS subdomains) need no escaping, anything else gets json.dumps."""
+    return f'"{name}"' if _PLAIN_NAME.fullmatch(name) else json.dumps(name)
 
 
 def _node_names(args: Mapping[str, Any]) -> list[str]:
@@ -163,17 +176,19 @@ def filter_nodes(args: Any, view: ClusterView, now: datetime | None = None) -> F
         return FilterResult(node_names=names, pod=request.ref)
     result = FilterResult(node_names=[], pod=request.ref)
     assert result.node_names is not None
+    now_ts = (now or utcnow()).timestamp()
+    shape, policy, passed = fit.Shape.of(request.needs), request.policy, result.node_names
+    summary_at = view.summary_at
     for name in names:
-        summary = view.summary(name, now)
-        if summary.rooms is None:
+        summary = summary_at(name, now_ts)
+        if summary.rooms is None or summary.free is None:
             (result.unresolvable if not summary.resolvable else result.failed)[name] = summary.error
             continue
-        verdict = fit.check(request.needs, summary.rooms, request.policy)
-        if verdict is True or isinstance(verdict, fit.Placement):
-            result.node_names.append(name)
+        no_fit = summary.verdict(shape, policy)
+        if no_fit is None:
+            passed.append(name)
         else:
-            assert isinstance(verdict, fit.NoFit)
-            (result.failed if verdict.resolvable else result.unresolvable)[name] = verdict.reason
+            (result.failed if no_fit.resolvable else result.unresolvable)[name] = no_fit.reason
     return result
 
 
@@ -192,9 +207,7 @@ def prioritize_nodes(args: Any, view: ClusterView, now: datetime | None = None) 
         return PrioritizeResult([HostPriority(n, 0) for n in fallback], str(e))
     if request.scheduler_name not in PROFILES or not request.wants_gpu:
         return PrioritizeResult([HostPriority(n, NEUTRAL_SCORE) for n in names], "", request.ref)
-    hosts = []
-    for name in names:
-        summary = view.summary(name, now)
-        value = 0 if summary.rooms is None else fit.score(request.needs, summary.rooms, request.policy)
-        hosts.append(HostPriority(name, value))
+    now_ts = (now or utcnow()).timestamp()
+    shape, policy, summary_at = fit.Shape.of(request.needs), request.policy, view.summary_at
+    hosts = [HostPriority(name, summary_at(name, now_ts).score(shape, policy)) for name in names]
     return PrioritizeResult(hosts, "", request.ref)

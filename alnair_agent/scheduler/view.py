@@ -13,6 +13,7 @@ every change of the node, or of a pod on it, bumps.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
@@ -59,7 +60,40 @@ class Summary:
     resolvable: bool
     locked_by: str  # namespace/name of the pod holding the node's lock, "" if none
     lock_expires: datetime | None
-    valid_until: datetime | None = None  # a lock expires or the report goes stale then: summarize afresh
+    valid_until: float = float("inf")  # epoch seconds: a lock expires or the report goes stale then
+    free: fit.FreeSummary | None = None  # the rooms, digested for filter and prioritize
+    # Verdicts of the fit rule on this state, by Shape.key (whether a pod fits does not depend on its profile):
+    # kube-scheduler asks filter, then prioritize, then retries unschedulable pods, and a burst of replicas asks
+    # the same question of every unchanged node.
+    verdicts: dict[int, fit.NoFit | None] = field(default_factory=dict)
+    scores: dict[tuple[int, str], int] = field(default_factory=dict)
+
+    def score(self, shape: fit.Shape, policy: str) -> int:
+        """The pod's score on this node by `policy` (0 where it does not fit or the node takes no pods)."""
+        key = (shape.key, policy)
+        value = self.scores.get(key)
+        if value is None:
+            if self.free is None or self.rooms is None or self.verdict(shape, policy) is not None:
+                value = 0
+            else:
+                value = fit.score_of(shape, self.free, policy)
+            if len(self.scores) < 64:
+                self.scores[key] = value
+        return value
+
+    def verdict(self, shape: fit.Shape, policy: str) -> fit.NoFit | None:
+        """None when the pod fits here, else why not (the node must have rooms)."""
+        key = shape.key
+        try:
+            return self.verdicts[key]
+        except KeyError:
+            pass
+        assert self.rooms is not None and self.free is not None
+        result = fit.verdict(shape, self.rooms, self.free, policy)
+        out = result if isinstance(result, fit.NoFit) else None
+        if len(self.verdicts) < 64:
+            self.verdicts[key] = out
+        return out
 
 
 @dataclass
@@ -69,13 +103,11 @@ class ClusterView:
     reservations: dict[str, Reservation] = field(default_factory=dict)
     synced: bool = False
     _on_node: dict[str, set[str]] = field(default_factory=dict)  # node -> uids placed there (pods, reservations)
-    _version: dict[str, int] = field(default_factory=dict)
-    _cache: dict[str, tuple[int, Summary]] = field(default_factory=dict)
+    _cache: dict[str, Summary] = field(default_factory=dict)
     _changed: asyncio.Condition | None = None
 
     # -- feeding -----------------------------------------------------------------------------------------------
     def _bump(self, node: str) -> None:
-        self._version[node] = self._version.get(node, 0) + 1
         self._cache.pop(node, None)
 
     def _notify(self) -> None:
@@ -198,13 +230,15 @@ class ClusterView:
         return out
 
     def summary(self, node: str, now: datetime | None = None) -> Summary:
-        now = now or utcnow()
-        version = self._version.get(node, 0)
+        return self.summary_at(node, now.timestamp() if now is not None else time.time())
+
+    def summary_at(self, node: str, now_ts: float) -> Summary:
+        """`summary` with the time as epoch seconds (filter and prioritize ask for thousands of nodes at once)."""
         cached = self._cache.get(node)
-        if cached is not None and cached[0] == version and (cached[1].valid_until is None or now < cached[1].valid_until):
-            return cached[1]
-        summary = self._summarize(node, now)
-        self._cache[node] = (version, summary)
+        if cached is not None and now_ts < cached.valid_until:
+            return cached
+        summary = self._summarize(node, datetime.fromtimestamp(now_ts, timezone.utc))
+        self._cache[node] = summary
         return summary
 
     def _summarize(self, node: str, now: datetime) -> Summary:
@@ -214,7 +248,7 @@ class ClusterView:
         report = state.report
         if report is None:
             return Summary(None, state.error, False, "", None)
-        if report.stale(now):
+        if report.heartbeat is not None and report.stale(now):
             age = int((now - report.heartbeat).total_seconds()) if report.heartbeat else 0
             return Summary(None, f"the node's Alnair agent has not reported for {age} s (more than {STALE_AFTER_S:.0f} "
                            "s): it takes no new pods until its agent is back", True, "", None)
@@ -237,11 +271,17 @@ class ClusterView:
                 room = rooms.get(gpu)
                 if room is not None:
                     rooms[gpu] = room.less(m, c)
-        valid = expires
+        valid = expires.timestamp() if expires is not None else float("inf")
         if report.heartbeat is not None:
-            stale_at = report.heartbeat + timedelta(seconds=STALE_AFTER_S)
-            valid = stale_at if valid is None or stale_at < valid else valid
-        return Summary(tuple(sorted(rooms.values(), key=lambda r: r.index)), "", True, locked_by, expires, valid)
+            valid = min(valid, (report.heartbeat + timedelta(seconds=STALE_AFTER_S)).timestamp())
+        ordered = tuple(sorted(rooms.values(), key=lambda r: r.index))
+        return Summary(ordered, "", True, locked_by, expires, valid, fit.FreeSummary.of(ordered))
+
+    def warm(self) -> None:
+        """Summarize every node now (after the first LIST), so the first requests find them cached."""
+        now = utcnow()
+        for node in self.nodes:
+            self.summary(node, now)
 
     def locked(self, node: str, now: datetime | None = None) -> str:
         return self.summary(node, now).locked_by

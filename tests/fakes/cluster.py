@@ -301,6 +301,7 @@ class Cluster:
         for w in watches:
             assert w.synced is not None
             await asyncio.wait_for(w.synced.wait(), 10)
+        self.view.warm()
         self.view.synced = True
         self._extender_server = TestServer(build_app(self.view, Binder(self.view, self._extender_client)),
                                            host="127.0.0.1")
