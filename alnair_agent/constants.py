@@ -55,6 +55,8 @@ FIGURE_LAUNCHES = "kernelLaunches"
 FIGURE_GPU_TIME = "gpuTimeNs"
 FIGURE_TOKEN_WAIT = "tokenWaitNs"
 FIGURE_STATE = "state"  # "running" | "ended"
+# The profiler's figures of every Alnair container of a pod: one JSON object keyed by container name.
+USAGE_ANNOTATION = ANNOTATION_PREFIX + "usage"
 
 # NVML Xid errors caused by the application, not the GPU: they do not make a device unhealthy.
 APPLICATION_XIDS = frozenset({13, 31, 43, 45, 68, 109})

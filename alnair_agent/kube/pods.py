@@ -18,7 +18,7 @@ from typing import Any
 
 import structlog
 
-from alnair_agent.constants import RESOURCE_COMPUTE, RESOURCE_MEMORY, RESOURCES
+from alnair_agent.constants import RESOURCE_COMPUTE, RESOURCE_MEMORY, RESOURCES, USAGE_ANNOTATION
 
 log = structlog.get_logger(__name__)
 
@@ -94,6 +94,10 @@ class PodInfo:
     deleting: bool  # metadata.deletionTimestamp is set
     resource_version: str = ""
     invalid: tuple[InvalidQuantity, ...] = ()
+    # (container name, container ID without its "containerd://" style prefix) of every container, init ones too,
+    # from status: the profiler maps a process's cgroup to its container by these.
+    container_ids: tuple[tuple[str, str], ...] = ()
+    usage: str = ""  # the pod's ai.centaurus.io/usage annotation as found (the profiler merges into it)
 
     @property
     def finished(self) -> bool:
@@ -231,6 +235,17 @@ def _ended_containers(spec: Mapping[str, Any], status: Mapping[str, Any], deleti
     return frozenset(ended)
 
 
+def _container_ids(status: Mapping[str, Any]) -> tuple[tuple[str, str], ...]:
+    out = []
+    for key in ("initContainerStatuses", "containerStatuses", "ephemeralContainerStatuses"):
+        for st in _list(status.get(key)):
+            st = _dict(st)
+            cname, cid = st.get("name"), st.get("containerID")
+            if isinstance(cname, str) and isinstance(cid, str) and cid:
+                out.append((cname, cid.split("://", 1)[-1]))
+    return tuple(out)
+
+
 def parse_pod(obj: Mapping[str, Any]) -> PodInfo:
     """Build a PodInfo from a pod's JSON dict; PodError when uid, namespace or name is missing."""
     meta, spec, status = _dict(obj.get("metadata")), _dict(obj.get("spec")), _dict(obj.get("status"))
@@ -258,4 +273,6 @@ def parse_pod(obj: Mapping[str, Any]) -> PodInfo:
         deleting=deleting,
         resource_version=rv if isinstance(rv, str) else "",
         invalid=tuple(invalid),
+        container_ids=_container_ids(status),
+        usage=usage if isinstance(usage := _dict(meta.get("annotations")).get(USAGE_ANNOTATION), str) else "",
     )
