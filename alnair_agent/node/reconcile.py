@@ -54,24 +54,6 @@ class AnnotationSink(Protocol):
     def forget_pod(self, namespace: str, name: str) -> None: ...
 
 
-def figures(alloc: Allocation, region: Region | None, state: str) -> dict[str, object]:
-    """The container's figures for its pod annotation (from the region, checked: it is container-written)."""
-    out: dict[str, object] = {
-        C.FIGURE_GPU_UUID: alloc.gpu_uuid,
-        C.FIGURE_ALLOCATION_ID: alloc.id,
-        C.FIGURE_MEMORY_LIMIT: alloc.memory_limit,
-        C.FIGURE_COMPUTE_LIMIT: alloc.compute_limit,
-        C.FIGURE_STATE: state,
-    }
-    if region is not None:
-        slots = region.slots()
-        out[C.FIGURE_MEMORY_USED] = region.memory_in_use(slots)
-        out[C.FIGURE_LAUNCHES] = sum(s.launches for s in slots)
-        out[C.FIGURE_GPU_TIME] = sum(s.tokens_taken for s in slots)
-        out[C.FIGURE_TOKEN_WAIT] = sum(s.wait_ns for s in slots)
-    return out
-
-
 def node_gpu_devices(allocator: Allocator) -> dict[str, object]:
     """The node annotation the scheduler extender reads: each GPU's units, free units and health."""
     inventory = allocator.inventory
@@ -89,8 +71,14 @@ def node_gpu_devices(allocator: Allocator) -> dict[str, object]:
     return {"memoryUnitMiB": inventory.memory_unit_bytes >> 20, "gpus": gpus}
 
 
-def annotation_key(container: str) -> str:
-    return C.POD_CONTAINER_ANNOTATION_PREFIX + container
+class UsageSink(Protocol):
+    """What the reconciler needs of the profiler (alnair_agent.profiler.service.Profiler)."""
+
+    def seen(self, alloc: Allocation) -> None: ...
+
+    async def final(self, alloc: Allocation, timeout: float = 10.0) -> bool: ...
+
+    def forget(self, alloc: Allocation) -> None: ...
 
 
 class Reconciler:
@@ -103,6 +91,7 @@ class Reconciler:
         annotations: AnnotationSink | None,
         interval_s: float,
         unseen_grace_s: float = UNSEEN_GRACE_S,
+        usage: UsageSink | None = None,
     ) -> None:
         self.allocator = allocator
         self.workspace = workspace
@@ -111,18 +100,9 @@ class Reconciler:
         self.annotations = annotations
         self.interval_s = interval_s
         self.unseen_grace_s = unseen_grace_s
+        self.usage = usage
         self._regions: dict[str, Region] = {}
         self.kick = asyncio.Event()
-
-    def _figures(self, alloc: Allocation, state: str) -> dict[str, object]:
-        region = self._region(alloc.id)
-        try:
-            return figures(alloc, region, state)
-        except RegionError as e:
-            # The container truncated or replaced its region: drop our handle, report what we know.
-            log.warning("region_unreadable", allocation=alloc.id, error=str(e))
-            self._forget_region(alloc.id)
-            return figures(alloc, None, state)
 
     def _forget_region(self, alloc_id: str) -> None:
         region = self._regions.pop(alloc_id, None)
@@ -166,9 +146,8 @@ class Reconciler:
         for alloc in list(self.allocator.allocations.values()):
             if self._ended(alloc, by_id if held is not None else None, now):
                 await self._retire(alloc)
-            elif self.annotations is not None and alloc.identified:
-                self.annotations.set_pod(alloc.namespace, alloc.pod_name, {
-                    annotation_key(alloc.container): json.dumps(self._figures(alloc, "running"), sort_keys=True)})
+            elif self.usage is not None and alloc.identified:
+                self.usage.seen(alloc)
         if self.annotations is not None:
             self.annotations.set_node({C.NODE_GPU_DEVICES: json.dumps(node_gpu_devices(self.allocator), sort_keys=True)})
 
@@ -192,12 +171,11 @@ class Reconciler:
         return not in_use and now - alloc.created_at > self.unseen_grace_s
 
     async def _retire(self, alloc: Allocation) -> None:
-        if self.annotations is not None and alloc.identified:
-            self.annotations.set_pod(alloc.namespace, alloc.pod_name, {
-                annotation_key(alloc.container): json.dumps(self._figures(alloc, "ended"), sort_keys=True)})
-            if not await self.annotations.flush(timeout=10.0):
+        if self.usage is not None and alloc.identified:
+            if not await self.usage.final(alloc, timeout=10.0):
                 log.warning("allocation_final_figures_pending", allocation=alloc.id)
                 return  # keep the workspace until the figures are written; retried next round
+            self.usage.forget(alloc)
         self._forget_region(alloc.id)
         self.workspace.remove(alloc.id)
         self.allocator.remove(alloc.id)

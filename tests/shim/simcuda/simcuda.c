@@ -22,6 +22,7 @@
 #include <time.h>
 
 #include "cuda_abi.h"
+#include "simtimeline.h"
 
 #define API __attribute__((visibility("default")))
 
@@ -340,7 +341,7 @@ static CUresult run(CUstream hs, int pt, uint64_t dur)
             sleep_until(oldest);
             continue;
         }
-        uint64_t start = s->busy_until > now ? s->busy_until : now;
+        uint64_t start = simtl_book(s->busy_until > now ? s->busy_until : now, dur, mem_used, SIMTL_KERNEL);
         s->busy_until = start + dur;
         s->ends[s->qpos] = s->busy_until;
         s->qpos = (s->qpos + 1) % QDEPTH;
