@@ -11,6 +11,8 @@ agent's CPU comes from /proc/<pid>/stat (utime + stime) over the window, its RSS
 sampled every second.
 
     python bench/agent_overhead.py [--containers 32] [--seconds 60] [--out bench/out/agent_overhead.json]
+                                   [--agent-tree PATH]   (another checkout's agent, e.g. before the profiler,
+                                                          given only the variables it knows: for comparison)
 """
 
 from __future__ import annotations
@@ -70,7 +72,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-async def run(containers: int, seconds: float) -> dict:
+async def run(containers: int, seconds: float, agent_tree: Path | None = None) -> dict:
     root = short_tmp()
     procs: list[asyncio.subprocess.Process] = []
     agent = None
@@ -95,10 +97,13 @@ async def run(containers: int, seconds: float) -> dict:
                 "ALNAIR_SIM_TIMELINE_DIR": str(timelines), "ALNAIR_METRICS_PORT": str(port),
                 "ALNAIR_LOG_LEVEL": "warning",
             })
+            if agent_tree is not None:
+                env["PYTHONPATH"] = str(agent_tree)
+                env.pop("ALNAIR_SIM_TIMELINE_DIR")
             async with KubeletEmulator(root / "dp", root / "pr/k.sock") as kubelet:
                 log = open(root / "agent.log", "wb")
                 agent = subprocess.Popen([sys.executable, "-m", "alnair_agent.main"], env=env, stdout=log,
-                                         stderr=subprocess.STDOUT, cwd=ROOT)
+                                         stderr=subprocess.STDOUT, cwd=agent_tree or ROOT)
                 await kubelet.wait_for(lambda k: len(k.plugins) == 2 and all(v.devices for v in k.plugins.values()),
                                        60)
                 for n in range(containers):
@@ -109,10 +114,10 @@ async def run(containers: int, seconds: float) -> dict:
                     a = answers[RESOURCE_MEMORY]
                     run_dir = next(m.host_path for m in a.mounts if m.container_path == "/run/alnair")
                     penv = {k: v for k, v in os.environ.items() if not k.startswith(("ALNAIR_", "LD_"))}
+                    penv.update(dict(a.envs))  # then the host's view of the container's paths:
                     penv.update({"LD_LIBRARY_PATH": str(sim), "LD_PRELOAD": str(shim),
                                  "ALNAIR_REGION": f"{run_dir}/region", "ALNAIR_CONTEXT_BYTES": "0",
-                                 "SIMCUDA_TIMELINE_DIR": str(timelines), **dict(a.envs)})
-                    penv["LD_PRELOAD"] = str(shim)
+                                 "SIMCUDA_TIMELINE_DIR": str(timelines)})
                     cycles = int((seconds + 15) / 0.5)
                     ops = ["init", "ctx", "alloc:1048576"] + ["burst:1:10000000", "sleep:490"] * cycles
                     procs.append(await asyncio.create_subprocess_exec(
@@ -148,6 +153,7 @@ async def run(containers: int, seconds: float) -> dict:
     wall = t1 - t0
     return {
         "containers": containers,
+        "agent_tree": str(agent_tree or ROOT),
         "seconds": round(wall, 1),
         "intervals": {"profile_s": 1.0, "annotate_s": 30.0, "resync_s": 5.0, "health_s": 1.0},
         "agent_cpu_percent_of_one_core": round(100 * (cpu1 - cpu0) / wall, 2),
@@ -168,10 +174,11 @@ def main() -> int:
     parser.add_argument("--containers", type=int, default=32)
     parser.add_argument("--seconds", type=float, default=60.0)
     parser.add_argument("--out", default="bench/out/agent_overhead.json")
+    parser.add_argument("--agent-tree", type=Path, default=None)
     args = parser.parse_args()
     logs.configure("json", "error")
-    r = asyncio.run(run(args.containers, args.seconds))
-    print(f"Agent overhead, {r['containers']} simulated containers, default intervals, {r['seconds']} s "
+    r = asyncio.run(run(args.containers, args.seconds, args.agent_tree))
+    print(f"Agent overhead ({r['agent_tree']}), {r['containers']} simulated containers, default intervals, {r['seconds']} s "
           f"({r['machine']['cpus']} CPUs, {r['machine']['cpu']}, Python {r['machine']['python']})")
     print(f"{'figure':34} {'value':>10} {'goal':>10}")
     print(f"{'agent CPU, % of one core':34} {r['agent_cpu_percent_of_one_core']:>10.2f} {'<= 3':>10}")

@@ -186,3 +186,24 @@ def test_readme_usage_table_is_generated_from_the_schema():
     readme = (ROOT / "README.md").read_text()
     start, end = readme.index("<!-- usage-table -->\n"), readme.index("<!-- /usage-table -->")
     assert readme[start + len("<!-- usage-table -->\n"):end] == markdown_table()
+
+
+async def test_figures_continue_across_an_agent_restart(root, api, build, timelines):
+    settings = node_settings(root, sim_timeline_dir=timelines, profile_interval_s=0.1, annotate_interval_s=0.2)
+    api.add_pod(make_pod("long", node=NODE, restart_policy="Never", containers=[{"name": "main", "memory": 1}]))
+    async with KubeletEmulator(settings.device_plugin_dir, settings.pod_resources_socket) as kubelet:
+        async with api.api_client() as client, running_agent(settings, kubernetes_for(client)):
+            await registered(kubelet)
+            answers = await kubelet.admit("default", "long", "main", {RESOURCE_MEMORY: 1})
+            env = container_env(build, answers, timelines)
+            await run_app(build, duty(30, 20, 20), env)
+            await wait_until(lambda: usage(api, "long")["main"]["observed_seconds"] > 0.8, 5)
+        before = usage(api, "long")["main"]
+        async with api.api_client() as client, running_agent(settings, kubernetes_for(client)):
+            await run_app(build, duty(30, 20, 20), env)
+            await wait_until(lambda: usage(api, "long")["main"]["observed_seconds"] > before["observed_seconds"] + 0.8,
+                             5)
+            after = usage(api, "long")["main"]
+    assert after["allocation"] == before["allocation"] and after["first_seen"] == before["first_seen"]
+    assert after["gpu_seconds"] > before["gpu_seconds"]  # resumed from what the pod said, not from zero
+    assert abs(after["gpu_util_mean"] - 60) <= 5

@@ -75,7 +75,10 @@ class Profiler:
     def seen(self, alloc: "Allocation") -> None:
         """A live, identified container: make sure it has an entry; write its pod's annotation when due."""
         self._entry(alloc)
-        self._publish_due(time.monotonic())
+        if self.annotations is not None and alloc.container and self._synced():
+            key, now = (alloc.namespace, alloc.pod_name), time.monotonic()
+            if now - self._published.get(key, -1e18) >= self.annotate_interval_s:
+                self._publish(key, now)
 
     async def final(self, alloc: "Allocation", timeout: float = 10.0) -> bool:
         """The container has ended: write its last figures now (no rate limit); True once written."""
@@ -141,11 +144,16 @@ class Profiler:
         if u is None:
             u = self.usage[alloc.id] = ContainerUsage(alloc.gpu_uuid, alloc.id, alloc.created_at,
                                                       alloc.memory_limit, alloc.compute_limit)
+        if not u.resumed and self._synced() and alloc.identified:
+            # After an agent restart: carry on from what the pod says of this allocation (once, before this run's
+            # first write; the pod watch must have listed the pods for that).
             pod = self._pod(alloc)
-            if pod is not None and alloc.container:
-                u.resume(parse_usage(pod.usage).get(alloc.container))  # after an agent restart
+            u.resume(parse_usage(pod.usage).get(alloc.container) if pod is not None and alloc.container else None)
         u.memory_limit_bytes, u.compute_limit_percent = alloc.memory_limit, alloc.compute_limit
         return u
+
+    def _synced(self) -> bool:
+        return self.pods is None or self.pods.synced
 
     def _pod(self, alloc: "Allocation"):  # type: ignore[no-untyped-def]
         if self.pods is None or not alloc.identified:
@@ -219,8 +227,8 @@ class Profiler:
         return out
 
     def _publish_due(self, now: float) -> None:
-        if self.annotations is None:
-            return
+        if self.annotations is None or not self._synced():
+            return  # never write before the pods' current annotations are known: they are merged
         for key in self._pod_keys():
             if now - self._published.get(key, -1e18) >= self.annotate_interval_s:
                 self._publish(key, now)

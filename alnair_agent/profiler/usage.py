@@ -84,6 +84,7 @@ class ContainerUsage:
     gpu_util_now: float = 0.0
     memcpy_util_now: float = 0.0
     memory_now_bytes: int = 0
+    resumed: bool = False  # figures of an earlier agent run looked for (see resume)
 
     def add(self, now: float, dt: float, gpu_util: float, memcpy_util: float, memory_bytes: int) -> None:
         """A sample window of `dt` seconds in which the container had processes on the GPU."""
@@ -139,23 +140,27 @@ class ContainerUsage:
         return out
 
     def resume(self, entry: Any) -> None:
-        """Continue from the figures an earlier agent run wrote for the same allocation (after a restart)."""
+        """Add the figures an earlier agent run wrote for the same allocation (after a restart); once."""
+        self.resumed = True
         if not isinstance(entry, dict) or entry.get("allocation") != self.allocation:
             return
 
-        def num(name: str) -> float:
+        def num(name: str, top: float = 1e12) -> float:
             v = entry.get(name)
-            return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0 else 0.0
+            ok = isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v <= top
+            return float(v) if ok else 0.0
 
-        self.observed_s = num("observed_seconds")
-        self.gpu_util_integral = num("gpu_util_mean") * self.observed_s
-        self.memcpy_util_integral = num("memcpy_util_mean") * self.observed_s
-        self.gpu_util_max = min(num("gpu_util_max"), 100.0)
-        self.memcpy_util_max = min(num("memcpy_util_max"), 100.0)
-        self.memory_max_bytes = int(num("memory_max_bytes"))
-        self.throttled_s = num("throttled_seconds")
+        observed = num("observed_seconds")
+        self.observed_s += observed
+        self.gpu_util_integral += num("gpu_util_mean", 100) * observed
+        self.memcpy_util_integral += num("memcpy_util_mean", 100) * observed
+        self.gpu_util_max = max(self.gpu_util_max, num("gpu_util_max", 100))
+        self.memcpy_util_max = max(self.memcpy_util_max, num("memcpy_util_max", 100))
+        self.memory_max_bytes = max(self.memory_max_bytes, int(num("memory_max_bytes")))
+        self.throttled_s += num("throttled_seconds")
         self.first_seen = _parse_time(entry.get("first_seen")) or self.first_seen
-        self.last_seen = _parse_time(entry.get("last_seen"))
+        if self.last_seen is None:
+            self.last_seen = _parse_time(entry.get("last_seen"))
 
 
 def parse_usage(text: str) -> dict[str, Any]:
