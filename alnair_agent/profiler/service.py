@@ -95,7 +95,7 @@ class Profiler:
     def forget(self, alloc: "Allocation") -> None:
         """The allocation is retired (its last figures are written)."""
         u = self.usage.pop(alloc.id, None)
-        if u is not None and alloc.identified:
+        if u is not None and alloc.identified and self.annotations is not None and self.pods is not None:
             self._ended.setdefault((alloc.namespace, alloc.pod_name), {})[alloc.container] = u.entry()
         # its region handle is closed by the next tick's snapshot (a worker thread may be reading it now)
 
@@ -104,7 +104,10 @@ class Profiler:
         try:
             while True:
                 started = time.monotonic()
-                await self.tick()
+                try:
+                    await self.tick()
+                except Exception:  # noqa: BLE001 - a profiler fault must not stop the device plugin
+                    log.exception("profiler_tick_failed")
                 await asyncio.sleep(max(0.0, self.interval_s - (time.monotonic() - started)))
         finally:
             self.close()
