@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 from agent_harness import NODE, kubernetes_for, node_settings, registered, running_agent
 from fakes.apiserver import FakeApiServer, make_pod
 from fakes.util import wait_until
@@ -26,6 +28,7 @@ from alnair_agent.constants import (
     USAGE_ANNOTATION,
 )
 from alnair_agent.kubelet.emulator import KubeletEmulator
+from alnair_agent.metrics import AgentCollector
 from alnair_agent.profiler.usage import FIELD_NAMES, markdown_table
 
 pytestmark = pytest.mark.timeout(60)
@@ -135,6 +138,15 @@ async def test_known_duty_cycles_come_back_on_the_pod_and_stay_after_it_complete
         assert abs(capped["gpu_util_mean"] - truth_c) <= 3
         assert capped["throttled_seconds"] > 0.5 and capped["compute_limit_percent"] == 30
         await wait_until(lambda: usage(api, "duty")["a"]["observed_seconds"] > 2.0, 5)
+        registry = CollectorRegistry()
+        registry.register(AgentCollector(running.agent))
+        families = {f.name: f for f in text_string_to_metric_families(generate_latest(registry).decode())}
+        gpu_s = {s.labels["container"]: s.value for s in families["alnair_container_gpu_seconds"].samples
+                 if s.name.endswith("_total")}
+        profiler = running.agent.profiler
+        by_name = {running.agent.allocator.allocations[i].container: u.gpu_seconds for i, u in profiler.usage.items()}
+        assert gpu_s["a"] == pytest.approx(by_name["a"]) and gpu_s["a"] > 0.8
+        assert {s.labels["gpu"] for s in families["alnair_gpu_utilization_ratio"].samples} == {"0", "1"}
         api.set_container_terminated("default", "duty", "a")
         api.set_container_terminated("default", "duty", LONG)
         api.set_container_terminated("default", "capped", "main")
