@@ -69,6 +69,7 @@ class Profiler:
         self.unattributed: dict[str, int] = {}
         self._regions: dict[str, Region] = {}
         self._ended: dict[PodKey, dict[str, dict[str, object]]] = {}  # entries of ended containers, per pod
+        self._ended_uid: dict[PodKey, str] = {}  # the UID of the pod those entries belong to ("" if unknown)
         self._published: dict[PodKey, float] = {}  # monotonic time of the pod's last write
 
     # -- what the reconciler calls -----------------------------------------------------------------------------
@@ -88,7 +89,7 @@ class Profiler:
         if self.annotations is None or not alloc.identified:
             return True
         key = (alloc.namespace, alloc.pod_name)
-        self._ended.setdefault(key, {})[alloc.container] = u.entry()
+        self._keep_ended(alloc, u)
         self._publish(key, time.monotonic())
         return await self.annotations.flush(timeout=timeout)
 
@@ -96,8 +97,14 @@ class Profiler:
         """The allocation is retired (its last figures are written)."""
         u = self.usage.pop(alloc.id, None)
         if u is not None and alloc.identified and self.annotations is not None and self.pods is not None:
-            self._ended.setdefault((alloc.namespace, alloc.pod_name), {})[alloc.container] = u.entry()
+            self._keep_ended(alloc, u)
         # its region handle is closed by the next tick's snapshot (a worker thread may be reading it now)
+
+    def _keep_ended(self, alloc: "Allocation", u: ContainerUsage) -> None:
+        key = (alloc.namespace, alloc.pod_name)
+        self._ended.setdefault(key, {})[alloc.container] = u.entry()
+        pod = self._pod(alloc)
+        self._ended_uid[key] = alloc.pod_uid or (pod.uid if pod is not None else "")
 
     # -- the service -------------------------------------------------------------------------------------------
     async def run(self) -> None:
@@ -218,9 +225,12 @@ class Profiler:
     def _drop_gone_pods(self) -> None:
         if self.pods is None or not self.pods.synced:
             return
-        for key in [k for k in self._ended if self.pods.find(*k) is None]:
-            del self._ended[key]
-            self._published.pop(key, None)
+        for key in list(self._ended):
+            pod, uid = self.pods.find(*key), self._ended_uid.get(key, "")
+            if pod is None or (uid and pod.uid != uid):  # gone, or a new pod of the same name (StatefulSet)
+                del self._ended[key]
+                self._ended_uid.pop(key, None)
+                self._published.pop(key, None)
 
     def _pod_keys(self) -> dict[PodKey, list["Allocation"]]:
         out: dict[PodKey, list[Allocation]] = {}
@@ -243,7 +253,9 @@ class Profiler:
         pod = self.pods.find(*key) if self.pods is not None else None
         if pod is not None:
             entries.update(parse_usage(pod.usage))
-        entries.update(self._ended.get(key, {}))
+        uid = self._ended_uid.get(key, "")
+        if pod is None or not uid or pod.uid == uid:
+            entries.update(self._ended.get(key, {}))
         for alloc in self._pod_keys().get(key, []):
             u = self.usage.get(alloc.id) or self._entry(alloc)
             entries[alloc.container] = u.entry()
