@@ -115,6 +115,9 @@ def test_cgroup_route_maps_to_the_allocation_and_never_trusts_slots_over_it(tmp_
     assert mapper.place(100, containers, slots).alloc_id == "alloc-a"
     assert mapper.place(100, containers, slots).route == "cgroup"
     assert mapper.place(101, containers, slots) is None  # in a pod, of no Alnair container: unattributed
+    # a container of the pod that the pod's status does not name yet (just started): its own pod's slots place it
+    assert mapper.place(101, containers, [SlotPid("alloc-c", 1, 6, pod_uid=UID)]).route == "region"
+    assert mapper.place(101, containers, [SlotPid("alloc-c", 1, 6, pod_uid="another-pod")]) is None
 
 
 def test_region_route_for_processes_of_the_host_namespaces(tmp_path: Path) -> None:

@@ -8,8 +8,9 @@ Two routes, as the issue asks:
   region. A host PID matches a slot when the last entry of `NSpid:` in `/proc/<pid>/status` equals the slot's PID
   and the start time (field 22 of `/proc/<pid>/stat`, the same in every namespace) equals the slot's. This is
   the route where processes share the host's namespaces (a bare GPU host). Slots are written by containers and
-  untrusted, so this route is used only for processes the cgroups place in no Kubernetes pod: a container can
-  never claim a process of another pod.
+  untrusted, so this route is used only for processes the cgroups place in no Kubernetes pod, or in a pod whose
+  status does not name the container yet (then only that pod's slots count): a container can never claim a
+  process of another pod.
 A process neither route places is unattributed; nothing is guessed.
 """
 
@@ -112,6 +113,7 @@ class SlotPid:
     alloc_id: str
     pid: int  # in the container's PID namespace
     start_time: int
+    pod_uid: str = ""  # of the allocation's pod, when known
 
 
 @dataclass(frozen=True)
@@ -133,7 +135,11 @@ class PidMapper:
         where = self.proc.cgroup(pid)
         if where is not None:
             alloc_id = containers.get((where.pod_uid, where.container_id))
-            return Place(alloc_id, "cgroup") if alloc_id is not None else None
+            if alloc_id is not None:
+                return Place(alloc_id, "cgroup")
+            # A container of the pod whose ID the pod's status does not show yet (it has just started): only
+            # slots of that same pod's allocations may place it, so no container can claim another pod's process.
+            slots = [s for s in slots if s.pod_uid and s.pod_uid == where.pod_uid]
         if not slots:
             return None
         ns = self.proc.nspid(pid)

@@ -41,6 +41,7 @@ class _Snapshot:
 
     alloc_ids: tuple[str, ...]
     containers: dict[tuple[str, str], str]  # (pod UID, container ID) -> allocation id
+    pod_uids: dict[str, str]  # allocation id -> its pod's UID, where known
 
 
 @dataclass
@@ -172,16 +173,20 @@ class Profiler:
 
     def _snapshot(self) -> _Snapshot:
         containers: dict[tuple[str, str], str] = {}
+        pod_uids: dict[str, str] = {}
         for alloc in self.allocator.allocations.values():
             pod = self._pod(alloc)
             if pod is None:
+                if alloc.pod_uid:
+                    pod_uids[alloc.id] = alloc.pod_uid
                 continue
+            pod_uids[alloc.id] = pod.uid
             for name, cid in pod.container_ids:
                 if name == alloc.container:
                     containers[(pod.uid, cid)] = alloc.id
         for alloc_id in [i for i in self._regions if i not in self.allocator.allocations]:
             self._regions.pop(alloc_id).close()
-        return _Snapshot(tuple(self.allocator.allocations), containers)
+        return _Snapshot(tuple(self.allocator.allocations), containers, pod_uids)
 
     def _region(self, alloc_id: str) -> Region | None:
         region = self._regions.get(alloc_id)
@@ -208,7 +213,7 @@ class Profiler:
             except RegionError:
                 continue
             for s in readings:
-                slots.append(SlotPid(alloc_id, s.pid, s.start_time))
+                slots.append(SlotPid(alloc_id, s.pid, s.start_time, snap.pod_uids.get(alloc_id, "")))
             waits[alloc_id] = [((s.index, s.pid, s.start_time), s.wait_ns) for s in readings]
         places: dict[int, str] = {}
         unattributed: dict[str, int] = {g.uuid: 0 for g in samples.gpus}

@@ -49,7 +49,7 @@ from alnair_agent.kube.wiring import pod_resources_lister  # noqa: E402
 from alnair_agent.kubelet.emulator import KubeletEmulator  # noqa: E402
 
 SHIM = Path(os.environ.get("ALNAIR_SHIM") or Path(__file__).resolve().parents[2] / "alnair_agent/lib/libalnair.so")
-WORK_S = 20.0
+WORK_S = 30.0
 
 CALIBRATE = """
 import json, torch
@@ -130,7 +130,8 @@ def usage(api: FakeApiServer, pod: str) -> dict:
 async def scenario(root: Path) -> dict:
     settings = Settings(node_name=NODE, device_plugin_dir=root / "dp", pod_resources_socket=root / "pr" / "k.sock",
                         workspace=root / "ws", shim_dir=SHIM.parent, gpu_backend="nvml", metrics_port=0,
-                        resync_interval_s=0.5, annotate_interval_s=5.0)  # profile every 1 s (the default)
+                        resync_interval_s=0.5, annotate_interval_s=5.0,
+                        profile_interval_s=0.5)  # finer than the default 1 s: a tenant's first and last tick weigh less
     tenants = {"mm30": {RESOURCE_MEMORY: 8, RESOURCE_COMPUTE: 30}, "mm60": {RESOURCE_MEMORY: 8, RESOURCE_COMPUTE: 60},
                "copy": {RESOURCE_MEMORY: 8}}
     async with FakeApiServer() as api:
