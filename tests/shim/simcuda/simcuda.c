@@ -10,6 +10,8 @@
  * - cuGetProcAddress(_v2) maps (symbol, cudaVersion, per-thread flag) to variants like the real driver does,
  *   from its own table (never through dlsym).
  * - SIMCUDA_STATS=path: at exit, "name count" lines: calls per entry point, busy_ns, peak memory.
+ * - SIMCUDA_TIMELINE_DIR=dir: kernels of all processes on one GPU (NVIDIA_VISIBLE_DEVICES) take turns on a shared
+ *   timeline file there, which the agent's simulated backend reads (simtimeline.h).
  */
 #define _GNU_SOURCE
 #include <errno.h>
