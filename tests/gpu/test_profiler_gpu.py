@@ -158,12 +158,29 @@ async def scenario(root: Path) -> dict:
                 index = envs["mm30"]["CUDA_VISIBLE_DEVICES"]
                 plain = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
                 calib = await run_py(CALIBRATE, {**plain, "CUDA_VISIBLE_DEVICES": index})
+                trace: list[dict] = []  # what the profiler saw each tick, for the record (and for a failure)
+
+                async def record() -> None:
+                    while True:
+                        last = agent.profiler.last
+                        trace.append({"t": round(time.time() - t0, 2),
+                                      "gpus": [[g.gpu_util, g.memcpy_util, g.memory_used_bytes, g.power_watts,
+                                                g.sm_clock_mhz, g.pcie_rx_bytes_per_s, g.pcie_tx_bytes_per_s]
+                                               for g in last.gpus],
+                                      "processes": [[p.pid, p.sm_util, p.mem_util, p.used_memory_bytes]
+                                                    for p in last.processes],
+                                      "unattributed": dict(agent.profiler.unattributed)})
+                        await asyncio.sleep(settings.profile_interval_s)
+
                 t0 = time.time()
+                recorder = asyncio.create_task(record())
                 mm30, mm60, copy = await asyncio.gather(
                     run_py(MATMUL, envs["mm30"], str(WORK_S)), run_py(MATMUL, envs["mm60"], str(WORK_S)),
                     run_py(COPY, envs["copy"], str(WORK_S)))
                 work_s = time.time() - t0
                 await asyncio.sleep(2.0)  # one more profiler tick and NVML sample after the ends
+                recorder.cancel()
+                await asyncio.gather(recorder, return_exceptions=True)
                 running = {name: usage(api, name).get("main") for name in tenants}
                 for name in tenants:
                     api.set_container_terminated("default", name, "main")
@@ -181,7 +198,7 @@ async def scenario(root: Path) -> dict:
     did = {name: 100.0 * r["matmuls"] * calib["matmul_s"] / r["life_s"] for name, r in (("mm30", mm30),
                                                                                           ("mm60", mm60))}
     return {"calibration": calib, "tenants": {"mm30": mm30, "mm60": mm60, "copy": copy}, "did_percent": did,
-            "work_s": work_s, "running": running, "ended": ended, "allocations_left": left,
+            "work_s": work_s, "running": running, "ended": ended, "allocations_left": left, "trace": trace,
             "gpu": [(g.name, g.uuid) for g in agent.gpus]}
 
 
@@ -191,7 +208,7 @@ def test_each_container_figures_match_what_it_did_and_stay_after_the_pods_end(nv
         result = asyncio.run(scenario(root))
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    print("PROFILER", json.dumps(result))
+    print("PROFILER", json.dumps({k: v for k, v in result.items() if k != "trace"}))
     out = os.environ.get("ALNAIR_GPU_RESULTS")
     if out:
         Path(out, "profiler_gpu.json").write_text(json.dumps(result, indent=2))
