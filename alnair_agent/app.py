@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import structlog
 
@@ -17,6 +18,7 @@ from alnair_agent.lifecycle import run_services
 from alnair_agent.metrics import MetricsServer
 from alnair_agent.node.reconcile import AnnotationSink, PodStates, Reconciler
 from alnair_agent.node.workspace import Workspace
+from alnair_agent.profiler.service import Profiler
 
 log = structlog.get_logger(__name__)
 
@@ -33,17 +35,20 @@ class Kubernetes:
 
 class Agent:
     def __init__(self, settings: Settings, backend: GpuBackend, kubernetes: Kubernetes | None = None,
-                 list_held=None, unseen_grace_s: float | None = None) -> None:  # type: ignore[no-untyped-def]
+                 list_held=None, unseen_grace_s: float | None = None,  # type: ignore[no-untyped-def]
+                 proc_root: Path = Path("/proc")) -> None:
         self.settings = settings
         self.backend = backend
         self.kubernetes = kubernetes or Kubernetes()
         self.list_held = list_held
         self.unseen_grace_s = unseen_grace_s
+        self.proc_root = proc_root
         self.gpus: list[GpuInfo] = []
         self.inventory: Inventory | None = None
         self.allocator: Allocator | None = None
         self.plugin: DevicePluginService | None = None
         self.reconciler: Reconciler | None = None
+        self.profiler: Profiler | None = None
         self.ready = asyncio.Event()
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -62,8 +67,12 @@ class Agent:
             restored = workspace.load_all()
             self.allocator.restore(restored)
             kwargs = {} if self.unseen_grace_s is None else {"unseen_grace_s": self.unseen_grace_s}
+            self.profiler = Profiler(self.backend, self.allocator, workspace, self.kubernetes.pod_states,
+                                     self.kubernetes.annotations, s.profile_interval_s, s.annotate_interval_s,
+                                     proc_root=self.proc_root)
             self.reconciler = Reconciler(self.allocator, workspace, self.list_held, self.kubernetes.pod_states,
-                                         self.kubernetes.annotations, s.resync_interval_s, **kwargs)
+                                         self.kubernetes.annotations, s.resync_interval_s, usage=self.profiler,
+                                         **kwargs)
             # Learn what kubelet already handed out before offering anything: a restart never double-books.
             await self.reconciler.once()
             log.info("allocations_restored", count=len(self.allocator.allocations),
@@ -75,6 +84,7 @@ class Agent:
                 ("health", health.run()),
                 ("reconciler", self.reconciler.run()),
                 ("heartbeat", self.reconciler.run_heartbeat()),
+                ("profiler", self.profiler.run()),
             ]
             services += [(name, factory()) for name, factory in self.kubernetes.services]  # type: ignore[operator]
             if s.metrics_port:

@@ -119,6 +119,13 @@ def _sim_gpus(text: str) -> tuple[SimGpu, ...]:
 _sim_gpus.__doc__ = "e.g. 2x16GiB or 16GiB,80GiB"
 
 
+def _opt_abs_path(text: str) -> Path | None:
+    return None if text in ("", "off") else _abs_path(text)
+
+
+_opt_abs_path.__doc__ = "absolute path, or `off`"
+
+
 # Variables kubelet injects for a Service whose name starts with "alnair" (service links), not settings.
 _SERVICE_LINK = re.compile(r"^ALNAIR[A-Z0-9_]*_(SERVICE_HOST|SERVICE_PORT(_[A-Z0-9_]+)?|PORT(_\d+_(TCP|UDP|SCTP)(_(PROTO|PORT|ADDR))?)?)$")
 
@@ -170,6 +177,14 @@ VARIABLES: tuple[Variable, ...] = (
              "Seconds between GPU health polls (NVML Xid events are waited on for this long)."),
     Variable("ALNAIR_RESYNC_INTERVAL_S", "resync_interval_s", _float_range(0.1, 3600.0), "5.0",
              "Seconds between reconciliations against kubelet's pod-resources (ended containers, restarts)."),
+    Variable("ALNAIR_PROFILE_INTERVAL_S", "profile_interval_s", _float_range(0.05, 60.0), "1.0",
+             "Seconds between profiler samples (NVML per GPU and per process, mapped to containers)."),
+    Variable("ALNAIR_ANNOTATE_INTERVAL_S", "annotate_interval_s", _float_range(0.0, 3600.0), "30.0",
+             "Least seconds between two writes of a pod's ai.centaurus.io/usage annotation (plus a final write "
+             "when a container ends)."),
+    Variable("ALNAIR_SIM_TIMELINE_DIR", "sim_timeline_dir", _opt_abs_path, "off",
+             "Test and demo only: folder of the simulated driver's per-GPU timelines (its SIMCUDA_TIMELINE_DIR), "
+             "read by the simulated backend for per-process utilization."),
 )
 
 
@@ -193,6 +208,9 @@ class Settings:
     log_level: str = "info"
     health_interval_s: float = 1.0
     resync_interval_s: float = 5.0
+    profile_interval_s: float = 1.0
+    annotate_interval_s: float = 30.0
+    sim_timeline_dir: Path | None = None
 
     @property
     def memory_unit_bytes(self) -> int:

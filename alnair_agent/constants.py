@@ -43,18 +43,9 @@ ALLOCATION_FILE_NAME = "allocation.json"
 # -- annotations (pods and nodes) ---------------------------------------------------------------------------
 ANNOTATION_PREFIX = "ai.centaurus.io/"
 NODE_GPU_DEVICES = ANNOTATION_PREFIX + "gpu-devices"  # JSON: GPU inventory and allocation of the node
-# One annotation per container that holds Alnair resources: "ai.centaurus.io/container-<name>", a JSON object
-# with the container's GPU, limits and figures (keys below). It stays on the pod after the container ends.
-POD_CONTAINER_ANNOTATION_PREFIX = ANNOTATION_PREFIX + "container-"
-FIGURE_GPU_UUID = "gpu"
-FIGURE_ALLOCATION_ID = "allocation"
-FIGURE_MEMORY_LIMIT = "memoryLimitBytes"
-FIGURE_COMPUTE_LIMIT = "computeLimitPercent"
-FIGURE_MEMORY_USED = "memoryUsedBytes"
-FIGURE_LAUNCHES = "kernelLaunches"
-FIGURE_GPU_TIME = "gpuTimeNs"
-FIGURE_TOKEN_WAIT = "tokenWaitNs"
-FIGURE_STATE = "state"  # "running" | "ended"
+# The profiler's figures of every Alnair container of a pod: one JSON object keyed by container name
+# (schema: alnair_agent.profiler.usage.FIELDS). It stays on the pod after its containers end.
+USAGE_ANNOTATION = ANNOTATION_PREFIX + "usage"
 
 # NVML Xid errors caused by the application, not the GPU: they do not make a device unhealthy.
 APPLICATION_XIDS = frozenset({13, 31, 43, 45, 68, 109})

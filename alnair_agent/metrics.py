@@ -1,20 +1,39 @@
-"""/metrics (Prometheus text format) and /healthz over HTTP (aiohttp)."""
+"""/metrics (Prometheus text format) and /healthz over HTTP (aiohttp).
+
+/metrics is prometheus-client's own aiohttp handler over a registry holding the agent's collector and
+prometheus-client's process collector (the agent's CPU seconds and resident memory). Per-GPU and per-container
+series are labelled like dcgm-exporter's (`gpu` = index, `UUID`, and `namespace`, `pod`, `container` for a
+container) and in base units: `_bytes`, `_seconds_total`, `_ratio` (0..1), `_watts`, `_hertz`.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
+import platform
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from aiohttp import web
-from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client import CollectorRegistry, ProcessCollector
+from prometheus_client.aiohttp import make_aiohttp_handler
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from alnair_agent.constants import RESOURCE_MEMORY, RESOURCES
+from alnair_agent.constants import COMPUTE_UNITS_PER_GPU, RESOURCE_COMPUTE, RESOURCE_MEMORY
 
 if TYPE_CHECKING:
     from alnair_agent.app import Agent
+
+GPU_LABELS = ["gpu", "UUID"]
+CONTAINER_LABELS = ["gpu", "UUID", "namespace", "pod", "container"]
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("alnair")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
 
 
 class AgentCollector(Collector):
@@ -22,9 +41,13 @@ class AgentCollector(Collector):
 
     def __init__(self, agent: "Agent") -> None:
         self.agent = agent
+        self.version = _version()
 
     def collect(self) -> Iterator[Metric]:
         a = self.agent
+        info = InfoMetricFamily("alnair_build", "The agent's version and Python")
+        info.add_metric([], {"version": self.version, "python": platform.python_version()})
+        yield info
         up = GaugeMetricFamily("alnair_device_plugin_registered", "1 while registered with kubelet")
         up.add_metric([], 1.0 if a.plugin is not None and a.plugin.registered.is_set() else 0.0)
         yield up
@@ -33,21 +56,96 @@ class AgentCollector(Collector):
         allocs = GaugeMetricFamily("alnair_allocations", "Containers holding Alnair resources on this node")
         allocs.add_metric([], len(a.allocator.allocations))
         yield allocs
-        free = GaugeMetricFamily("alnair_gpu_free_units", "Free units per GPU and resource", labels=["gpu", "resource"])
-        total = GaugeMetricFamily("alnair_gpu_units", "Units offered per GPU and resource", labels=["gpu", "resource"])
+        index = {uuid: str(g.info.index) for uuid, g in a.inventory.gpus.items()}
+        yield from self._gpus(index)
+        yield from self._containers(index)
+
+    def _gpus(self, index: dict[str, str]) -> Iterator[Metric]:
+        a = self.agent
+        assert a.allocator is not None and a.inventory is not None
+        healthy = GaugeMetricFamily("alnair_gpu_healthy", "1 when the GPU is healthy", labels=GPU_LABELS)
+        free_mem = GaugeMetricFamily("alnair_gpu_allocatable_memory_bytes",
+                                     "GPU memory not yet given to any container (in whole units)", labels=GPU_LABELS)
+        free_sm = GaugeMetricFamily("alnair_gpu_allocatable_compute_ratio",
+                                    "Share of the GPU's compute not yet given to any container", labels=GPU_LABELS)
         rooms = {room.uuid: room for room in a.allocator.rooms()}
-        for gpu in a.inventory.gpus.values():
-            for r in RESOURCES:
-                total.add_metric([gpu.uuid, r], gpu.units[r])
-                room = rooms.get(gpu.uuid)
-                left = 0 if room is None else room.memory_free if r == RESOURCE_MEMORY else room.compute_free
-                free.add_metric([gpu.uuid, r], left)
-        yield total
-        yield free
-        healthy = GaugeMetricFamily("alnair_gpu_healthy", "1 when the GPU is healthy", labels=["gpu"])
-        for gpu in a.inventory.gpus.values():
-            healthy.add_metric([gpu.uuid], 1.0 if gpu.healthy else 0.0)
-        yield healthy
+        unit = a.inventory.memory_unit_bytes
+        for uuid, gpu in a.inventory.gpus.items():
+            labels = [index[uuid], uuid]
+            healthy.add_metric(labels, 1.0 if gpu.healthy else 0.0)
+            room = rooms.get(uuid)
+            free_mem.add_metric(labels, room.memory_free * unit if room else 0)
+            free_sm.add_metric(labels, room.compute_free / COMPUTE_UNITS_PER_GPU if room else 0)
+        yield from (healthy, free_mem, free_sm)
+        p = a.profiler
+        if p is None:
+            return
+        fams = {
+            "gpu_util": GaugeMetricFamily("alnair_gpu_utilization_ratio", "Share of time a kernel ran (NVML)",
+                                          labels=GPU_LABELS),
+            "memcpy_util": GaugeMetricFamily("alnair_gpu_memcpy_utilization_ratio",
+                                             "Share of time device memory was read or written (NVML)",
+                                             labels=GPU_LABELS),
+            "memory_used_bytes": GaugeMetricFamily("alnair_gpu_memory_used_bytes", "GPU memory in use",
+                                                   labels=GPU_LABELS),
+            "memory_total_bytes": GaugeMetricFamily("alnair_gpu_memory_total_bytes", "GPU memory",
+                                                    labels=GPU_LABELS),
+            "pcie_rx_bytes_per_s": GaugeMetricFamily("alnair_gpu_pcie_rx_bytes_per_second", "PCIe receive rate",
+                                                     labels=GPU_LABELS),
+            "pcie_tx_bytes_per_s": GaugeMetricFamily("alnair_gpu_pcie_tx_bytes_per_second", "PCIe send rate",
+                                                     labels=GPU_LABELS),
+            "power_watts": GaugeMetricFamily("alnair_gpu_power_watts", "Power draw", labels=GPU_LABELS),
+            "sm_clock_mhz": GaugeMetricFamily("alnair_gpu_sm_clock_hertz", "SM clock", labels=GPU_LABELS),
+        }
+        scale = {"gpu_util": 0.01, "memcpy_util": 0.01, "sm_clock_mhz": 1e6}
+        unattributed = GaugeMetricFamily("alnair_gpu_unattributed_processes",
+                                         "Processes on the GPU that belong to no Alnair container",
+                                         labels=GPU_LABELS)
+        for s in p.last.gpus:
+            if s.uuid not in index:
+                continue
+            labels = [index[s.uuid], s.uuid]
+            for name, fam in fams.items():
+                value = getattr(s, name)
+                if value is not None:
+                    fam.add_metric(labels, value * scale.get(name, 1))
+            unattributed.add_metric(labels, p.unattributed.get(s.uuid, 0))
+        yield from fams.values()
+        yield unattributed
+
+    def _containers(self, index: dict[str, str]) -> Iterator[Metric]:
+        a = self.agent
+        p = a.profiler
+        assert a.allocator is not None
+        util = GaugeMetricFamily("alnair_container_gpu_utilization_ratio",
+                                 "The container's own share of its GPU's time, last sample", labels=CONTAINER_LABELS)
+        memcpy = GaugeMetricFamily("alnair_container_memcpy_utilization_ratio",
+                                   "The container's memory-copy utilization of its GPU, last sample",
+                                   labels=CONTAINER_LABELS)
+        used = GaugeMetricFamily("alnair_container_memory_used_bytes", "GPU memory the container's processes hold",
+                                 labels=CONTAINER_LABELS)
+        limit = GaugeMetricFamily("alnair_container_memory_limit_bytes", "The container's GPU memory limit (0: none)",
+                                  labels=CONTAINER_LABELS)
+        cap = GaugeMetricFamily("alnair_container_compute_limit_ratio", "The container's compute cap (0: none)",
+                                labels=CONTAINER_LABELS)
+        gpu_s = CounterMetricFamily("alnair_container_gpu_seconds", "GPU time the container used",
+                                    labels=CONTAINER_LABELS)
+        throttled = CounterMetricFamily("alnair_container_throttled_seconds",
+                                        "Time the container's processes waited for compute tokens",
+                                        labels=CONTAINER_LABELS)
+        for alloc in a.allocator.allocations.values():
+            labels = [index.get(alloc.gpu_uuid, ""), alloc.gpu_uuid, alloc.namespace, alloc.pod_name, alloc.container]
+            limit.add_metric(labels, alloc.memory_limit)
+            cap.add_metric(labels, alloc.compute_limit / 100)
+            u = p.usage.get(alloc.id) if p is not None else None
+            if u is None:
+                continue
+            util.add_metric(labels, u.gpu_util_now / 100)
+            memcpy.add_metric(labels, u.memcpy_util_now / 100)
+            used.add_metric(labels, u.memory_now_bytes)
+            gpu_s.add_metric(labels, u.gpu_seconds)
+            throttled.add_metric(labels, u.throttled_s)
+        yield from (util, memcpy, used, limit, cap, gpu_s, throttled)
 
 
 class MetricsServer:
@@ -57,10 +155,7 @@ class MetricsServer:
         self.host = host
         self.registry = CollectorRegistry()
         self.registry.register(AgentCollector(agent))
-
-    async def _metrics(self, request: web.Request) -> web.Response:
-        body = generate_latest(self.registry)
-        return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+        ProcessCollector(registry=self.registry)
 
     async def _healthz(self, request: web.Request) -> web.Response:
         plugin = self.agent.plugin
@@ -70,7 +165,7 @@ class MetricsServer:
 
     async def run(self) -> None:
         app = web.Application()
-        app.router.add_get("/metrics", self._metrics)
+        app.router.add_get("/metrics", make_aiohttp_handler(self.registry))
         app.router.add_get("/healthz", self._healthz)
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()

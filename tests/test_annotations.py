@@ -11,14 +11,14 @@ from kubernetes_asyncio.client import ApiClient
 from structlog.testing import capture_logs
 
 from alnair_agent.kube.annotations import AnnotationWriter, WriterTiming
-from alnair_agent.constants import NODE_GPU_DEVICES, POD_CONTAINER_ANNOTATION_PREFIX
+from alnair_agent.constants import NODE_GPU_DEVICES, USAGE_ANNOTATION
 from fakes.apiserver import MERGE_PATCH, FakeApiServer, make_pod
 from fakes.util import running, wait_until
 
 pytestmark = pytest.mark.timeout(20)
 
 NODE = "node-1"
-FIG = POD_CONTAINER_ANNOTATION_PREFIX + "main"
+FIG = USAGE_ANNOTATION
 FAST = WriterTiming(min_interval_s=0.05, backoff_initial_s=0.01, backoff_max_s=0.05, request_timeout_s=2)
 
 
@@ -161,15 +161,16 @@ async def test_pod_gone_is_dropped_with_a_warning(api: FakeApiServer, client: Ap
     assert api.pod_annotations("default", "p1") == {FIG: "1"}
 
 
-async def test_refused_patch_is_dropped_not_retried(api: FakeApiServer, client: ApiClient) -> None:
+async def test_refused_patch_does_not_hold_flush_and_is_retried_later(api: FakeApiServer, client: ApiClient) -> None:
     api.fail_next("patch_pod", status=422)
     writer = AnnotationWriter(client, NODE, FAST)
     with capture_logs() as logs:
         async with running(writer.run()):
-            writer.set_pod("default", "p1", {FIG: "too big"})
-            assert await writer.flush(5)
+            writer.set_pod("default", "p1", {FIG: "refused once"})
+            assert await writer.flush(5)  # a refusal completes the flush: the agent's retire is not held
+            await wait_until(lambda: api.pod_annotations("default", "p1").get(FIG) == "refused once", 5)
     assert [e["status"] for e in logs if e["event"] == "annotation_patch_rejected"] == [422]
-    assert len(api.patches) == 1
+    assert len(api.patches) == 2  # refused, then written after the backoff
 
 
 async def test_connection_errors_are_retried() -> None:

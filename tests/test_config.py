@@ -53,6 +53,9 @@ BAD_VALUES = [
     ("ALNAIR_LOG_LEVEL", "verbose", "debug"),
     ("ALNAIR_HEALTH_INTERVAL_S", "0", "0.05..60.0"),
     ("ALNAIR_RESYNC_INTERVAL_S", "soon", "number"),
+    ("ALNAIR_PROFILE_INTERVAL_S", "0.01", "0.05..60.0"),
+    ("ALNAIR_ANNOTATE_INTERVAL_S", "-1", "0.0..3600.0"),
+    ("ALNAIR_SIM_TIMELINE_DIR", "timelines", "absolute path"),
 ]
 
 

@@ -27,10 +27,10 @@ from alnair_agent.constants import (
     ENV_VISIBLE_DEVICES,
     HEALTHY,
     NODE_GPU_DEVICES,
-    POD_CONTAINER_ANNOTATION_PREFIX,
     RESOURCE_COMPUTE,
     RESOURCE_MEMORY,
     UNHEALTHY,
+    USAGE_ANNOTATION,
 )
 from alnair_agent.gpu.simulated import sim_uuid
 from alnair_agent.kubelet.emulator import AdmissionError, KubeletEmulator
@@ -198,9 +198,9 @@ async def test_ended_container_workspace_removed_live_one_kept(root, kubelet, ap
             await asyncio.sleep(0.05)
         assert not ws_done.exists()
         assert ws_live.is_dir()
-        figures = json.loads(api.pod_annotations("default", "job")[POD_CONTAINER_ANNOTATION_PREFIX + "main"])
+        figures = json.loads(api.pod_annotations("default", "job")[USAGE_ANNOTATION])["main"]
         assert figures["state"] == "ended"
-        assert figures["memoryLimitBytes"] == 2 * GIB and figures["computeLimitPercent"] == 20
+        assert figures["memory_limit_bytes"] == 2 * GIB and figures["compute_limit_percent"] == 20
         assert [a.pod_name for a in running.agent.allocator.allocations.values()] == ["server"]
 
 

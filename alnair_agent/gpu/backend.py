@@ -42,6 +42,48 @@ class GpuBackend(Protocol):
         """Block up to timeout_s for health changes; return those that happened (maybe none)."""
         ...
 
+    def sample(self) -> "Samples":
+        """Per-GPU and per-process figures since the previous call (blocking; called from a worker thread).
+        A field a GPU does not support is None; never raises for one."""
+        ...
+
     def stop(self) -> None:
         """Release the backend (blocking). Safe to call twice."""
         ...
+
+
+@dataclass(frozen=True)
+class GpuSample:
+    """One GPU over the last sampling window. A field the GPU (or backend) cannot report is None.
+    Utilizations are percent of the whole GPU (0..100), as NVML reports them."""
+
+    uuid: str
+    gpu_util: float | None = None  # percent of time a kernel ran
+    memcpy_util: float | None = None  # percent of time memory was read or written (NVML "memory" utilization)
+    memory_used_bytes: int | None = None
+    memory_total_bytes: int | None = None
+    pcie_rx_bytes_per_s: float | None = None
+    pcie_tx_bytes_per_s: float | None = None
+    power_watts: float | None = None
+    sm_clock_mhz: int | None = None
+
+
+@dataclass(frozen=True)
+class ProcessSample:
+    """One process on one GPU over the last sampling window: host PID, its own share of the GPU (percent)."""
+
+    gpu_uuid: str
+    pid: int  # host PID (NVML's view)
+    sm_util: float | None = None
+    mem_util: float | None = None
+    used_memory_bytes: int | None = None
+
+
+@dataclass(frozen=True)
+class Samples:
+    """What one `sample` call saw: every GPU and every process on them, and the window it covers."""
+
+    gpus: tuple[GpuSample, ...] = ()
+    processes: tuple[ProcessSample, ...] = ()
+    window_s: float = 0.0
+

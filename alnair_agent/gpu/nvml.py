@@ -8,11 +8,24 @@ unhealthy until the agent restarts (the DaemonSet restarts it after the node is 
 from __future__ import annotations
 
 import threading
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import pynvml
 
 from alnair_agent.constants import APPLICATION_XIDS
-from alnair_agent.gpu.backend import GpuBackendError, GpuInfo, HealthEvent
+from alnair_agent.gpu.backend import GpuBackendError, GpuInfo, GpuSample, HealthEvent, ProcessSample, Samples
+
+T = TypeVar("T")
+
+
+def _field(call: Callable[[], T]) -> T | None:
+    """One NVML query; None when this GPU (or driver) does not support it or it fails now."""
+    try:
+        return call()
+    except pynvml.NVMLError:
+        return None
 
 
 def _text(value: bytes | str) -> str:
@@ -21,6 +34,9 @@ def _text(value: bytes | str) -> str:
 
 class NvmlBackend:
     def __init__(self) -> None:
+        self._handles: list[tuple[str, Any]] = []  # (uuid, handle) per GPU
+        self._last_sample_us: dict[str, int] = {}  # per GPU: timestamp of the newest process sample seen
+        self._last_sample_at: float | None = None
         self._event_set = None
         self._started = False
         self._lock = threading.Lock()
@@ -49,6 +65,7 @@ class NvmlBackend:
                     minor=int(pynvml.nvmlDeviceGetMinorNumber(h)),
                 )
                 gpus.append(info)
+                self._handles.append((info.uuid, h))
                 try:
                     pynvml.nvmlDeviceRegisterEvents(h, pynvml.nvmlEventTypeXidCriticalError, self._event_set)
                 except pynvml.NVMLError:
@@ -83,6 +100,63 @@ class NvmlBackend:
         except pynvml.NVMLError:
             return []
         return [HealthEvent(uuid, healthy=False, reason=f"xid {xid}")]
+
+    def sample(self) -> Samples:
+        now = time.monotonic()
+        window = 0.0 if self._last_sample_at is None else now - self._last_sample_at
+        self._last_sample_at = now
+        gpus, procs = [], []
+        for uuid, h in self._handles:
+            util = _field(lambda: pynvml.nvmlDeviceGetUtilizationRates(h))
+            mem = _field(lambda: pynvml.nvmlDeviceGetMemoryInfo(h))
+            rx = _field(lambda: pynvml.nvmlDeviceGetPcieThroughput(h, pynvml.NVML_PCIE_UTIL_RX_BYTES))
+            tx = _field(lambda: pynvml.nvmlDeviceGetPcieThroughput(h, pynvml.NVML_PCIE_UTIL_TX_BYTES))
+            power = _field(lambda: pynvml.nvmlDeviceGetPowerUsage(h))
+            clock = _field(lambda: pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_SM))
+            gpus.append(GpuSample(
+                uuid,
+                gpu_util=float(util.gpu) if util is not None else None,
+                memcpy_util=float(util.memory) if util is not None else None,
+                memory_used_bytes=int(mem.used) if mem is not None else None,
+                memory_total_bytes=int(mem.total) if mem is not None else None,
+                pcie_rx_bytes_per_s=rx * 1024.0 if rx is not None else None,  # NVML reports KB/s
+                pcie_tx_bytes_per_s=tx * 1024.0 if tx is not None else None,
+                power_watts=power / 1000.0 if power is not None else None,  # mW
+                sm_clock_mhz=int(clock) if clock is not None else None,
+            ))
+            procs += self._processes(uuid, h)
+        return Samples(tuple(gpus), tuple(procs), window)
+
+    def _processes(self, uuid: str, h: Any) -> list[ProcessSample]:
+        """Running compute and graphics processes (used memory) joined with per-process utilization samples
+        newer than the last ones seen (the newest sample per process within the window; a listed process
+        without one was idle)."""
+        used: dict[int, int | None] = {}
+        for lister in (pynvml.nvmlDeviceGetComputeRunningProcesses, pynvml.nvmlDeviceGetGraphicsRunningProcesses):
+            for p in _field(lambda: lister(h)) or []:
+                mem = getattr(p, "usedGpuMemory", None)  # None or a huge value: not available (e.g. under MIG)
+                pid = int(p.pid)
+                if isinstance(mem, int) and 0 <= mem < 1 << 50:
+                    used[pid] = (used.get(pid) or 0) + mem
+                else:
+                    used.setdefault(pid, None)
+        since = self._last_sample_us.get(uuid, 0)
+        samples = _field(lambda: pynvml.nvmlDeviceGetProcessUtilization(h, since)) or []
+        utils: dict[int, tuple[int, float, float]] = {}
+        newest = since
+        for s in samples:
+            ts = int(s.timeStamp)
+            newest = max(newest, ts)
+            pid = int(s.pid)
+            # several samples of one process in the window: average them
+            n, sm, mm = utils.get(pid, (0, 0.0, 0.0))
+            utils[pid] = (n + 1, sm + float(s.smUtil), mm + float(s.memUtil))
+        self._last_sample_us[uuid] = newest
+        out = []
+        for pid in sorted(set(used) | set(utils)):
+            n, sm, mm = utils.get(pid, (0, 0.0, 0.0))
+            out.append(ProcessSample(uuid, pid, sm / n if n else 0.0, mm / n if n else 0.0, used.get(pid)))
+        return out
 
     def stop(self) -> None:
         with self._lock:

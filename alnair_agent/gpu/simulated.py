@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import hashlib
+import os
 import queue
+import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from alnair_agent.config import SimGpu
-from alnair_agent.gpu.backend import GpuBackendError, GpuInfo, HealthEvent
+from alnair_agent.gpu import simtimeline as TL
+from alnair_agent.gpu.backend import GpuBackendError, GpuInfo, GpuSample, HealthEvent, ProcessSample, Samples
 
 
 def sim_uuid(index: int, node_name: str = "") -> str:
@@ -19,16 +23,21 @@ def sim_uuid(index: int, node_name: str = "") -> str:
 
 @dataclass
 class SimulatedBackend:
-    """GPUs from ALNAIR_SIM_GPUS. `inject_health` makes one go unhealthy or come back (thread-safe)."""
+    """GPUs from ALNAIR_SIM_GPUS. `inject_health` makes one go unhealthy or come back (thread-safe).
+
+    With `timeline_dir` (ALNAIR_SIM_TIMELINE_DIR), `sample` reports what the simulated driver's processes did on
+    each GPU's shared timeline (gpu/simtimeline.py); without it, idle GPUs and no processes."""
 
     specs: tuple[SimGpu, ...]
     node_name: str = ""
+    timeline_dir: Path | None = None
     _events: "queue.Queue[HealthEvent]" = field(default_factory=queue.Queue)
     _gpus: list[GpuInfo] = field(default_factory=list)
+    _last_bucket: int | None = None  # the last timeline bucket already reported
 
     @classmethod
     def from_settings(cls, settings) -> "SimulatedBackend":  # type: ignore[no-untyped-def]
-        return cls(tuple(settings.sim_gpus), settings.node_name)
+        return cls(tuple(settings.sim_gpus), settings.node_name, getattr(settings, "sim_timeline_dir", None))
 
     def start(self) -> list[GpuInfo]:
         if not self.specs:
@@ -38,7 +47,32 @@ class SimulatedBackend:
                     pci_bus_id=f"00000000:{0x10 + i:02X}:00.0", minor=i)
             for i, spec in enumerate(self.specs)
         ]
+        if self.timeline_dir is not None:
+            self.timeline_dir.mkdir(parents=True, exist_ok=True)
+            for gpu in self._gpus:
+                TL.create(self.timeline_dir / gpu.uuid)
         return list(self._gpus)
+
+    def sample(self) -> Samples:
+        """Complete timeline buckets since the previous call; the first call only marks where to start."""
+        k1 = time.clock_gettime_ns(time.CLOCK_MONOTONIC) // TL.BUCKET_NS  # buckets before k1 are complete
+        k0 = k1 if self._last_bucket is None else self._last_bucket
+        k0 = max(k0, k1 - TL.BUCKETS)
+        self._last_bucket = k1
+        window_ns = (k1 - k0) * TL.BUCKET_NS
+        gpus, procs = [], []
+        for gpu in self._gpus:
+            seen = TL.read_window(self.timeline_dir / gpu.uuid, k0, k1) if self.timeline_dir and window_ns else None
+            if seen is None:
+                gpus.append(GpuSample(gpu.uuid, 0.0, 0.0, 0, gpu.memory_bytes))
+                continue
+            live = [s for s in seen.slots if _alive(s.pid)]
+            pct = 100.0 / window_ns
+            gpus.append(GpuSample(gpu.uuid, min(100.0, seen.busy_ns * pct), min(100.0, seen.copy_ns * pct),
+                                  sum(s.memory_bytes for s in live), gpu.memory_bytes))
+            procs += [ProcessSample(gpu.uuid, s.pid, min(100.0, s.busy_ns * pct), min(100.0, s.copy_ns * pct),
+                                    s.memory_bytes) for s in live]
+        return Samples(tuple(gpus), tuple(procs), window_ns / 1e9)
 
     def inject_health(self, index: int, healthy: bool, reason: str = "injected") -> None:
         if not 0 <= index < len(self._gpus):
@@ -58,3 +92,13 @@ class SimulatedBackend:
 
     def stop(self) -> None:
         pass
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

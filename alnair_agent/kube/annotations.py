@@ -3,7 +3,8 @@
 Other services say what an annotation should be (`set_pod`, `set_node`; None removes it); this service sends
 only what changed since the last successful write, at most one patch per object per `min_interval_s` (values set
 in between are coalesced into the next patch), retries 5xx/429/connection failures with capped exponential
-backoff, and drops a pod's pending values with a warning on 404 (the pod is gone). `flush` returns once all that
+backoff, keeps values the server refuses (400/422) and retries them after the longest backoff, and drops a pod's
+pending values with a warning on 404 (the pod is gone). `flush` returns once all that
 was set before it is written: the agent removes an ended container's workspace only after its last figures are.
 
 kubernetes-asyncio picks strategic-merge-patch for a dict body unless told otherwise; the patch content type is
@@ -212,10 +213,18 @@ class AnnotationWriter:
                 elif status >= 500 or status in _RETRY_STATUSES:
                     self._retry_later(t, loop.time(), error="ApiException", status=status, reason=e.reason, **where)
                 else:
-                    # The server refuses this patch (e.g. 400/422: a value too large); resending cannot help.
+                    # The server refuses this patch (e.g. 400/422: a value too large). Keep the values and try
+                    # again after the longest backoff (an admission webhook or a quota may change its mind; a
+                    # later value may fit), but as a new change: a flush waiting on it is done.
                     log.error("annotation_patch_rejected", status=status, reason=e.reason, keys=sorted(diff),
-                              **where)
+                              retry_in_s=self._timing.backoff_max_s, **where)
+                    for key in t.in_flight:
+                        self._seq += 1
+                        t.pending.setdefault(key, self._seq)
                     t.in_flight = {}
+                    t.backoff_s = self._timing.backoff_max_s
+                    t.retry_at = loop.time() + t.backoff_s
+                    self._wake.set()
             except (aiohttp.ClientError, TimeoutError, OSError) as e:
                 self._retry_later(t, loop.time(), error=type(e).__name__, detail=str(e)[:200], **where)
             else:

@@ -18,7 +18,7 @@ from typing import Any
 
 import structlog
 
-from alnair_agent.constants import RESOURCE_COMPUTE, RESOURCE_MEMORY, RESOURCES
+from alnair_agent.constants import RESOURCE_COMPUTE, RESOURCE_MEMORY, RESOURCES, USAGE_ANNOTATION
 from alnair_agent.node.decision import (
     ALLOCATED_ANNOTATION,
     PLACEMENT_ANNOTATION,
@@ -112,6 +112,10 @@ class PodInfo:
     admitted: bool = False  # kubelet has reported container statuses: it admitted the pod
     scheduler_name: str = ""
     created_at: datetime = EPOCH
+    # (container name, container ID without its "containerd://" style prefix) of every container, init ones too,
+    # from status: the profiler maps a process's cgroup to its container by these.
+    container_ids: tuple[tuple[str, str], ...] = ()
+    usage: str = ""  # the pod's ai.centaurus.io/usage annotation as found (the profiler merges into it)
 
     @property
     def finished(self) -> bool:
@@ -258,6 +262,17 @@ def _ended_containers(spec: Mapping[str, Any], status: Mapping[str, Any], deleti
     return frozenset(ended)
 
 
+def _container_ids(status: Mapping[str, Any]) -> tuple[tuple[str, str], ...]:
+    out = []
+    for key in ("initContainerStatuses", "containerStatuses", "ephemeralContainerStatuses"):
+        for st in _list(status.get(key)):
+            st = _dict(st)
+            cname, cid = st.get("name"), st.get("containerID")
+            if isinstance(cname, str) and isinstance(cid, str) and cid:
+                out.append((cname, cid.split("://", 1)[-1]))
+    return tuple(out)
+
+
 def parse_pod(obj: Mapping[str, Any]) -> PodInfo:
     """Build a PodInfo from a pod's JSON dict; PodError when uid, namespace or name is missing."""
     meta, spec, status = _dict(obj.get("metadata")), _dict(obj.get("spec")), _dict(obj.get("status"))
@@ -300,4 +315,6 @@ def parse_pod(obj: Mapping[str, Any]) -> PodInfo:
         admitted=bool(_list(status.get("containerStatuses")) or _list(status.get("initContainerStatuses"))),
         scheduler_name=scheduler if isinstance(scheduler, str) else "",
         created_at=parse_time(meta.get("creationTimestamp")) or EPOCH,
+        container_ids=_container_ids(status),
+        usage=usage if isinstance(usage := _dict(meta.get("annotations")).get(USAGE_ANNOTATION), str) else "",
     )

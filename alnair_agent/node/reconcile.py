@@ -15,22 +15,20 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from datetime import datetime, timezone
-from collections.abc import Awaitable, Callable
 from typing import Protocol
 
 import structlog
 
 from alnair_agent import constants as C
-from alnair_agent.kube.pods import PodInfo
+from alnair_agent.kube.pods import PodInfo, container_ended
+from alnair_agent.kubelet.podresources import DeviceAssignment
 from alnair_agent.node.allocator import Allocator
 from alnair_agent.node.decision import ALLOCATED_ANNOTATION, Granted, allocated_json
 from alnair_agent.node.gpu_devices import HEARTBEAT_S, GpuReport, NodeReport
-from alnair_agent.kubelet.podresources import DeviceAssignment
-from alnair_agent.kube.pods import container_ended
 from alnair_agent.node.region import Region, RegionError
 from alnair_agent.node.workspace import Allocation, Workspace
 
@@ -68,24 +66,6 @@ class AnnotationSink(Protocol):
     def forget_pod(self, namespace: str, name: str) -> None: ...
 
 
-def figures(alloc: Allocation, region: Region | None, state: str) -> dict[str, object]:
-    """The container's figures for its pod annotation (from the region, checked: it is container-written)."""
-    out: dict[str, object] = {
-        C.FIGURE_GPU_UUID: alloc.gpu_uuid,
-        C.FIGURE_ALLOCATION_ID: alloc.id,
-        C.FIGURE_MEMORY_LIMIT: alloc.memory_limit,
-        C.FIGURE_COMPUTE_LIMIT: alloc.compute_limit,
-        C.FIGURE_STATE: state,
-    }
-    if region is not None:
-        slots = region.slots()
-        out[C.FIGURE_MEMORY_USED] = region.memory_in_use(slots)
-        out[C.FIGURE_LAUNCHES] = sum(s.launches for s in slots)
-        out[C.FIGURE_GPU_TIME] = sum(s.tokens_taken for s in slots)
-        out[C.FIGURE_TOKEN_WAIT] = sum(s.wait_ns for s in slots)
-    return out
-
-
 def node_report(allocator: Allocator, heartbeat: datetime) -> NodeReport:
     """The node annotation the scheduler extender reads: each GPU's units, free units and health."""
     inventory = allocator.inventory
@@ -101,8 +81,14 @@ def node_report(allocator: Allocator, heartbeat: datetime) -> NodeReport:
     return NodeReport(inventory.memory_unit_bytes >> 20, tuple(gpus), heartbeat, frozenset(allocator.pods_held()))
 
 
-def annotation_key(container: str) -> str:
-    return C.POD_CONTAINER_ANNOTATION_PREFIX + container
+class UsageSink(Protocol):
+    """What the reconciler needs of the profiler (alnair_agent.profiler.service.Profiler)."""
+
+    def seen(self, alloc: Allocation) -> None: ...
+
+    async def final(self, alloc: Allocation, timeout: float = 10.0) -> bool: ...
+
+    def forget(self, alloc: Allocation) -> None: ...
 
 
 class Reconciler:
@@ -115,6 +101,7 @@ class Reconciler:
         annotations: AnnotationSink | None,
         interval_s: float,
         unseen_grace_s: float = UNSEEN_GRACE_S,
+        usage: UsageSink | None = None,
     ) -> None:
         self.allocator = allocator
         self.workspace = workspace
@@ -123,20 +110,12 @@ class Reconciler:
         self.annotations = annotations
         self.interval_s = interval_s
         self.unseen_grace_s = unseen_grace_s
+        self.usage = usage
         self._regions: dict[str, Region] = {}
         self.kick = asyncio.Event()
         self._report: NodeReport | None = None  # last node report set (its heartbeat is kept while nothing changes)
+        self._finalized: set[str] = set()  # ended records whose last figures are published
         allocator.on_pod_allocated = self._confirm
-
-    def _figures(self, alloc: Allocation, state: str) -> dict[str, object]:
-        region = self._region(alloc.id)
-        try:
-            return figures(alloc, region, state)
-        except RegionError as e:
-            # The container truncated or replaced its region: drop our handle, report what we know.
-            log.warning("region_unreadable", allocation=alloc.id, error=str(e))
-            self._forget_region(alloc.id)
-            return figures(alloc, None, state)
 
     def _forget_region(self, alloc_id: str) -> None:
         region = self._regions.pop(alloc_id, None)
@@ -179,15 +158,14 @@ class Reconciler:
         for alloc_id in [i for i in self._regions if i not in self.allocator.allocations]:
             self._forget_region(alloc_id)  # abandoned by the allocator
         now = time.time()
-        ending: list[Allocation] = []
+        ended: list[Allocation] = []
         for alloc in list(self.allocator.allocations.values()):
-            if self._retirable(alloc, by_id, held is not None, now):
-                ending.append(alloc)
-            elif self.annotations is not None and alloc.identified:
-                self.annotations.set_pod(alloc.namespace, alloc.pod_name, {
-                    annotation_key(alloc.container): json.dumps(self._figures(alloc, "running"), sort_keys=True)})
-        if ending:
-            await self._retire(ending)
+            if self._ended(alloc, by_id, now):
+                ended.append(alloc)
+            elif self.usage is not None and alloc.identified:
+                self.usage.seen(alloc)
+        if ended:
+            await self._finish(ended, by_id, asked=held is not None)
         self._set_node_report()
 
     def _set_node_report(self) -> None:
@@ -256,36 +234,37 @@ class Reconciler:
                 return True
         return False
 
-    def _retirable(self, alloc: Allocation, by_id: dict[str, DeviceAssignment] | None, asked: bool,
-                   now: float) -> bool:
-        if self.list_held is not None and not asked:
-            return False  # kubelet unreachable: no authority to say the container is gone
-        reported = by_id is not None and self._reported(alloc, by_id)
-        if reported:
-            return False
+    def _ended(self, alloc: Allocation, by_id: dict[str, DeviceAssignment] | None, now: float) -> bool:
+        """Whether the record's container has ended for good: per its pod (terminated for good, or the pod is gone)
+        or because kubelet gave its devices to another; without an API server, when kubelet has not reported it
+        for a while."""
         if self.pods is not None and self.pods.synced and alloc.identified:
             return alloc.id in self.allocator.freed_by_kubelet or container_ended(self._pod(alloc), alloc.container)
         if by_id is None:
-            return False
-        return now - alloc.created_at > self.unseen_grace_s
+            return False  # no authority to ask: keep it
+        return not self._reported(alloc, by_id) and now - alloc.created_at > self.unseen_grace_s
 
-    async def _retire(self, ending: list[Allocation]) -> None:
-        finals: dict[str, tuple[str, str, str, str]] = {}
-        if self.annotations is not None:
-            for alloc in ending:
+    async def _finish(self, ended: list[Allocation], by_id: dict[str, DeviceAssignment] | None, asked: bool) -> None:
+        """Write the ended containers' last figures at once (one bounded wait for all of them: an API outage must
+        not hold the pass), then remove the folders of those kubelet no longer reports, once their figures are
+        written; the rest wait for a later pass. Nothing kubelet still reports is removed."""
+        fresh = [a for a in ended if a.id not in self._finalized]
+        if self.usage is not None and self.annotations is not None:
+            for alloc in fresh:
                 if alloc.identified:
-                    value = json.dumps(self._figures(alloc, "ended"), sort_keys=True)
-                    key = annotation_key(alloc.container)
-                    self.annotations.set_pod(alloc.namespace, alloc.pod_name, {key: value})
-                    finals[alloc.id] = (alloc.namespace, alloc.pod_name, key, value)
-            if finals and not await self.annotations.flush(timeout=FINAL_FLUSH_S):
-                log.warning("allocation_final_figures_pending", allocations=len(finals))
-        for alloc in ending:
-            final = finals.get(alloc.id)
-            if final is not None and self.annotations is not None and not self._pod_gone(alloc):
-                namespace, name, key, value = final
-                if self.annotations.written_pod(namespace, name).get(key) != value:
-                    continue  # keep the folder until the figures are written; retried next pass
+                    await self.usage.final(alloc, timeout=0)  # published; the flush below waits for all at once
+        self._finalized.update(a.id for a in fresh)
+        retirable = [a for a in ended if (self.list_held is None or asked)
+                     and not (by_id is not None and self._reported(a, by_id))]
+        if not retirable and not fresh:
+            return
+        if self.annotations is not None and not await self.annotations.flush(timeout=FINAL_FLUSH_S):
+            log.warning("allocation_final_figures_pending", allocations=len(ended))
+            return  # keep the folders until the figures are written; retried next pass
+        for alloc in retirable:
+            if self.usage is not None and alloc.identified:
+                self.usage.forget(alloc)
+            self._finalized.discard(alloc.id)
             self._forget_region(alloc.id)
             self.workspace.remove(alloc.id)
             self.allocator.remove(alloc.id)

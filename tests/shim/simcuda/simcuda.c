@@ -10,6 +10,8 @@
  * - cuGetProcAddress(_v2) maps (symbol, cudaVersion, per-thread flag) to variants like the real driver does,
  *   from its own table (never through dlsym).
  * - SIMCUDA_STATS=path: at exit, "name count" lines: calls per entry point, busy_ns, peak memory.
+ * - SIMCUDA_TIMELINE_DIR=dir: kernels of all processes on one GPU (NVIDIA_VISIBLE_DEVICES) take turns on a shared
+ *   timeline file there, which the agent's simulated backend reads (simtimeline.h).
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -22,6 +24,7 @@
 #include <time.h>
 
 #include "cuda_abi.h"
+#include "simtimeline.h"
 
 #define API __attribute__((visibility("default")))
 
@@ -340,7 +343,7 @@ static CUresult run(CUstream hs, int pt, uint64_t dur)
             sleep_until(oldest);
             continue;
         }
-        uint64_t start = s->busy_until > now ? s->busy_until : now;
+        uint64_t start = simtl_book(s->busy_until > now ? s->busy_until : now, dur, mem_used, SIMTL_KERNEL);
         s->busy_until = start + dur;
         s->ends[s->qpos] = s->busy_until;
         s->qpos = (s->qpos + 1) % QDEPTH;

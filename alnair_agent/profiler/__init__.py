@@ -1,0 +1,1 @@
+"""The profiler: what each container really did on its GPU, from NVML samples mapped to containers."""

@@ -1,0 +1,273 @@
+"""The profiler service: every ALNAIR_PROFILE_INTERVAL_S, one backend sample (in a worker thread), its processes
+mapped to allocations, each container's figures updated; each pod's `ai.centaurus.io/usage` annotation written at
+most once per ALNAIR_ANNOTATE_INTERVAL_S, plus a final write when a container ends (`final`, which the reconciler
+awaits before it removes the container's workspace).
+
+The annotation is one JSON object keyed by container name. It is merged: entries of containers this agent does
+not hold in memory (written before a restart, or by anyone else) are kept as found on the pod; only this
+agent's containers' entries are replaced. Figures live in memory keyed by allocation; an ended container's last
+entry is kept until its pod is gone, so later writes for the pod's other containers never drop it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import structlog
+
+from alnair_agent.constants import USAGE_ANNOTATION
+from alnair_agent.gpu.backend import GpuBackend, Samples
+from alnair_agent.node.region import Region, RegionError
+from alnair_agent.profiler.pidmap import PidMapper, ProcReader, SlotPid
+from alnair_agent.profiler.usage import ContainerUsage, parse_usage, render_usage
+
+if TYPE_CHECKING:
+    from alnair_agent.node.allocator import Allocator
+    from alnair_agent.node.reconcile import AnnotationSink, PodStates
+    from alnair_agent.node.workspace import Allocation, Workspace
+
+log = structlog.get_logger(__name__)
+
+PodKey = tuple[str, str]  # (namespace, pod name)
+
+
+@dataclass(frozen=True)
+class _Snapshot:
+    """What a tick's worker thread needs, taken on the event loop (the allocator is not thread-safe)."""
+
+    alloc_ids: tuple[str, ...]
+    containers: dict[tuple[str, str], str]  # (pod UID, container ID) -> allocation id
+    pod_uids: dict[str, str]  # allocation id -> its pod's UID, where known
+
+
+@dataclass
+class _Collected:
+    samples: Samples
+    places: dict[int, str]  # host pid -> allocation id
+    unattributed: dict[str, int]  # GPU uuid -> processes placed on no allocation
+    waits: dict[str, list[tuple[tuple[int, int, int], int]]]  # allocation -> slots' wait counters
+    region_memory: dict[str, int]  # allocation -> bytes its slots claim (fallback when NVML says nothing)
+
+
+class Profiler:
+    def __init__(self, backend: GpuBackend, allocator: "Allocator", workspace: "Workspace",
+                 pods: "PodStates | None", annotations: "AnnotationSink | None", interval_s: float = 1.0,
+                 annotate_interval_s: float = 30.0, proc_root: Path = Path("/proc")) -> None:
+        self.backend = backend
+        self.allocator = allocator
+        self.workspace = workspace
+        self.pods = pods
+        self.annotations = annotations
+        self.interval_s = interval_s
+        self.annotate_interval_s = annotate_interval_s
+        self.mapper = PidMapper(ProcReader(proc_root))
+        self.usage: dict[str, ContainerUsage] = {}  # allocation id -> figures
+        self.last: Samples = Samples()
+        self.unattributed: dict[str, int] = {}
+        self._regions: dict[str, Region] = {}
+        self._ended: dict[PodKey, dict[str, dict[str, object]]] = {}  # entries of ended containers, per pod
+        self._ended_uid: dict[PodKey, str] = {}  # the UID of the pod those entries belong to ("" if unknown)
+        self._published: dict[PodKey, float] = {}  # monotonic time of the pod's last write
+
+    # -- what the reconciler calls -----------------------------------------------------------------------------
+    def seen(self, alloc: "Allocation") -> None:
+        """A live, identified container: make sure it has an entry; write its pod's annotation when due."""
+        self._entry(alloc)
+        if self.annotations is not None and alloc.container and self._synced():
+            key, now = (alloc.namespace, alloc.pod_name), time.monotonic()
+            if now - self._published.get(key, -1e18) >= self.annotate_interval_s:
+                self._publish(key, now)
+
+    async def final(self, alloc: "Allocation", timeout: float = 10.0) -> bool:
+        """The container has ended: write its last figures now (no rate limit); True once written."""
+        u = self._entry(alloc)
+        u.state = "ended"
+        u.idle()
+        if self.annotations is None or not alloc.identified:
+            return True
+        key = (alloc.namespace, alloc.pod_name)
+        self._keep_ended(alloc, u)
+        self._publish(key, time.monotonic())
+        return await self.annotations.flush(timeout=timeout)
+
+    def forget(self, alloc: "Allocation") -> None:
+        """The allocation is retired (its last figures are written)."""
+        u = self.usage.pop(alloc.id, None)
+        if u is not None and alloc.identified and self.annotations is not None and self.pods is not None:
+            self._keep_ended(alloc, u)
+        # its region handle is closed by the next tick's snapshot (a worker thread may be reading it now)
+
+    def _keep_ended(self, alloc: "Allocation", u: ContainerUsage) -> None:
+        key = (alloc.namespace, alloc.pod_name)
+        self._ended.setdefault(key, {})[alloc.container] = u.entry()
+        pod = self._pod(alloc)
+        self._ended_uid[key] = alloc.pod_uid or (pod.uid if pod is not None else "")
+
+    # -- the service -------------------------------------------------------------------------------------------
+    async def run(self) -> None:
+        try:
+            while True:
+                started = time.monotonic()
+                try:
+                    await self.tick()
+                except Exception:  # noqa: BLE001 - a profiler fault must not stop the device plugin
+                    log.exception("profiler_tick_failed")
+                await asyncio.sleep(max(0.0, self.interval_s - (time.monotonic() - started)))
+        finally:
+            self.close()
+
+    async def tick(self) -> None:
+        snap = self._snapshot()
+        collected = await asyncio.to_thread(self._collect, snap)
+        now_mono, now = time.monotonic(), time.time()
+        dt = collected.samples.window_s  # 0 on the first sample: nothing to add yet
+        self.last = collected.samples
+        self.unattributed = collected.unattributed
+        per_alloc: dict[str, list] = {}
+        for p in collected.samples.processes:
+            alloc_id = collected.places.get(p.pid)
+            if alloc_id is not None:
+                per_alloc.setdefault(alloc_id, []).append(p)
+        for alloc_id in snap.alloc_ids:
+            alloc = self.allocator.allocations.get(alloc_id)
+            if alloc is None:
+                continue
+            u = self._entry(alloc)
+            u.add_waits(collected.waits.get(alloc_id, []))
+            procs = per_alloc.get(alloc_id)
+            if procs and dt > 0:
+                memory = sum(p.used_memory_bytes or 0 for p in procs)
+                if not memory:
+                    memory = collected.region_memory.get(alloc_id, 0)
+                u.add(now, dt, sum(p.sm_util or 0.0 for p in procs), sum(p.mem_util or 0.0 for p in procs), memory)
+            else:
+                u.idle()
+        self._drop_gone_pods()
+        self._publish_due(now_mono)
+
+    # -- internals ---------------------------------------------------------------------------------------------
+    def _entry(self, alloc: "Allocation") -> ContainerUsage:
+        u = self.usage.get(alloc.id)
+        if u is None:
+            u = self.usage[alloc.id] = ContainerUsage(alloc.gpu_uuid, alloc.id, alloc.created_at,
+                                                      alloc.memory_limit, alloc.compute_limit)
+        if not u.resumed and self._synced() and alloc.identified:
+            # After an agent restart: carry on from what the pod says of this allocation (once, before this run's
+            # first write; the pod watch must have listed the pods for that).
+            pod = self._pod(alloc)
+            u.resume(parse_usage(pod.usage).get(alloc.container) if pod is not None and alloc.container else None)
+        u.memory_limit_bytes, u.compute_limit_percent = alloc.memory_limit, alloc.compute_limit
+        return u
+
+    def _synced(self) -> bool:
+        return self.pods is None or self.pods.synced
+
+    def _pod(self, alloc: "Allocation"):  # type: ignore[no-untyped-def]
+        if self.pods is None or not alloc.identified:
+            return None
+        return self.pods.get(alloc.pod_uid) if alloc.pod_uid else self.pods.find(alloc.namespace, alloc.pod_name)
+
+    def _snapshot(self) -> _Snapshot:
+        containers: dict[tuple[str, str], str] = {}
+        pod_uids: dict[str, str] = {}
+        for alloc in self.allocator.allocations.values():
+            pod = self._pod(alloc)
+            if pod is None:
+                if alloc.pod_uid:
+                    pod_uids[alloc.id] = alloc.pod_uid
+                continue
+            pod_uids[alloc.id] = pod.uid
+            for name, cid in pod.container_ids:
+                if name == alloc.container:
+                    containers[(pod.uid, cid)] = alloc.id
+        for alloc_id in [i for i in self._regions if i not in self.allocator.allocations]:
+            self._regions.pop(alloc_id).close()
+        return _Snapshot(tuple(self.allocator.allocations), containers, pod_uids)
+
+    def _region(self, alloc_id: str) -> Region | None:
+        region = self._regions.get(alloc_id)
+        if region is None:
+            try:
+                region = self._regions[alloc_id] = self.workspace.open_region(alloc_id)
+            except RegionError:
+                return None
+        return region
+
+    def _collect(self, snap: _Snapshot) -> _Collected:
+        """In a worker thread: sample the GPUs, read the region slots, place every process."""
+        samples = self.backend.sample()
+        slots: list[SlotPid] = []
+        waits: dict[str, list[tuple[tuple[int, int, int], int]]] = {}
+        region_memory: dict[str, int] = {}
+        for alloc_id in snap.alloc_ids:
+            region = self._region(alloc_id)
+            if region is None:
+                continue
+            try:
+                readings = region.slots()
+                region_memory[alloc_id] = region.memory_in_use(readings)
+            except RegionError:
+                continue
+            for s in readings:
+                slots.append(SlotPid(alloc_id, s.pid, s.start_time, snap.pod_uids.get(alloc_id, "")))
+            waits[alloc_id] = [((s.index, s.pid, s.start_time), s.wait_ns) for s in readings]
+        places: dict[int, str] = {}
+        unattributed: dict[str, int] = {g.uuid: 0 for g in samples.gpus}
+        for p in samples.processes:
+            if p.pid in places:
+                continue
+            place = self.mapper.place(p.pid, snap.containers, slots)
+            if place is None:
+                unattributed[p.gpu_uuid] = unattributed.get(p.gpu_uuid, 0) + 1
+            else:
+                places[p.pid] = place.alloc_id
+        return _Collected(samples, places, unattributed, waits, region_memory)
+
+    def _drop_gone_pods(self) -> None:
+        if self.pods is None or not self.pods.synced:
+            return
+        for key in list(self._ended):
+            pod, uid = self.pods.find(*key), self._ended_uid.get(key, "")
+            if pod is None or (uid and pod.uid != uid):  # gone, or a new pod of the same name (StatefulSet)
+                del self._ended[key]
+                self._ended_uid.pop(key, None)
+                self._published.pop(key, None)
+
+    def _pod_keys(self) -> dict[PodKey, list["Allocation"]]:
+        out: dict[PodKey, list[Allocation]] = {}
+        for alloc in self.allocator.allocations.values():
+            if alloc.identified and alloc.container:
+                out.setdefault((alloc.namespace, alloc.pod_name), []).append(alloc)
+        return out
+
+    def _publish_due(self, now: float) -> None:
+        if self.annotations is None or not self._synced():
+            return  # never write before the pods' current annotations are known: they are merged
+        for key in self._pod_keys():
+            if now - self._published.get(key, -1e18) >= self.annotate_interval_s:
+                self._publish(key, now)
+
+    def _publish(self, key: PodKey, now: float) -> None:
+        """Write the pod's usage annotation: as found on the pod, with this agent's entries replaced."""
+        assert self.annotations is not None
+        entries: dict[str, object] = {}
+        pod = self.pods.find(*key) if self.pods is not None else None
+        if pod is not None:
+            entries.update(parse_usage(pod.usage))
+        uid = self._ended_uid.get(key, "")
+        if pod is None or not uid or pod.uid == uid:
+            entries.update(self._ended.get(key, {}))
+        for alloc in self._pod_keys().get(key, []):
+            u = self.usage.get(alloc.id) or self._entry(alloc)
+            entries[alloc.container] = u.entry()
+        self._published[key] = now
+        self.annotations.set_pod(key[0], key[1], {USAGE_ANNOTATION: render_usage(entries)})
+
+    def close(self) -> None:
+        for region in self._regions.values():
+            region.close()
+        self._regions.clear()

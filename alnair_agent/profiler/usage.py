@@ -1,0 +1,193 @@
+"""The `ai.centaurus.io/usage` pod annotation: its schema (declared once; the README's table is generated from it)
+and one container's figures over its whole life.
+
+The value is a JSON object keyed by container name; each entry holds the fields of `FIELDS`. Utilizations are
+percent of the whole GPU, as NVML reports them; a container's GPU utilization is its own share (the sum of its
+processes' NVML per-process SM utilization). Means are over the time its processes were on the GPU.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any
+
+from alnair_agent.constants import USAGE_ANNOTATION
+
+
+@dataclass(frozen=True)
+class Field:
+    name: str
+    unit: str
+    meaning: str
+
+
+FIELDS: tuple[Field, ...] = (
+    Field("gpu", "UUID", "The GPU the container was given."),
+    Field("allocation", "id", "The agent's allocation id (its workspace folder)."),
+    Field("state", "text", "`running`, or `ended` once the container has ended (final write)."),
+    Field("memory_limit_bytes", "bytes", "GPU memory limit the shim enforced (0: none)."),
+    Field("compute_limit_percent", "%", "Compute cap the shim enforced (0: none)."),
+    Field("gpu_util_mean", "% of the GPU", "Mean of the container's own GPU (SM) utilization while its processes "
+          "were on the GPU."),
+    Field("gpu_util_max", "% of the GPU", "Highest sampled GPU utilization of the container."),
+    Field("memcpy_util_mean", "% of the GPU", "Mean memory-copy (memory controller) utilization of the container's "
+          "processes while they were on the GPU."),
+    Field("memcpy_util_max", "% of the GPU", "Highest sampled memory-copy utilization."),
+    Field("memory_max_bytes", "bytes", "Most GPU memory its processes held at once (NVML, else the shim's count)."),
+    Field("gpu_seconds", "s", "GPU time: the integral of its GPU utilization over time (1 s at 100 % = 1)."),
+    Field("throttled_seconds", "s", "Time its processes waited for compute tokens (held back by its cap)."),
+    Field("observed_seconds", "s", "Time its processes were seen on the GPU (the means are over this)."),
+    Field("first_seen", "RFC 3339", "When the agent admitted the container."),
+    Field("last_seen", "RFC 3339", "Last sample that saw one of its processes on the GPU (null: none yet)."),
+)
+FIELD_NAMES = tuple(f.name for f in FIELDS)
+
+
+def rfc3339(t: float | None) -> str | None:
+    if t is None:
+        return None
+    return datetime.fromtimestamp(t, timezone.utc).isoformat(timespec="seconds").replace("+00:00", "Z")
+
+
+def _parse_time(v: Any) -> float | None:
+    if not isinstance(v, str):
+        return None
+    try:
+        return datetime.fromisoformat(v.replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        return None
+
+
+@dataclass
+class ContainerUsage:
+    """One container's figures, accumulated sample by sample."""
+
+    gpu: str
+    allocation: str
+    first_seen: float  # unix time
+    memory_limit_bytes: int = 0
+    compute_limit_percent: int = 0
+    state: str = "running"
+    observed_s: float = 0.0
+    gpu_util_integral: float = 0.0  # percent x seconds
+    gpu_util_max: float = 0.0
+    memcpy_util_integral: float = 0.0
+    memcpy_util_max: float = 0.0
+    memory_max_bytes: int = 0
+    throttled_s: float = 0.0
+    last_seen: float | None = None
+    # last wait_ns per live region slot (index, pid, start_time): counters only grow, a slot may be reused
+    wait_seen: dict[tuple[int, int, int], int] = field(default_factory=dict)
+    # the latest sample, for /metrics
+    gpu_util_now: float = 0.0
+    memcpy_util_now: float = 0.0
+    memory_now_bytes: int = 0
+    resumed: bool = False  # figures of an earlier agent run looked for (see resume)
+
+    def add(self, now: float, dt: float, gpu_util: float, memcpy_util: float, memory_bytes: int) -> None:
+        """A sample window of `dt` seconds in which the container had processes on the GPU."""
+        gpu_util = min(max(gpu_util, 0.0), 100.0)
+        memcpy_util = min(max(memcpy_util, 0.0), 100.0)
+        self.observed_s += dt
+        self.gpu_util_integral += gpu_util * dt
+        self.memcpy_util_integral += memcpy_util * dt
+        self.gpu_util_max = max(self.gpu_util_max, gpu_util)
+        self.memcpy_util_max = max(self.memcpy_util_max, memcpy_util)
+        self.memory_max_bytes = max(self.memory_max_bytes, memory_bytes)
+        self.gpu_util_now, self.memcpy_util_now, self.memory_now_bytes = gpu_util, memcpy_util, memory_bytes
+        self.last_seen = now
+
+    def idle(self) -> None:
+        self.gpu_util_now = self.memcpy_util_now = 0.0
+        self.memory_now_bytes = 0
+
+    def add_waits(self, slots: list[tuple[tuple[int, int, int], int]]) -> None:
+        """Region slots' wait_ns counters ((index, pid, start_time), wait_ns): add what grew since last read."""
+        live = {}
+        for key, wait_ns in slots:
+            before = self.wait_seen.get(key, 0)
+            if wait_ns > before:
+                self.throttled_s += (wait_ns - before) / 1e9
+            live[key] = max(wait_ns, before)
+        self.wait_seen = live
+
+    @property
+    def gpu_seconds(self) -> float:
+        return self.gpu_util_integral / 100.0
+
+    def entry(self) -> dict[str, object]:
+        mean = (lambda v: round(v / self.observed_s, 2)) if self.observed_s > 0 else (lambda v: 0.0)
+        out: dict[str, object] = {
+            "gpu": self.gpu,
+            "allocation": self.allocation,
+            "state": self.state,
+            "memory_limit_bytes": self.memory_limit_bytes,
+            "compute_limit_percent": self.compute_limit_percent,
+            "gpu_util_mean": mean(self.gpu_util_integral),
+            "gpu_util_max": round(self.gpu_util_max, 2),
+            "memcpy_util_mean": mean(self.memcpy_util_integral),
+            "memcpy_util_max": round(self.memcpy_util_max, 2),
+            "memory_max_bytes": self.memory_max_bytes,
+            "gpu_seconds": round(self.gpu_seconds, 3),
+            "throttled_seconds": round(self.throttled_s, 3),
+            "observed_seconds": round(self.observed_s, 3),
+            "first_seen": rfc3339(self.first_seen),
+            "last_seen": rfc3339(self.last_seen),
+        }
+        assert tuple(out) == FIELD_NAMES
+        return out
+
+    def resume(self, entry: Any) -> None:
+        """Add the figures an earlier agent run wrote for the same allocation (after a restart); once."""
+        self.resumed = True
+        if not isinstance(entry, dict) or entry.get("allocation") != self.allocation:
+            return
+
+        def num(name: str, top: float = 1e12) -> float:
+            v = entry.get(name)
+            ok = isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v <= top
+            return float(v) if ok else 0.0
+
+        observed = num("observed_seconds")
+        self.observed_s += observed
+        self.gpu_util_integral += num("gpu_util_mean", 100) * observed
+        self.memcpy_util_integral += num("memcpy_util_mean", 100) * observed
+        self.gpu_util_max = max(self.gpu_util_max, num("gpu_util_max", 100))
+        self.memcpy_util_max = max(self.memcpy_util_max, num("memcpy_util_max", 100))
+        self.memory_max_bytes = max(self.memory_max_bytes, int(num("memory_max_bytes")))
+        self.throttled_s += num("throttled_seconds")
+        self.first_seen = _parse_time(entry.get("first_seen")) or self.first_seen
+        if self.last_seen is None:
+            self.last_seen = _parse_time(entry.get("last_seen"))
+
+
+def parse_usage(text: str) -> dict[str, Any]:
+    """The annotation's entries as found on a pod ({} when absent or not a JSON object)."""
+    if not text:
+        return {}
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def render_usage(entries: dict[str, Any]) -> str:
+    return json.dumps(entries, sort_keys=True, separators=(",", ":"))
+
+
+def markdown_table() -> str:
+    """The README's table of the annotation's fields."""
+    rows = ["| Field | Unit | Meaning |", "| --- | --- | --- |"]
+    rows += [f"| `{f.name}` | {f.unit} | {f.meaning} |" for f in FIELDS]
+    return "\n".join(rows) + "\n"
+
+
+__all__ = ["USAGE_ANNOTATION", "FIELDS", "ContainerUsage", "parse_usage", "render_usage", "markdown_table"]
+
+if __name__ == "__main__":
+    import sys
+
+    sys.stdout.write(markdown_table())

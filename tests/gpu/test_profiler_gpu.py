@@ -1,0 +1,225 @@
+"""The profiler on a real GPU: the agent (NVML backend) with the kubelet emulator and the API server stand-in;
+three tenants started the way their containers would be (the Allocate answer's env and folder, the shim
+preloaded): bf16 matmuls under caps of 30 % and 60 %, and host<->device copies. Each container's figures on its
+pod are checked against what the tenant did, measured independently: its matmul count times the duration of one
+matmul (timed with CUDA events in an uncapped process alone on the GPU first). Both are kept after the pods end.
+
+Needs a GPU, torch, pynvml, structlog, kubernetes-asyncio, aiohttp, prometheus-client, the generated protos, and the
+shim (ALNAIR_SHIM, else the installed one). Results (JSON) go to $ALNAIR_GPU_RESULTS/profiler_gpu.json if set.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300)]
+
+pynvml = pytest.importorskip("pynvml")
+pytest.importorskip("torch")
+pytest.importorskip("structlog")
+pytest.importorskip("kubernetes_asyncio")
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the API stand-in and the harness
+
+from agent_harness import NODE, kubernetes_for  # noqa: E402
+from fakes.apiserver import FakeApiServer, make_pod  # noqa: E402
+
+from alnair_agent.app import Agent  # noqa: E402
+from alnair_agent.config import Settings  # noqa: E402
+from alnair_agent.constants import (  # noqa: E402
+    ENV_COMPUTE_LIMIT,
+    ENV_MEMORY_LIMIT,
+    ENV_REGION,
+    ENV_VISIBLE_DEVICES,
+    RESOURCE_COMPUTE,
+    RESOURCE_MEMORY,
+    USAGE_ANNOTATION,
+)
+from alnair_agent.gpu.nvml import NvmlBackend  # noqa: E402
+from alnair_agent.kube.wiring import pod_resources_lister  # noqa: E402
+from alnair_agent.kubelet.emulator import KubeletEmulator  # noqa: E402
+
+SHIM = Path(os.environ.get("ALNAIR_SHIM") or Path(__file__).resolve().parents[2] / "alnair_agent/lib/libalnair.so")
+WORK_S = 30.0
+
+CALIBRATE = """
+import json, torch
+a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+for _ in range(50):
+    a @ a
+torch.cuda.synchronize()
+s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+n = 500
+s.record()
+for _ in range(n):
+    a @ a
+e.record()
+torch.cuda.synchronize()
+print(json.dumps({"matmul_s": s.elapsed_time(e) / 1000 / n}), flush=True)
+"""
+
+MATMUL = """
+import json, sys, time, torch
+torch.empty(1, device="cuda"); torch.cuda.synchronize()
+born = time.time()  # the context exists: NVML lists the process from here
+a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+n, end = 0, time.time() + float(sys.argv[1])
+while time.time() < end:
+    b = a @ a
+    n += 1
+torch.cuda.synchronize()
+print(json.dumps({"matmuls": n, "life_s": time.time() - born}), flush=True)
+"""
+
+COPY = """
+import json, sys, time, torch
+torch.empty(1, device="cuda"); torch.cuda.synchronize()
+born = time.time()
+h = torch.empty(1 << 30, dtype=torch.uint8, pin_memory=True)
+d = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+n, end = 0, time.time() + float(sys.argv[1])
+while time.time() < end:
+    d.copy_(h, non_blocking=True)
+    h.copy_(d, non_blocking=True)
+    torch.cuda.synchronize()
+    n += 2
+print(json.dumps({"copies_gib": n, "life_s": time.time() - born}), flush=True)
+"""
+
+
+@pytest.fixture
+def nvml_ok():
+    try:
+        pynvml.nvmlInit()
+        pynvml.nvmlShutdown()
+    except pynvml.NVMLError:
+        pytest.skip("no NVIDIA driver / GPU here")
+    if not SHIM.exists():
+        pytest.skip(f"no shim at {SHIM}")
+
+
+async def run_py(code: str, env: dict[str, str], *args: str) -> dict:
+    p = await asyncio.create_subprocess_exec(sys.executable, "-c", code, *args, env=env,
+                                             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    out, err = await asyncio.wait_for(p.communicate(), 180)
+    assert p.returncode == 0, err.decode()[-2000:]
+    return json.loads(out.decode().strip().splitlines()[-1])
+
+
+def tenant_env(answers: dict, index: int) -> dict[str, str]:
+    env = {k: v for a in answers.values() for k, v in a.envs.items()}
+    run_dir = next(m.host_path for a in answers.values() for m in a.mounts if m.container_path == "/run/alnair")
+    return {**os.environ, "LD_PRELOAD": str(SHIM), ENV_REGION: f"{run_dir}/region",
+            ENV_MEMORY_LIMIT: env.get(ENV_MEMORY_LIMIT, "0"), ENV_COMPUTE_LIMIT: env.get(ENV_COMPUTE_LIMIT, "0"),
+            "CUDA_VISIBLE_DEVICES": str(index)}  # what NVIDIA_VISIBLE_DEVICES does in a container
+
+
+def usage(api: FakeApiServer, pod: str) -> dict:
+    return json.loads(api.pod_annotations("default", pod).get(USAGE_ANNOTATION, "{}"))
+
+
+async def scenario(root: Path) -> dict:
+    settings = Settings(node_name=NODE, device_plugin_dir=root / "dp", pod_resources_socket=root / "pr" / "k.sock",
+                        workspace=root / "ws", shim_dir=SHIM.parent, gpu_backend="nvml", metrics_port=0,
+                        resync_interval_s=0.5, annotate_interval_s=5.0,
+                        profile_interval_s=0.5)  # finer than the default 1 s: a tenant's first and last tick weigh less
+    tenants = {"mm30": {RESOURCE_MEMORY: 8, RESOURCE_COMPUTE: 30}, "mm60": {RESOURCE_MEMORY: 8, RESOURCE_COMPUTE: 60},
+               "copy": {RESOURCE_MEMORY: 8}}
+    async with FakeApiServer() as api:
+        api.add_node(NODE)
+        for name, req in tenants.items():
+            api.add_pod(make_pod(name, node=NODE, restart_policy="Never", containers=[
+                {"name": "main", "memory": req[RESOURCE_MEMORY], **({"compute": req[RESOURCE_COMPUTE]}
+                                                                     if RESOURCE_COMPUTE in req else {})}]))
+        async with (api.api_client() as client,
+                    KubeletEmulator(settings.device_plugin_dir, settings.pod_resources_socket) as kubelet,
+                    pod_resources_lister(settings) as list_held):
+            agent = Agent(settings, NvmlBackend(), kubernetes_for(client), list_held=list_held)
+            stop = asyncio.Event()
+            task = asyncio.create_task(agent.run(stop))
+            try:
+                await kubelet.wait_for(lambda k: all(r in k.plugins and k.plugins[r].devices
+                                                     for r in (RESOURCE_MEMORY, RESOURCE_COMPUTE)), 30)
+                envs = {}
+                for name, req in tenants.items():
+                    answers = await kubelet.admit("default", name, "main", req)
+                    uuid = next(a.envs[ENV_VISIBLE_DEVICES] for a in answers.values())
+                    index = next(g.index for g in agent.gpus if g.uuid == uuid)
+                    envs[name] = tenant_env(answers, index)
+                index = envs["mm30"]["CUDA_VISIBLE_DEVICES"]
+                plain = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+                calib = await run_py(CALIBRATE, {**plain, "CUDA_VISIBLE_DEVICES": index})
+                trace: list[dict] = []  # what the profiler saw each tick, for the record (and for a failure)
+
+                async def record() -> None:
+                    while True:
+                        last = agent.profiler.last
+                        trace.append({"t": round(time.time() - t0, 2),
+                                      "gpus": [[g.gpu_util, g.memcpy_util, g.memory_used_bytes, g.power_watts,
+                                                g.sm_clock_mhz, g.pcie_rx_bytes_per_s, g.pcie_tx_bytes_per_s]
+                                               for g in last.gpus],
+                                      "processes": [[p.pid, p.sm_util, p.mem_util, p.used_memory_bytes]
+                                                    for p in last.processes],
+                                      "unattributed": dict(agent.profiler.unattributed)})
+                        await asyncio.sleep(settings.profile_interval_s)
+
+                t0 = time.time()
+                recorder = asyncio.create_task(record())
+                mm30, mm60, copy = await asyncio.gather(
+                    run_py(MATMUL, envs["mm30"], str(WORK_S)), run_py(MATMUL, envs["mm60"], str(WORK_S)),
+                    run_py(COPY, envs["copy"], str(WORK_S)))
+                work_s = time.time() - t0
+                await asyncio.sleep(2.0)  # one more profiler tick and NVML sample after the ends
+                recorder.cancel()
+                await asyncio.gather(recorder, return_exceptions=True)
+                running = {name: usage(api, name).get("main") for name in tenants}
+                for name in tenants:
+                    api.set_container_terminated("default", name, "main")
+                deadline = time.monotonic() + 30
+                while agent.allocator.allocations and time.monotonic() < deadline:
+                    await asyncio.sleep(0.2)
+                for name in tenants:
+                    api.set_phase("default", name, "Succeeded")
+                await asyncio.sleep(1.0)
+                ended = {name: usage(api, name).get("main") for name in tenants}
+                left = len(agent.allocator.allocations)
+            finally:
+                stop.set()
+                await asyncio.wait_for(task, 15)
+    did = {name: 100.0 * r["matmuls"] * calib["matmul_s"] / r["life_s"] for name, r in (("mm30", mm30),
+                                                                                          ("mm60", mm60))}
+    return {"calibration": calib, "tenants": {"mm30": mm30, "mm60": mm60, "copy": copy}, "did_percent": did,
+            "work_s": work_s, "running": running, "ended": ended, "allocations_left": left, "trace": trace,
+            "gpu": [(g.name, g.uuid) for g in agent.gpus]}
+
+
+def test_each_container_figures_match_what_it_did_and_stay_after_the_pods_end(nvml_ok):
+    root = Path(tempfile.mkdtemp(prefix="aln-", dir="/tmp"))
+    try:
+        result = asyncio.run(scenario(root))
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    print("PROFILER", json.dumps({k: v for k, v in result.items() if k != "trace"}))
+    out = os.environ.get("ALNAIR_GPU_RESULTS")
+    if out:
+        Path(out, "profiler_gpu.json").write_text(json.dumps(result, indent=2))
+    ended = result["ended"]
+    assert result["allocations_left"] == 0  # every container retired, after its final write
+    for name in ("mm30", "mm60", "copy"):
+        e = ended[name]
+        assert e is not None and e["state"] == "ended", name  # kept on the pod after it ended
+        assert e["observed_seconds"] > WORK_S / 2, (name, e)
+    for name in ("mm30", "mm60"):
+        assert abs(ended[name]["gpu_util_mean"] - result["did_percent"][name]) <= 5, (name, ended[name], result)
+    assert ended["copy"]["memcpy_util_mean"] >= 1.0, ended["copy"]  # clearly above zero
+    assert ended["copy"]["gpu_util_mean"] <= 5, ended["copy"]  # copies are no SM work
+    assert ended["mm30"]["memory_max_bytes"] > 0 and ended["mm30"]["throttled_seconds"] > 0

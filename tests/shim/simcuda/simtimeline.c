@@ -1,0 +1,132 @@
+/* simtimeline: see simtimeline.h. */
+#define _GNU_SOURCE
+#include "simtimeline.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#define HDR_WORDS 8u
+#define SLOT_HDR_WORDS 4u
+#define SLOT_WORDS (SLOT_HDR_WORDS + 2u * SIMTL_BUCKETS)
+#define FILE_WORDS (HDR_WORDS + 2u * SIMTL_BUCKETS + SIMTL_SLOTS * SLOT_WORDS)
+
+static uint64_t *tl;      /* the mapped file, or NULL */
+static uint64_t *myslot;  /* this process's slot, or NULL */
+static pid_t mypid;
+static pthread_mutex_t tlmu = PTHREAD_MUTEX_INITIALIZER;
+static int tried;
+
+#define LOAD(p) __atomic_load_n((p), __ATOMIC_ACQUIRE)
+#define STORE(p, v) __atomic_store_n((p), (v), __ATOMIC_RELEASE)
+#define CAS(p, o, n) __atomic_compare_exchange_n((p), (o), (n), 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)
+
+static void open_timeline(void)
+{
+    const char *dir = getenv("SIMCUDA_TIMELINE_DIR"), *gpus = getenv("NVIDIA_VISIBLE_DEVICES");
+    if (dir == NULL || *dir == 0 || gpus == NULL || *gpus == 0)
+        return;
+    char uuid[128], path[PATH_MAX];
+    size_t n = strcspn(gpus, ",");
+    if (n >= sizeof uuid || strchr(gpus, '/') != NULL)
+        return;
+    memcpy(uuid, gpus, n);
+    uuid[n] = 0;
+    if (snprintf(path, sizeof path, "%s/%s", dir, uuid) >= (int)sizeof path)
+        return;
+    int fd = open(path, O_RDWR | O_CREAT | O_CLOEXEC, 0666);
+    if (fd < 0)
+        return;
+    struct stat st;
+    if (fstat(fd, &st) != 0 || (st.st_size < (off_t)(FILE_WORDS * 8) && ftruncate(fd, FILE_WORDS * 8) != 0)) {
+        close(fd);
+        return;
+    }
+    void *m = mmap(NULL, FILE_WORDS * 8, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    close(fd);
+    if (m == MAP_FAILED)
+        return;
+    uint64_t *h = m;
+    /* whoever comes first writes the header; every writer writes the same constants */
+    h[1] = SIMTL_VERSION | ((uint64_t)SIMTL_SLOTS << 32);
+    h[2] = SIMTL_BUCKET_NS;
+    h[3] = SIMTL_BUCKETS;
+    STORE(&h[0], SIMTL_MAGIC);
+    tl = h;
+}
+
+static uint64_t *slot_at(unsigned i) { return tl + HDR_WORDS + 2u * SIMTL_BUCKETS + (uint64_t)i * SLOT_WORDS; }
+
+static uint64_t *claim_slot(pid_t me)
+{
+    for (int pass = 0; pass < 2; pass++) {
+        for (unsigned i = 0; i < SIMTL_SLOTS; i++) {
+            uint64_t *s = slot_at(i);
+            uint64_t pid = LOAD(&s[0]);
+            int dead = pass == 1 && pid != 0 && kill((pid_t)pid, 0) != 0 && errno == ESRCH;
+            if ((pid == 0 || dead) && CAS(&s[0], &pid, (uint64_t)me)) {
+                memset(&s[1], 0, (SLOT_WORDS - 1) * 8);
+                return s;
+            }
+        }
+    }
+    return NULL;
+}
+
+static void bucket_add(uint64_t *b, uint64_t k, uint64_t ns)
+{
+    uint64_t tag = k & 0xffffffffull, old = LOAD(b);
+    for (;;) {
+        uint64_t nv = (old >> 32) == tag ? old + ns : (tag << 32) | ns;
+        if (CAS(b, &old, nv))
+            return;
+    }
+}
+
+static void book(uint64_t *buckets, uint64_t start, uint64_t end)
+{
+    for (uint64_t k = start / SIMTL_BUCKET_NS, n = 0; k * SIMTL_BUCKET_NS < end && n < SIMTL_BUCKETS; k++, n++) {
+        uint64_t lo = k * SIMTL_BUCKET_NS, hi = lo + SIMTL_BUCKET_NS;
+        uint64_t a = start > lo ? start : lo, z = end < hi ? end : hi;
+        bucket_add(&buckets[k % SIMTL_BUCKETS], k, z - a);
+    }
+}
+
+uint64_t simtl_book(uint64_t earliest, uint64_t dur, uint64_t mem_bytes, enum simtl_kind kind)
+{
+    pid_t me = getpid();
+    if (!tried || (tl != NULL && me != mypid)) {
+        pthread_mutex_lock(&tlmu);
+        if (!tried) {
+            open_timeline();
+            tried = 1;
+        }
+        if (tl != NULL && me != mypid) { /* first booking, or a forked child */
+            myslot = claim_slot(me);
+            mypid = me;
+        }
+        pthread_mutex_unlock(&tlmu);
+    }
+    if (tl == NULL || dur == 0)
+        return earliest;
+    uint64_t busy = LOAD(&tl[4]), start;
+    do
+        start = earliest > busy ? earliest : busy;
+    while (!CAS(&tl[4], &busy, start + dur));
+    uint64_t *gpu = tl + HDR_WORDS + (kind == SIMTL_COPY ? SIMTL_BUCKETS : 0);
+    book(gpu, start, start + dur);
+    if (myslot != NULL) {
+        STORE(&myslot[1], mem_bytes);
+        __atomic_fetch_add(&myslot[2], dur, __ATOMIC_RELAXED);
+        book(myslot + SLOT_HDR_WORDS + (kind == SIMTL_COPY ? SIMTL_BUCKETS : 0), start, start + dur);
+    }
+    return start;
+}

@@ -1,0 +1,157 @@
+"""The profiler's merging rules with stand-ins for its neighbours (pod watch, annotation writer, backend): what
+it writes never drops entries it does not own, never writes before the pods are known, never carries a deleted
+pod's entries onto a new pod of the same name, and adds a container's samples up as documented."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from alnair_agent.constants import USAGE_ANNOTATION
+from alnair_agent.gpu.backend import GpuSample, ProcessSample, Samples
+from alnair_agent.kube.pods import PodInfo, parse_pod
+from alnair_agent.node.workspace import Allocation, Workspace
+from alnair_agent.profiler.service import Profiler
+from fakes.apiserver import make_pod
+
+GPU = "GPU-0b8a5f29-a68d-c604-39f3-5174ded264da"
+CID = "ab" * 32
+
+
+@dataclass
+class Pods:
+    synced: bool = True
+    by_name: dict[tuple[str, str], PodInfo] = field(default_factory=dict)
+
+    def get(self, uid: str) -> PodInfo | None:
+        return next((p for p in self.by_name.values() if p.uid == uid), None)
+
+    def find(self, namespace: str, name: str) -> PodInfo | None:
+        return self.by_name.get((namespace, name))
+
+
+@dataclass
+class Sink:
+    writes: list[tuple[str, str, dict]] = field(default_factory=list)
+
+    def set_pod(self, namespace: str, name: str, annotations: dict) -> None:
+        self.writes.append((namespace, name, dict(annotations)))
+
+    def set_node(self, annotations: dict) -> None: ...
+
+    async def flush(self, timeout: float) -> bool:
+        return True
+
+    def forget_pod(self, namespace: str, name: str) -> None: ...
+
+
+@dataclass
+class Backend:
+    samples: Samples = Samples()
+
+    def sample(self) -> Samples:
+        return self.samples
+
+
+@dataclass
+class Allocator:
+    allocations: dict[str, Allocation] = field(default_factory=dict)
+
+
+def pod_info(name: str, uid: str, usage: dict | None = None, containers=("main",)) -> PodInfo:
+    obj = make_pod(name, uid=uid, containers=[{"name": c, "memory": 1} for c in containers])
+    if usage is not None:
+        obj["metadata"]["annotations"] = {USAGE_ANNOTATION: json.dumps(usage)}
+    info = parse_pod(obj)
+    return replace(info, container_ids=tuple((c, CID) for c in containers))
+
+
+def alloc(alloc_id: str, pod: str, uid: str, container: str = "main") -> Allocation:
+    return Allocation(alloc_id, GPU, {}, {}, 1 << 30, 0, "default", pod, uid, container, created_at=1_700_000_000.0)
+
+
+def written(sink: Sink) -> dict:
+    return json.loads(sink.writes[-1][2][USAGE_ANNOTATION])
+
+
+def make(tmp_path: Path, pods: Pods, allocs: list[Allocation], samples: Samples = Samples()) -> tuple[Profiler, Sink]:
+    sink = Sink()
+    allocator = Allocator({a.id: a for a in allocs})
+    p = Profiler(Backend(samples), allocator, Workspace(tmp_path), pods, sink, 1.0, 30.0,  # type: ignore[arg-type]
+                 proc_root=tmp_path / "proc")
+    return p, sink
+
+
+async def test_merges_into_what_the_pod_has_and_waits_for_the_pod_watch(tmp_path: Path) -> None:
+    pods = Pods(synced=False)
+    a = alloc("00000000000000a1", "p", "uid-1")
+    p, sink = make(tmp_path, pods, [a])
+    p.seen(a)
+    assert sink.writes == []  # the pods' annotations are unknown yet: writing now could drop what is there
+    pods.synced = True
+    pods.by_name[("default", "p")] = pod_info("p", "uid-1", {"other": {"x": 1}, "main": {"allocation": "old"}})
+    p.seen(a)
+    got = written(sink)
+    assert got["other"] == {"x": 1}  # not ours: kept
+    assert got["main"]["allocation"] == "00000000000000a1" and got["main"]["observed_seconds"] == 0
+    p.seen(a)
+    assert len(sink.writes) == 1  # rate limit: one write per pod per interval
+
+
+async def test_resumes_the_same_allocation_after_a_restart(tmp_path: Path) -> None:
+    earlier = {"main": {"allocation": "00000000000000a1", "observed_seconds": 10.0, "gpu_util_mean": 40.0, "gpu_util_max": 90.0,
+                        "memcpy_util_mean": 5.0, "memcpy_util_max": 7.0, "memory_max_bytes": 123,
+                        "throttled_seconds": 2.0, "first_seen": "2026-12-01T00:00:00Z",
+                        "last_seen": "2026-12-01T00:00:10Z"}}
+    pods = Pods(by_name={("default", "p"): pod_info("p", "uid-1", earlier)})
+    a = alloc("00000000000000a1", "p", "uid-1")
+    p, sink = make(tmp_path, pods, [a])
+    p.seen(a)
+    got = written(sink)["main"]
+    assert (got["observed_seconds"], got["gpu_util_mean"], got["gpu_seconds"], got["throttled_seconds"]) == (
+        10.0, 40.0, 4.0, 2.0)
+    assert got["first_seen"] == "2026-12-01T00:00:00Z" and got["memory_max_bytes"] == 123
+    b = alloc("00000000000000b1", "q", "uid-2")  # another allocation: figures of an older one are not its own
+    pods.by_name[("default", "q")] = pod_info("q", "uid-2", {"main": earlier["main"]})
+    p.allocator.allocations["00000000000000b1"] = b
+    p.seen(b)
+    assert written(sink)["main"]["observed_seconds"] == 0
+
+
+async def test_ended_entries_stay_for_their_pod_and_never_reach_a_new_pod_of_the_same_name(tmp_path: Path) -> None:
+    pods = Pods(by_name={("default", "s-0"): pod_info("s-0", "uid-1", containers=("init", "main"))})
+    first, second = alloc("00000000000000c1", "s-0", "uid-1", "init"), alloc("00000000000000d1", "s-0", "uid-1", "main")
+    p, sink = make(tmp_path, pods, [first, second])
+    assert await p.final(first)
+    p.forget(first)
+    del p.allocator.allocations["00000000000000c1"]
+    p._published.clear()
+    p.seen(second)
+    assert set(written(sink)) == {"init", "main"} and written(sink)["init"]["state"] == "ended"
+    # the StatefulSet's pod is deleted and made again under the same name, faster than a tick
+    pods.by_name[("default", "s-0")] = pod_info("s-0", "uid-2", containers=("main",))
+    third = alloc("00000000000000d2", "s-0", "uid-2", "main")
+    p.allocator.allocations = {"00000000000000d2": third}
+    await p.tick()
+    p._published.clear()
+    p.seen(third)
+    assert set(written(sink)) == {"main"} and written(sink)["main"]["allocation"] == "00000000000000d2"
+
+
+async def test_samples_add_up_for_the_container_of_the_process(tmp_path: Path) -> None:
+    proc = tmp_path / "proc" / "4242"
+    proc.mkdir(parents=True)
+    samples = Samples((GpuSample(GPU, 50.0, 10.0),),
+                      (ProcessSample(GPU, 4242, 30.0, 8.0, 1 << 20), ProcessSample(GPU, 999, 20.0, 2.0, 5)), 2.0)
+    uid = "6f8f4f1c-2d0b-4a8e-9f3e-0b1a2c3d4e5f"
+    (proc / "cgroup").write_text(f"0::/kubepods/burstable/pod{uid}/{CID}\n")
+    pods = Pods(by_name={("default", "p"): pod_info("p", uid)})
+    a = alloc("00000000000000a1", "p", uid)
+    p, sink = make(tmp_path, pods, [a], samples)
+    await p.tick()
+    await p.tick()
+    u = p.usage["00000000000000a1"]
+    assert (u.observed_s, u.gpu_seconds, u.gpu_util_max, u.memcpy_util_max, u.memory_max_bytes) == (
+        4.0, 1.2, 30.0, 8.0, 1 << 20)
+    assert p.unattributed == {GPU: 1}  # pid 999: in no container
