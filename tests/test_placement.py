@@ -125,10 +125,13 @@ def allocated_everywhere(c: Cluster) -> bool:
     return True
 
 
-@pytest.mark.parametrize("seed", range(8))
+@pytest.mark.parametrize("seed", range(9))
 async def test_every_container_gets_its_own_limits_on_the_decided_gpu(root: Path, seed: int) -> None:
+    """Pods created in the same second; kubelet admits each batch of waiting pods in order, in reverse or at
+    random, and each container's resources in random order."""
     rng = random.Random(seed)
-    async with cluster(root, {"node-a": "2x16GiB", "node-b": "2x16GiB"}, seed) as c:
+    order = ("fifo", "reverse", "random")[seed % 3]
+    async with cluster(root, {"node-a": "2x16GiB", "node-b": "2x16GiB"}, seed, admission_order=order) as c:
         pods = random_pods(rng, 14, budget_memory=40, budget_compute=300)
         for pod in pods:  # created in the same second, as a ReplicaSet does
             c.api.add_pod(pod)
