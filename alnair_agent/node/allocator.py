@@ -411,10 +411,14 @@ class Allocator:
         self.remove(alloc.id)
 
     def _choose_unidentified(self, resource: str, size: int) -> str:
+        rooms = self.rooms()
         placed = fit.place([fit.Need("container", size if resource == RESOURCE_MEMORY else 0,
-                                     size if resource == RESOURCE_COMPUTE else 0)], self.rooms(), self.policy)
+                                     size if resource == RESOURCE_COMPUTE else 0)], rooms, self.policy)
         if not isinstance(placed, fit.Placement):
-            raise AllocationError(grpc.StatusCode.RESOURCE_EXHAUSTED, placed.reason)
+            free = "; ".join(r.describe() for r in rooms) or "no healthy GPU"
+            raise AllocationError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                  f"no healthy GPU has {size} {resource} units free for this container "
+                                  f"(largest GPU offers {max((g.units[resource] for g in self.inventory.gpus.values()), default=0)}); {free}")
         return placed.gpus["container"]
 
     def _check(self, device_ids: list[str], resource: str) -> None:
