@@ -345,3 +345,27 @@ async def test_api_outage_holds_no_reconcile_pass_and_loses_no_final_figures(roo
         for n in range(3):
             entry = json.loads(api.pod_annotations("default", f"job-{n}")[USAGE_ANNOTATION])["main"]
             assert entry["state"] == "ended"
+
+
+async def test_kubelets_record_corrects_an_allocations_identity(root, kubelet, api, k8s):
+    """pod-resources is the truth about who holds what: a record whose devices kubelet reports for another
+    container is rewritten to that container, and its folder is kept while kubelet reports it."""
+    from alnair_agent.kubelet.emulator import ContainerKey
+
+    async with running_agent(node_settings(root), k8s()) as running:
+        await registered(kubelet)
+        await admit_pod(api, kubelet, "recorded", memory=2, compute=10)
+        truth = api.add_pod(make_pod("truth", node=NODE, containers=[{"name": "worker", "memory": 2, "compute": 10}]))
+        key = next(k for k in kubelet.assigned if k.pod == "recorded")
+        kubelet.assigned[ContainerKey("default", "truth", "worker")] = kubelet.assigned.pop(key)
+        await running.agent.reconciler.once()
+        [alloc] = running.agent.allocator.allocations.values()
+        assert (alloc.pod_name, alloc.container, alloc.pod_uid) == ("truth", "worker", truth["metadata"]["uid"])
+        api.delete_pod("default", "recorded")  # the pod the record first named is gone: nothing of truth's goes
+        for _ in range(3):
+            await running.agent.reconciler.once()
+        assert [a.pod_name for a in running.agent.allocator.allocations.values()] == ["truth"]
+
+
+def test_simulated_gpus_of_two_nodes_never_share_a_uuid():
+    assert {sim_uuid(i, "node-a") for i in range(4)}.isdisjoint({sim_uuid(i, "node-b") for i in range(4)})
