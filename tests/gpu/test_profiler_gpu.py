@@ -130,7 +130,7 @@ def usage(api: FakeApiServer, pod: str) -> dict:
 async def scenario(root: Path) -> dict:
     settings = Settings(node_name=NODE, device_plugin_dir=root / "dp", pod_resources_socket=root / "pr" / "k.sock",
                         workspace=root / "ws", shim_dir=SHIM.parent, gpu_backend="nvml", metrics_port=0,
-                        resync_interval_s=0.5, annotate_interval_s=5.0,
+                        resync_interval_s=0.5, annotate_interval_s=5.0, place_unscheduled=True,
                         profile_interval_s=0.5)  # finer than the default 1 s: a tenant's first and last tick weigh less
     tenants = {"mm30": {RESOURCE_MEMORY: 8, RESOURCE_COMPUTE: 30}, "mm60": {RESOURCE_MEMORY: 8, RESOURCE_COMPUTE: 60},
                "copy": {RESOURCE_MEMORY: 8}}
