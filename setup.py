@@ -36,11 +36,12 @@ def generate_protos(out_root: Path) -> None:
 
 
 def build_shim(out_dir: Path) -> None:
-    """Build libalnair.so with the system C compiler (make -C shim) and copy it to out_dir."""
+    """Build libalnair.so with the pinned toolchain (make -C shim: zig cc from the `ziglang` build requirement,
+    targeting glibc 2.17 whatever this host runs) and copy it to out_dir."""
     if not (SHIM_DIR / "Makefile").exists():
         return
     build_dir = ROOT / "build" / "shim"
-    subprocess.run(["make", "-C", str(SHIM_DIR), f"BUILD={build_dir}"], check=True)
+    subprocess.run(["make", "-C", str(SHIM_DIR), f"BUILD={build_dir}", f"PYTHON={sys.executable}"], check=True)
     out_dir.mkdir(parents=True, exist_ok=True)
     shutil.copy2(build_dir / SHIM_LIB, out_dir / SHIM_LIB)
 
