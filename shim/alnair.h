@@ -80,6 +80,9 @@ static inline struct alnair_region_slot *alnair_slot(void)
     struct alnair_region_slot *s = atomic_load_explicit(&alnair_my_slot, memory_order_relaxed);
     return LIKELY(s != NULL) ? s : alnair_slot_slow();
 }
+/* All slots held by live processes: this process got none and is refused memory, contexts and metered launches. */
+int alnair_slotless(void);
+struct alnair_region_slot *alnair_slot_retry(void); /* alnair_slot(), claiming a slot if one has freed up */
 void alnair_region_after_fork_child(void);
 uint64_t alnair_memory_used_all(void);     /* sum of memory_used over the slots, saturating */
 int alnair_reclaim_dead_slots(void);        /* returns how many were reclaimed */

@@ -17,6 +17,9 @@ P CUresult cuMemFree_v2(CUdeviceptr dptr);
 P CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size, const CUmemAllocationProp *prop,
                        unsigned long long flags);
 P CUresult cuMemRelease(CUmemGenericAllocationHandle handle);
+P CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmemGenericAllocationHandle handle,
+                    unsigned long long flags);
+P CUresult cuMemUnmap(CUdeviceptr ptr, size_t size);
 P CUresult cuMemAllocAsync(CUdeviceptr *dptr, size_t bytesize, CUstream hStream);
 P CUresult cuMemAllocAsync_ptsz(CUdeviceptr *dptr, size_t bytesize, CUstream hStream);
 P CUresult cuMemAllocFromPoolAsync(CUdeviceptr *dptr, size_t bytesize, CUmemoryPool pool, CUstream hStream);

@@ -59,6 +59,10 @@ CUresult cuGraphInstantiateWithFlags(CUgraphExec *, CUgraph, unsigned long long)
 CUresult cuStreamSynchronize(CUstream);
 CUresult cuStreamSynchronize_ptsz(CUstream);
 CUresult cuStreamCreate(CUstream *, unsigned);
+CUresult cuMemMap(CUdeviceptr, size_t, size_t, CUmemGenericAllocationHandle, unsigned long long);
+CUresult cuMemUnmap(CUdeviceptr, size_t);
+CUresult cuMemAddressReserve(CUdeviceptr *, size_t, size_t, CUdeviceptr, unsigned long long);
+CUresult cuDevicePrimaryCtxReset_v2(CUdevice);
 
 /* X(field, type, plain symbol, per-thread symbol, base name for cuGetProcAddress) */
 #define APIS(X)                                                                                                  \
@@ -111,7 +115,14 @@ CUresult cuStreamCreate(CUstream *, unsigned);
     X(Instantiate, CUresult (*)(CUgraphExec *, CUgraph, unsigned long long), cuGraphInstantiateWithFlags,       \
       cuGraphInstantiateWithFlags, "cuGraphInstantiateWithFlags")                                                \
     X(StreamSync, CUresult (*)(CUstream), cuStreamSynchronize, cuStreamSynchronize_ptsz, "cuStreamSynchronize") \
-    X(StreamCreate, CUresult (*)(CUstream *, unsigned), cuStreamCreate, cuStreamCreate, "cuStreamCreate")
+    X(StreamCreate, CUresult (*)(CUstream *, unsigned), cuStreamCreate, cuStreamCreate, "cuStreamCreate")      \
+    X(MemMap, CUresult (*)(CUdeviceptr, size_t, size_t, CUmemGenericAllocationHandle, unsigned long long),      \
+      cuMemMap, cuMemMap, "cuMemMap")                                                                            \
+    X(MemUnmap, CUresult (*)(CUdeviceptr, size_t), cuMemUnmap, cuMemUnmap, "cuMemUnmap")                        \
+    X(AddrReserve, CUresult (*)(CUdeviceptr *, size_t, size_t, CUdeviceptr, unsigned long long),                \
+      cuMemAddressReserve, cuMemAddressReserve, "cuMemAddressReserve")                                           \
+    X(PrimaryReset, CUresult (*)(CUdevice), cuDevicePrimaryCtxReset_v2, cuDevicePrimaryCtxReset_v2,             \
+      "cuDevicePrimaryCtxReset")
 
 static struct {
 #define FIELD(f, t, plain, ptv, base) __typeof__(t) f;
@@ -168,15 +179,15 @@ static uint64_t cpu(void)
     return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
 }
 
-enum kind { DEV, ASYNC, HANDLE, ARRAY, MIP, CTX };
-struct held { enum kind k; uint64_t v; };
+enum kind { DEV, ASYNC, HANDLE, ARRAY, MIP, CTX, MAPPED };
+struct held { enum kind k; uint64_t v, n; };
 static struct held held[4096];
 static int nheld;
 static CUfunction kfn;
 static CUcontext primary;
 static CUcontext ctx;
 
-static void hold(enum kind k, uint64_t v) { if (nheld < 4096) held[nheld++] = (struct held){k, v}; }
+static void hold(enum kind k, uint64_t v) { if (nheld < 4096) held[nheld++] = (struct held){k, v, 0}; }
 
 static CUresult release(struct held h)
 {
@@ -187,6 +198,7 @@ static CUresult release(struct held h)
     case ARRAY: return api.ArrayDestroy((CUarray)(uintptr_t)h.v);
     case MIP: return api.MipDestroy((CUmipmappedArray)(uintptr_t)h.v);
     case CTX: return api.CtxDestroy((CUcontext)(uintptr_t)h.v);
+    case MAPPED: return api.MemUnmap(h.v, h.n);
     }
     return -1;
 }
@@ -216,6 +228,28 @@ static void do_init(void)
 }
 
 static void run_ops(int argc, char **argv, int start);
+
+struct churn { unsigned long long n, size, held; int bad; };
+static void *churn_main(void *arg)
+{
+    struct churn *c = arg;
+    CUdeviceptr ring[8] = {0};
+    api.SetCurrent(primary);
+    for (unsigned long long k = 0; k < c->n; k++) {
+        CUdeviceptr p = 0, *slot = &ring[k % 8];
+        if (*slot != 0 && api.MemFree(*slot) != CUDA_SUCCESS)
+            __atomic_fetch_add(&c->bad, 1, __ATOMIC_RELAXED);
+        *slot = 0;
+        if (api.MemAlloc(&p, c->size) == CUDA_SUCCESS)
+            *slot = p;
+        else
+            __atomic_fetch_add(&c->bad, 1, __ATOMIC_RELAXED);
+    }
+    for (int i = 0; i < 8; i++) /* the last eight stay allocated */
+        if (ring[i] != 0)
+            __atomic_fetch_add(&c->held, c->size, __ATOMIC_RELAXED);
+    return NULL;
+}
 
 struct tjob {
     unsigned long long ms, dur;
@@ -288,6 +322,40 @@ static void run_op(const char *op, int argc, char **argv, int i)
         if (rc == CUDA_SUCCESS)
             hold(HANDLE, h);
         printf("vmm %llu rc=%d\n", a, rc);
+    } else if (sscanf(op, "vmmmap:%llu", &a) == 1) {
+        /* the documented VMM idiom: create, reserve a range, map, release the handle (the mapping keeps it) */
+        CUmemGenericAllocationHandle h = 0;
+        CUdeviceptr va = 0;
+        CUresult r1 = api.MemCreate(&h, a, NULL, 0), r2 = -1, r3 = -1, r4 = -1;
+        if (r1 == CUDA_SUCCESS && (r2 = api.AddrReserve(&va, a, 0, 0, 0)) == CUDA_SUCCESS &&
+            (r3 = api.MemMap(va, a, 0, h, 0)) == CUDA_SUCCESS && (r4 = api.MemRelease(h)) == CUDA_SUCCESS &&
+            nheld < 4096)
+            held[nheld++] = (struct held){MAPPED, va, a};
+        printf("vmmmap %llu rc=%d map=%d release=%d\n", a, r1, r3, r4);
+        (void)r2;
+    } else if (!strcmp(op, "reset")) {
+        rc = api.PrimaryReset(0);
+        CUcontext c = NULL;
+        CUresult r2 = api.PrimaryRetain(&c, 0); /* as the runtime does on its next call */
+        if (r2 == CUDA_SUCCESS)
+            api.SetCurrent(c);
+        nheld = 0; /* everything allocated in the primary context died with it */
+        printf("reset rc=%d retain=%d\n", rc, r2);
+    } else if (!strcmp(op, "ctxdestroy")) {
+        rc = api.CtxDestroy(ctx);
+        api.SetCurrent(primary);
+        nheld = 0;
+        printf("ctxdestroy rc=%d\n", rc);
+    } else if (sscanf(op, "churn:%llu:%llu:%llu", &c, &a, &b) == 3) {
+        /* churn:T:N:SIZE  T threads each allocate SIZE bytes N times at once, freeing their allocation of eight
+         * rounds before; the last eight of each stay allocated (held= their bytes) */
+        pthread_t th[64];
+        struct churn job = {a, b, 0, 0};
+        for (unsigned long long k = 0; k < c && k < 64; k++)
+            pthread_create(&th[k], NULL, churn_main, &job);
+        for (unsigned long long k = 0; k < c && k < 64; k++)
+            pthread_join(th[k], NULL);
+        printf("churn held=%llu bad=%d\n", job.held, job.bad);
     } else if (sscanf(op, "array:%llu:%llu", &a, &b) == 2) {
         CUDA_ARRAY_DESCRIPTOR d = {a, b, 0x20, 4};
         CUarray x = NULL;

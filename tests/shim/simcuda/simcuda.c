@@ -1,7 +1,12 @@
 /* simcuda: a simulated CUDA driver (libcuda.so.1) for testing the Alnair shim on machines without a GPU.
  *
  * - Device memory of SIMCUDA_MEMORY_BYTES (default 80 GiB), counted per process; allocations return fake,
- *   deterministic addresses (no host memory behind them).
+ *   deterministic addresses (no host memory behind them). A freed address (or VMM handle) is handed out again by
+ *   the next allocation that fits in it, as the real allocator does; SIMCUDA_FREE_LATENCY_NS makes cuMemFree
+ *   return that long after the address became reusable (to widen free/alloc races).
+ * - Allocations belong to the current context: cuCtxDestroy, cuDevicePrimaryCtxReset and the last
+ *   cuDevicePrimaryCtxRelease free them. VMM: cuMemRelease frees a handle's memory only once its last mapping is
+ *   unmapped (cuMemMap / cuMemUnmap). Pitch rows are padded to SIMCUDA_PITCH_ALIGN bytes (default 256).
  * - Kernels take GPU time: a launch's duration is *(uint64_t *)kernelParams[0] ns when given, else gridDimX us.
  *   Each stream is a timeline in real (CLOCK_MONOTONIC) time: a launch starts when the stream is free and ends
  *   `duration` later; events, queries and synchronize follow that timeline, so GPU busy time is measurable.
@@ -90,18 +95,34 @@ __attribute__((constructor)) static void sim_init(void)
 }
 
 /* ---- memory ----------------------------------------------------------------------------------------------- */
+struct CUctx_st { int dev; int primary; };
+static __thread CUcontext cur_ctx;
 static pthread_mutex_t mmu = PTHREAD_MUTEX_INITIALIZER;
 struct alloc {
-    uint64_t key, size;
+    uint64_t key, size, span;
+    CUcontext ctx;  /* NULL for VMM handles: they outlive contexts */
+    int maps, released;
 };
 static struct alloc *allocs;
 static size_t nallocs, capallocs;
+struct hole { uint64_t key, span; int handle; };
+static struct hole holes[256]; /* freed addresses / handles, most recent last */
+static unsigned nholes;
 static uint64_t mem_used, next_addr = 0x7f0000000000ull, next_handle = 1;
 
 static uint64_t mem_total(void)
 {
     const char *s = getenv("SIMCUDA_MEMORY_BYTES");
     return s ? strtoull(s, NULL, 10) : 80ull << 30;
+}
+
+static void hole_add(uint64_t key, uint64_t span, int handle)
+{
+    if (nholes == 256) {
+        memmove(holes, holes + 1, sizeof holes - sizeof holes[0]);
+        nholes--;
+    }
+    holes[nholes++] = (struct hole){key, span, handle};
 }
 
 static CUresult sim_alloc(unsigned long long *key, uint64_t size, int handle)
@@ -117,10 +138,23 @@ static CUresult sim_alloc(unsigned long long *key, uint64_t size, int handle)
         capallocs = capallocs ? capallocs * 2 : 256;
         allocs = realloc(allocs, capallocs * sizeof *allocs);
     }
-    uint64_t k = handle ? next_handle++ : next_addr;
-    if (!handle)
-        next_addr += (size + 0xFFFFF) & ~0xFFFFFull;
-    allocs[nallocs++] = (struct alloc){k | ((uint64_t)handle << 62), size};
+    uint64_t span = (size + 0xFFFFF) & ~0xFFFFFull, k = 0;
+    for (unsigned i = nholes; i-- > 0;) { /* reuse the most recently freed place that fits */
+        if (holes[i].handle == handle && (handle || holes[i].span >= span)) {
+            k = holes[i].key;
+            if (!handle)
+                span = holes[i].span;
+            memmove(holes + i, holes + i + 1, (nholes - i - 1) * sizeof holes[0]);
+            nholes--;
+            break;
+        }
+    }
+    if (k == 0) {
+        k = handle ? next_handle++ : next_addr;
+        if (!handle)
+            next_addr += span;
+    }
+    allocs[nallocs++] = (struct alloc){k | ((uint64_t)handle << 62), size, span, handle ? NULL : cur_ctx, 0, 0};
     mem_used += size;
     if (mem_used > peak_mem)
         peak_mem = mem_used;
@@ -129,19 +163,97 @@ static CUresult sim_alloc(unsigned long long *key, uint64_t size, int handle)
     return CUDA_SUCCESS;
 }
 
+static void drop_alloc(size_t i) /* mmu held */
+{
+    mem_used -= allocs[i].size;
+    hole_add(allocs[i].key & ~(3ull << 62), allocs[i].span, (int)(allocs[i].key >> 62));
+    allocs[i] = allocs[--nallocs];
+}
+
 static CUresult sim_free(uint64_t key, int handle)
 {
     pthread_mutex_lock(&mmu);
     for (size_t i = 0; i < nallocs; i++) {
-        if (allocs[i].key == (key | ((uint64_t)handle << 62))) {
-            mem_used -= allocs[i].size;
-            allocs[i] = allocs[--nallocs];
+        if (allocs[i].key == (key | ((uint64_t)handle << 62)) && !allocs[i].released) {
+            if (handle && allocs[i].maps > 0)
+                allocs[i].released = 1; /* freed when its last mapping goes */
+            else
+                drop_alloc(i);
             pthread_mutex_unlock(&mmu);
+            const char *lat = getenv("SIMCUDA_FREE_LATENCY_NS");
+            if (lat != NULL) { /* the address is reusable already; this call has yet to return */
+                struct timespec ts = {0, (long)(strtoull(lat, NULL, 10) % 1000000000ull)};
+                nanosleep(&ts, NULL);
+            }
             return CUDA_SUCCESS;
         }
     }
     pthread_mutex_unlock(&mmu);
     return CUDA_ERROR_INVALID_VALUE;
+}
+
+static void free_ctx_allocs(CUcontext c)
+{
+    pthread_mutex_lock(&mmu);
+    for (size_t i = nallocs; i-- > 0;)
+        if (allocs[i].ctx == c)
+            drop_alloc(i);
+    pthread_mutex_unlock(&mmu);
+}
+
+/* VMM mappings: va -> handle */
+struct mapping { uint64_t va, size, handle; };
+static struct mapping maps[1024];
+static unsigned nmaps;
+API CUresult cuMemAddressReserve(CUdeviceptr *p, size_t size, size_t align, CUdeviceptr addr, unsigned long long f)
+{
+    (void)align; (void)addr; (void)f; CALLED();
+    static uint64_t next_va = 0x100000000000ull;
+    if (p == NULL || size == 0)
+        return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&mmu);
+    *p = next_va;
+    next_va += (size + 0xFFFFF) & ~0xFFFFFull;
+    pthread_mutex_unlock(&mmu);
+    return CUDA_SUCCESS;
+}
+API CUresult cuMemAddressFree(CUdeviceptr p, size_t size) { (void)p; (void)size; CALLED(); return CUDA_SUCCESS; }
+API CUresult cuMemMap(CUdeviceptr va, size_t size, size_t off, CUmemGenericAllocationHandle h, unsigned long long f)
+{
+    (void)off; (void)f; CALLED();
+    pthread_mutex_lock(&mmu);
+    CUresult rc = CUDA_ERROR_INVALID_VALUE;
+    for (size_t i = 0; i < nallocs && nmaps < 1024; i++) {
+        if (allocs[i].key == (h | (1ull << 62)) && !allocs[i].released) {
+            allocs[i].maps++;
+            maps[nmaps++] = (struct mapping){va, size, h};
+            rc = CUDA_SUCCESS;
+            break;
+        }
+    }
+    pthread_mutex_unlock(&mmu);
+    return rc;
+}
+API CUresult cuMemUnmap(CUdeviceptr va, size_t size)
+{
+    CALLED();
+    pthread_mutex_lock(&mmu);
+    int found = 0;
+    for (unsigned m = nmaps; m-- > 0;) {
+        if (maps[m].va < va || maps[m].va >= va + size)
+            continue;
+        found = 1;
+        for (size_t i = 0; i < nallocs; i++) {
+            if (allocs[i].key == (maps[m].handle | (1ull << 62))) {
+                if (--allocs[i].maps == 0 && allocs[i].released)
+                    drop_alloc(i);
+                break;
+            }
+        }
+        maps[m] = maps[--nmaps];
+    }
+    pthread_mutex_unlock(&mmu);
+    return found ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
 }
 
 API CUresult cuMemAlloc_v2(CUdeviceptr *p, size_t n) { CALLED(); return sim_alloc(p, n, 0); }
@@ -150,7 +262,9 @@ API CUresult cuMemAllocPitch_v2(CUdeviceptr *p, size_t *pitch, size_t w, size_t 
 {
     CALLED();
     (void)e;
-    size_t pp = (w + 255) & ~(size_t)255;
+    const char *a = getenv("SIMCUDA_PITCH_ALIGN");
+    size_t align = a ? strtoull(a, NULL, 10) : 256;
+    size_t pp = (w + align - 1) / align * align;
     CUresult rc = sim_alloc(p, pp * h, 0);
     if (rc == CUDA_SUCCESS)
         *pitch = pp;
@@ -230,10 +344,8 @@ API CUresult cuMemGetInfo_v2(size_t *f, size_t *t)
 API CUresult cuDeviceTotalMem_v2(size_t *b, CUdevice d) { (void)d; CALLED(); if (!b) return CUDA_ERROR_INVALID_VALUE; *b = mem_total(); return CUDA_SUCCESS; }
 
 /* ---- init, devices, contexts -------------------------------------------------------------------------------- */
-struct CUctx_st { int dev; int primary; };
 static struct CUctx_st primary_ctx = {0, 1};
 static int primary_refs;
-static __thread CUcontext cur_ctx;
 
 API CUresult cuInit(unsigned f) { (void)f; CALLED(); return CUDA_SUCCESS; }
 API CUresult cuDriverGetVersion(int *v)
@@ -256,10 +368,10 @@ API CUresult cuCtxCreate_v2(CUcontext *c, unsigned f, CUdevice d)
 }
 API CUresult cuCtxCreate_v3(CUcontext *c, CUexecAffinityParam *p, int n, unsigned f, CUdevice d) { (void)p; (void)n; CALLED(); return cuCtxCreate_v2(c, f, d); }
 API CUresult cuCtxCreate_v4(CUcontext *c, CUctxCreateParams *p, unsigned f, CUdevice d) { (void)p; CALLED(); return cuCtxCreate_v2(c, f, d); }
-API CUresult cuCtxDestroy_v2(CUcontext c) { CALLED(); if (!c || c->primary) return CUDA_ERROR_INVALID_VALUE; if (cur_ctx == c) cur_ctx = NULL; free(c); return CUDA_SUCCESS; }
+API CUresult cuCtxDestroy_v2(CUcontext c) { CALLED(); if (!c || c->primary) return CUDA_ERROR_INVALID_VALUE; free_ctx_allocs(c); if (cur_ctx == c) cur_ctx = NULL; free(c); return CUDA_SUCCESS; }
 API CUresult cuDevicePrimaryCtxRetain(CUcontext *c, CUdevice d) { (void)d; CALLED(); primary_refs++; *c = &primary_ctx; return CUDA_SUCCESS; }
-API CUresult cuDevicePrimaryCtxRelease_v2(CUdevice d) { (void)d; CALLED(); if (primary_refs == 0) return CUDA_ERROR_INVALID_VALUE; primary_refs--; return CUDA_SUCCESS; }
-API CUresult cuDevicePrimaryCtxReset_v2(CUdevice d) { (void)d; CALLED(); primary_refs = 0; return CUDA_SUCCESS; }
+API CUresult cuDevicePrimaryCtxRelease_v2(CUdevice d) { (void)d; CALLED(); if (primary_refs == 0) return CUDA_ERROR_INVALID_VALUE; if (--primary_refs == 0) free_ctx_allocs(&primary_ctx); return CUDA_SUCCESS; }
+API CUresult cuDevicePrimaryCtxReset_v2(CUdevice d) { (void)d; CALLED(); primary_refs = 0; free_ctx_allocs(&primary_ctx); return CUDA_SUCCESS; }
 API CUresult cuCtxSetCurrent(CUcontext c) { CALLED(); cur_ctx = c; return CUDA_SUCCESS; }
 API CUresult cuCtxGetCurrent(CUcontext *c) { *c = cur_ctx; return CUDA_SUCCESS; }
 
@@ -474,6 +586,8 @@ static const struct proc procs[] = {
     PR("cuMemAlloc", 3020, 0, cuMemAlloc_v2), PR("cuMemAllocPitch", 3020, 0, cuMemAllocPitch_v2),
     PR("cuMemAllocManaged", 6000, 0, cuMemAllocManaged), PR("cuMemFree", 3020, 0, cuMemFree_v2),
     PR("cuMemCreate", 10020, 0, cuMemCreate), PR("cuMemRelease", 10020, 0, cuMemRelease),
+    PR("cuMemMap", 10020, 0, cuMemMap), PR("cuMemUnmap", 10020, 0, cuMemUnmap),
+    PR("cuMemAddressReserve", 10020, 0, cuMemAddressReserve), PR("cuMemAddressFree", 10020, 0, cuMemAddressFree),
     PR("cuMemAllocAsync", 11020, 0, cuMemAllocAsync), PR("cuMemAllocAsync", 11020, 1, cuMemAllocAsync_ptsz),
     PR("cuMemAllocFromPoolAsync", 11020, 0, cuMemAllocFromPoolAsync),
     PR("cuMemAllocFromPoolAsync", 11020, 1, cuMemAllocFromPoolAsync_ptsz),
