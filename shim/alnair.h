@@ -81,12 +81,17 @@ static inline struct alnair_region_slot *alnair_slot(void)
     return LIKELY(s != NULL) ? s : alnair_slot_slow();
 }
 /* All slots held by live processes: this process got none and is refused memory, contexts and metered launches. */
-int alnair_slotless(void);
+extern struct alnair_region_slot alnair_overflow_slot;
+static inline int alnair_slotless(void)
+{
+    return atomic_load_explicit(&alnair_my_slot, memory_order_relaxed) == &alnair_overflow_slot;
+}
 struct alnair_region_slot *alnair_slot_retry(void); /* alnair_slot(), claiming a slot if one has freed up */
 void alnair_region_after_fork_child(void);
 uint64_t alnair_memory_used_all(void);     /* sum of memory_used over the slots, saturating */
 int alnair_reclaim_dead_slots(void);        /* returns how many were reclaimed */
 int64_t alnair_tokens_available(uint64_t now); /* granted(now) - sum(taken + forfeited) */
+int alnair_grant_line_trusted(void); /* 0 when this thread's last reading came from a line stuck half-written */
 uint64_t alnair_token_rate(void);
 /* Device memory charged for each context (ALNAIR_CONTEXT_BYTES, read once at init). */
 #ifndef ALNAIR_DEFAULT_CONTEXT_BYTES

@@ -55,6 +55,11 @@ P CUresult cuLaunchCooperativeKernel(LAUNCH_ARGS, void **kernelParams);
 P CUresult cuLaunchCooperativeKernel_ptsz(LAUNCH_ARGS, void **kernelParams);
 P CUresult cuGraphLaunch(CUgraphExec hGraphExec, CUstream hStream);
 P CUresult cuGraphLaunch_ptsz(CUgraphExec hGraphExec, CUstream hStream);
+P CUresult cuLaunch(CUfunction f);
+P CUresult cuLaunchGrid(CUfunction f, int grid_width, int grid_height);
+P CUresult cuLaunchGridAsync(CUfunction f, int grid_width, int grid_height, CUstream hStream);
+P CUresult cuLaunchCooperativeKernelMultiDevice(CUDA_LAUNCH_PARAMS *launchParamsList, unsigned int numDevices,
+                                                unsigned int flags);
 #undef LAUNCH_ARGS
 
 P CUresult cuStreamBeginCapture(CUstream hStream);

@@ -29,7 +29,7 @@ int alnair_region_shared;
 uint64_t alnair_context_bytes = ALNAIR_DEFAULT_CONTEXT_BYTES;
 struct alnair_region_slot *_Atomic alnair_my_slot;
 static pthread_mutex_t claim_mu = PTHREAD_MUTEX_INITIALIZER;
-static struct alnair_region_slot overflow_slot; /* when every slot is held: this process is refused (see below) */
+struct alnair_region_slot alnair_overflow_slot; /* when every slot is held: this process is refused (see below) */
 static int overflow_warned;
 
 /* ---- environment ----------------------------------------------------------------------------------------- */
@@ -263,7 +263,7 @@ struct alnair_region_slot *alnair_slot_slow(void)
                                 "%d is refused GPU memory and contexts until one exits",
                                 ALNAIR_REGION_MAX_SLOTS, (int)me);
                 overflow_warned = 1;
-                mine = &overflow_slot;
+                mine = &alnair_overflow_slot;
             }
         }
         atomic_store(&alnair_my_slot, mine);
@@ -272,19 +272,14 @@ struct alnair_region_slot *alnair_slot_slow(void)
     return mine;
 }
 
-int alnair_slotless(void)
-{
-    return alnair_region != NULL && atomic_load_explicit(&alnair_my_slot, memory_order_relaxed) == &overflow_slot;
-}
-
 struct alnair_region_slot *alnair_slot_retry(void)
 {
     struct alnair_region_slot *s = alnair_slot();
-    if (s != &overflow_slot)
+    if (s != &alnair_overflow_slot)
         return s;
     pthread_mutex_lock(&claim_mu);
     s = atomic_load(&alnair_my_slot);
-    if (s == &overflow_slot) {
+    if (s == &alnair_overflow_slot) {
         int32_t me = (int32_t)getpid();
         struct alnair_region_slot *got = claim_free_slot(alnair_region, me, read_start_time(me, NULL));
         if (got != NULL) {
@@ -304,7 +299,7 @@ void alnair_region_after_fork_child(void)
     if (alnair_region != NULL && !alnair_region_shared && old != NULL) {
         old->memory_used = 0; /* private copy: the parent's device memory is not the child's */
     }
-    memset(&overflow_slot, 0, sizeof overflow_slot);
+    memset(&alnair_overflow_slot, 0, sizeof alnair_overflow_slot);
 }
 
 /* ---- sums and the grant line ------------------------------------------------------------------------------ */
@@ -334,21 +329,37 @@ uint64_t alnair_token_rate(void)
     return r ? RLOAD(r->agent.token_rate) : 0;
 }
 
-/* The sequence value an agent left odd when it died mid-write (0: none seen). */
+/* The sequence value an agent left odd when it died (or stalled) mid-write (0: none seen). */
 static _Atomic uint32_t stuck_seq;
+/* This thread's last consistent reading of the grant line: used while the line is stuck half-written, so a torn
+ * line (say a new tokens_granted with an old granted_at_ns) is never taken at its word. */
+static __thread struct {
+    uint64_t tokens, at, rate;
+    int valid, trusted;
+} line __attribute__((tls_model("initial-exec")));
+
+int alnair_grant_line_trusted(void)
+{
+    return line.trusted;
+}
 
 int64_t alnair_tokens_available(uint64_t now)
 {
     struct alnair_region *r = alnair_region;
     uint64_t tokens, at, rate, t0 = 0;
+    int torn = 0;
     for (unsigned spins = 0;; spins++) {
         uint32_t s1 = RLOAD(r->agent.grant_seq);
         tokens = RLOAD(r->agent.tokens_granted);
         at = RLOAD(r->agent.granted_at_ns);
         rate = RLOAD(r->agent.token_rate);
         uint32_t s2 = RLOAD(r->agent.grant_seq);
-        if (s1 == s2 && (!(s1 & 1) || s1 == atomic_load_explicit(&stuck_seq, memory_order_relaxed)))
+        if (s1 == s2 && !(s1 & 1))
             break;
+        if (s1 == s2 && s1 == atomic_load_explicit(&stuck_seq, memory_order_relaxed)) {
+            torn = 1;
+            break;
+        }
         if (spins < 64)
             continue;
         alnair_sleep_ns(1000); /* the agent is mid-write (or died there): never spin a core */
@@ -356,10 +367,25 @@ int64_t alnair_tokens_available(uint64_t now)
         if (t0 == 0)
             t0 = t;
         else if (t - t0 > 2000000 && s1 == s2) {
-            /* odd for 2 ms and unchanged: the writer died mid-write. Use the line as it stands, never stall. */
+            /* odd for 2 ms and unchanged: the writer died or stalled mid-write. Never stall on it. */
             atomic_store_explicit(&stuck_seq, s1, memory_order_relaxed);
+            torn = 1;
             break;
         }
+    }
+    if (!torn) {
+        line.tokens = tokens;
+        line.at = at;
+        line.rate = rate;
+        line.valid = 1;
+        line.trusted = 1;
+    } else if (line.valid) {
+        tokens = line.tokens; /* keep following the last consistent line: the cap neither lapses nor jumps */
+        at = line.at;
+        rate = line.rate;
+        line.trusted = 0;
+    } else {
+        line.trusted = 0; /* nothing better: use it as it stands, but forfeit nothing on its word */
     }
     unsigned __int128 grown = now > at ? (unsigned __int128)rate * (now - at) / 1000000000u : 0;
     unsigned __int128 granted = (unsigned __int128)tokens + grown;

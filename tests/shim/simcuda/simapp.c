@@ -63,6 +63,10 @@ CUresult cuMemMap(CUdeviceptr, size_t, size_t, CUmemGenericAllocationHandle, uns
 CUresult cuMemUnmap(CUdeviceptr, size_t);
 CUresult cuMemAddressReserve(CUdeviceptr *, size_t, size_t, CUdeviceptr, unsigned long long);
 CUresult cuDevicePrimaryCtxReset_v2(CUdevice);
+CUresult cuLaunch(CUfunction);
+CUresult cuLaunchGrid(CUfunction, int, int);
+CUresult cuLaunchGridAsync(CUfunction, int, int, CUstream);
+CUresult cuLaunchCooperativeKernelMultiDevice(CUDA_LAUNCH_PARAMS *, unsigned, unsigned);
 
 /* X(field, type, plain symbol, per-thread symbol, base name for cuGetProcAddress) */
 #define APIS(X)                                                                                                  \
@@ -122,7 +126,13 @@ CUresult cuDevicePrimaryCtxReset_v2(CUdevice);
     X(AddrReserve, CUresult (*)(CUdeviceptr *, size_t, size_t, CUdeviceptr, unsigned long long),                \
       cuMemAddressReserve, cuMemAddressReserve, "cuMemAddressReserve")                                           \
     X(PrimaryReset, CUresult (*)(CUdevice), cuDevicePrimaryCtxReset_v2, cuDevicePrimaryCtxReset_v2,             \
-      "cuDevicePrimaryCtxReset")
+      "cuDevicePrimaryCtxReset")                                                                                 \
+    X(Launch0, CUresult (*)(CUfunction), cuLaunch, cuLaunch, "cuLaunch")                                        \
+    X(LaunchGrid, CUresult (*)(CUfunction, int, int), cuLaunchGrid, cuLaunchGrid, "cuLaunchGrid")               \
+    X(LaunchGridAsync, CUresult (*)(CUfunction, int, int, CUstream), cuLaunchGridAsync, cuLaunchGridAsync,      \
+      "cuLaunchGridAsync")                                                                                       \
+    X(LaunchMulti, CUresult (*)(CUDA_LAUNCH_PARAMS *, unsigned, unsigned), cuLaunchCooperativeKernelMultiDevice, \
+      cuLaunchCooperativeKernelMultiDevice, "cuLaunchCooperativeKernelMultiDevice")
 
 static struct {
 #define FIELD(f, t, plain, ptv, base) __typeof__(t) f;
@@ -203,9 +213,35 @@ static CUresult release(struct held h)
     return -1;
 }
 
+static CUfunction named_fn(const char *prefix, uint64_t dur)
+{
+    char name[32];
+    CUfunction f = NULL;
+    snprintf(name, sizeof name, "%s:%llu", prefix, (unsigned long long)dur);
+    api.GetFunction(&f, (void *)1, name);
+    return f;
+}
+
 static CUresult launch(const char *how, uint64_t dur, CUstream s)
 {
     void *params[] = {&dur};
+    static CUfunction legacy_fn;
+    static uint64_t legacy_dur;
+    if (!strcmp(how, "legacy") || !strcmp(how, "grid") || !strcmp(how, "gridasync")) {
+        if (legacy_fn == NULL || legacy_dur != dur) { /* these take no parameters: the duration is in the name */
+            legacy_fn = named_fn("legacy", dur);
+            legacy_dur = dur;
+        }
+        if (!strcmp(how, "legacy"))
+            return api.Launch0(legacy_fn);
+        if (!strcmp(how, "grid"))
+            return api.LaunchGrid(legacy_fn, 1, 1);
+        return api.LaunchGridAsync(legacy_fn, 1, 1, s);
+    }
+    if (!strcmp(how, "multidev")) {
+        CUDA_LAUNCH_PARAMS l = {kfn, 1, 1, 1, 1, 1, 1, 0, s, params};
+        return api.LaunchMulti(&l, 1, 0);
+    }
     if (!strcmp(how, "launch"))
         return api.Launch(kfn, 1, 1, 1, 1, 1, 1, 0, s, params, NULL);
     if (!strcmp(how, "coop"))
@@ -228,6 +264,33 @@ static void do_init(void)
 }
 
 static void run_ops(int argc, char **argv, int start);
+
+static CUstream capstream;
+static pthread_t capth;
+static int capmode, capstate, capbegin_rc, capend_rc;
+static void *capmain(void *arg)
+{
+    (void)arg;
+    CUstream s;
+    CUgraph g = NULL;
+    api.SetCurrent(primary);
+    api.StreamCreate(&s, 0);
+    capbegin_rc = api.BeginCapture(s, (CUstreamCaptureMode)capmode);
+    __atomic_store_n(&capstate, 1, __ATOMIC_SEQ_CST);
+    while (__atomic_load_n(&capstate, __ATOMIC_SEQ_CST) != 2)
+        usleep(1000);
+    capend_rc = api.EndCapture(s, &g);
+    return NULL;
+}
+
+static void *launch_n(void *arg)
+{
+    unsigned long long n = *(unsigned long long *)arg;
+    api.SetCurrent(primary);
+    for (unsigned long long k = 0; k < n; k++)
+        launch("launch", 1000, NULL);
+    return NULL;
+}
 
 struct churn { unsigned long long n, size, held; int bad; };
 static void *churn_main(void *arg)
@@ -269,7 +332,7 @@ static void *tmain(void *arg)
 
 static void run_op(const char *op, int argc, char **argv, int i)
 {
-    unsigned long long a = 0, b = 0, c = 0;
+    unsigned long long a = 0, b = 0, c = 0, d = 0;
     CUresult rc;
     if (!strcmp(op, "init")) {
         do_init();
@@ -472,6 +535,116 @@ static void run_op(const char *op, int argc, char **argv, int i)
         api.StreamSync(NULL);
         printf("burst launches=%llu bad=%llu gpu_ns=%llu enqueue_ns=%llu wall_ns=%llu\n", a, (unsigned long long)bad,
                a * b, (unsigned long long)enq, (unsigned long long)(mono() - t0));
+    } else if (sscanf(op, "distinct:%llu:%llu:%llu", &a, &c, &b) == 3) {
+        /* distinct:MS:N:DUR  N distinct kernels of DUR ns, round robin, for MS ms of wall time */
+        CUfunction *fs = calloc(c ? c : 1, sizeof *fs);
+        for (unsigned long long k = 0; k < c; k++) {
+            char name[32];
+            snprintf(name, sizeof name, "d%llu:%llu", k, b);
+            api.GetFunction(&fs[k], (void *)1, name);
+        }
+        uint64_t t0 = mono(), n = 0, bad = 0;
+        while (mono() - t0 < a * 1000000ull) {
+            bad += api.Launch(fs[n % c], 1, 1, 1, 1, 1, 1, 0, NULL, NULL, NULL) != CUDA_SUCCESS;
+            n++;
+        }
+        api.StreamSync(NULL);
+        uint64_t wall = mono() - t0;
+        printf("run launches=%llu bad=%llu gpu_ns=%llu wall_ns=%llu cpu_ns=0\n", (unsigned long long)n,
+               (unsigned long long)bad, (unsigned long long)(n * b), (unsigned long long)wall);
+    } else if (sscanf(op, "warm:%llu", &a) == 1) {
+        /* warm:N  launch N distinct 1 us kernels once each (a program that has seen many kernels) */
+        int bad = 0;
+        for (unsigned long long k = 0; k < a; k++) {
+            char name[32];
+            CUfunction f = NULL;
+            snprintf(name, sizeof name, "w%llu:1000", k);
+            api.GetFunction(&f, (void *)1, name);
+            bad += api.Launch(f, 1, 1, 1, 1, 1, 1, 0, NULL, NULL, NULL) != CUDA_SUCCESS;
+        }
+        api.StreamSync(NULL);
+        printf("warm %llu bad=%d\n", a, bad);
+    } else if (sscanf(op, "fresh:%llu:%llu", &a, &b) == 2) {
+        /* fresh:MS:DUR  a never-seen kernel of DUR ns at every launch, for MS ms */
+        uint64_t t0 = mono(), n = 0, bad = 0;
+        while (mono() - t0 < a * 1000000ull) {
+            char name[32];
+            CUfunction f = NULL;
+            snprintf(name, sizeof name, "f%llu:%llu", (unsigned long long)n, b);
+            api.GetFunction(&f, (void *)1, name);
+            bad += api.Launch(f, 1, 1, 1, 1, 1, 1, 0, NULL, NULL, NULL) != CUDA_SUCCESS;
+            n++;
+        }
+        api.StreamSync(NULL);
+        uint64_t wall = mono() - t0;
+        printf("run launches=%llu bad=%llu gpu_ns=%llu wall_ns=%llu cpu_ns=0\n", (unsigned long long)n,
+               (unsigned long long)bad, (unsigned long long)(n * b), (unsigned long long)wall);
+    } else if (sscanf(op, "mix:%llu:%llu:%llu:%llu", &a, &b, &c, &d) == 4) {
+        /* mix:MS:DUR:WAVES:EVERY  one kernel, DUR ns per wave: every EVERY-th launch has a WAVES-wave grid
+         * (128 blocks a wave), the others one wave; for MS ms. The big launch comes first. */
+        CUfunction f = named_fn("mix", b);
+        uint64_t t0 = mono(), n = 0, bad = 0, gpu = 0;
+        while (mono() - t0 < a * 1000000ull) {
+            unsigned waves = n % d == 0 ? (unsigned)c : 1;
+            bad += api.Launch(f, 128 * waves, 1, 1, 1, 1, 1, 0, NULL, NULL, NULL) != CUDA_SUCCESS;
+            gpu += b * waves;
+            n++;
+        }
+        api.StreamSync(NULL);
+        uint64_t wall = mono() - t0;
+        printf("run launches=%llu bad=%llu gpu_ns=%llu wall_ns=%llu cpu_ns=0\n", (unsigned long long)n,
+               (unsigned long long)bad, (unsigned long long)gpu, (unsigned long long)wall);
+    } else if (sscanf(op, "capbegin:%llu", &a) == 1) {
+        /* capbegin:MODE  begin capturing a new stream in this thread (0 global, 1 thread-local, 2 relaxed) */
+        api.StreamCreate(&capstream, 0);
+        printf("capbegin rc=%d\n", api.BeginCapture(capstream, (CUstreamCaptureMode)a));
+    } else if (!strcmp(op, "capend")) {
+        CUgraph g = NULL;
+        printf("capend rc=%d\n", api.EndCapture(capstream, &g));
+    } else if (sscanf(op, "capthread:%llu", &a) == 1) {
+        /* capthread:MODE  another thread begins a capture and keeps it open until capjoin */
+        capmode = (int)a;
+        __atomic_store_n(&capstate, 0, __ATOMIC_SEQ_CST);
+        pthread_create(&capth, NULL, capmain, NULL);
+        while (__atomic_load_n(&capstate, __ATOMIC_SEQ_CST) == 0)
+            usleep(100);
+        printf("capthread rc=%d\n", capbegin_rc);
+    } else if (!strcmp(op, "capjoin")) {
+        __atomic_store_n(&capstate, 2, __ATOMIC_SEQ_CST);
+        pthread_join(capth, NULL);
+        printf("capjoin rc=%d\n", capend_rc);
+    } else if (sscanf(op, "spawnthreads:%llu:%llu", &a, &b) == 2) {
+        /* spawnthreads:N:L  N threads, eight at a time, each makes L launches of 1 us and exits */
+        unsigned long long done = 0;
+        while (done < a) {
+            pthread_t th[8];
+            unsigned k = 0;
+            for (; k < 8 && done < a; k++, done++)
+                pthread_create(&th[k], NULL, launch_n, &b);
+            for (unsigned q = 0; q < k; q++)
+                pthread_join(th[q], NULL);
+        }
+        api.StreamSync(NULL);
+        printf("spawnthreads %llu\n", a);
+    } else if (!strcmp(op, "nvmlprocs")) {
+        void *h = dlopen("libnvidia-ml.so.1", RTLD_NOW);
+        typedef struct { unsigned pid; unsigned long long used; unsigned gi, ci; } pinfo;
+        nvmlReturn_t (*procs)(nvmlDevice_t, unsigned *, pinfo *) =
+            h ? dlsym(h, "nvmlDeviceGetComputeRunningProcesses_v3") : NULL;
+        typedef struct { unsigned pid; unsigned long long ts; unsigned sm, mem, enc, dec; } usample;
+        nvmlReturn_t (*util)(nvmlDevice_t, usample *, unsigned *, unsigned long long) =
+            h ? dlsym(h, "nvmlDeviceGetProcessUtilization") : NULL;
+        pinfo p[16];
+        usample u[16];
+        unsigned n = 16, m = 16;
+        int r1 = procs ? procs((nvmlDevice_t)0x10, &n, p) : -1, r2 = util ? util((nvmlDevice_t)0x10, u, &m, 0) : -1;
+        printf("nvmlprocs rc=%d n=%u pids=", r1, r1 == 0 ? n : 0);
+        for (unsigned k = 0; r1 == 0 && k < n; k++)
+            printf("%s%u", k ? "," : "", p[k].pid);
+        printf(" urc=%d un=%u upids=", r2, r2 == 0 ? m : 0);
+        for (unsigned k = 0; r2 == 0 && k < m; k++)
+            printf("%s%u", k ? "," : "", u[k].pid);
+        printf("\n");
     } else if (sscanf(op, "sleep:%llu", &a) == 1) {
         usleep((useconds_t)(a * 1000));
     } else if (!strcmp(op, "hold")) {

@@ -7,11 +7,19 @@
  * - Allocations belong to the current context: cuCtxDestroy, cuDevicePrimaryCtxReset and the last
  *   cuDevicePrimaryCtxRelease free them. VMM: cuMemRelease frees a handle's memory only once its last mapping is
  *   unmapped (cuMemMap / cuMemUnmap). Pitch rows are padded to SIMCUDA_PITCH_ALIGN bytes (default 256).
- * - Kernels take GPU time: a launch's duration is *(uint64_t *)kernelParams[0] ns when given, else gridDimX us.
+ * - Kernels take GPU time: a launch runs ceil(blocks / SIMCUDA_WAVE_BLOCKS (default 128)) waves (a kernel's time
+ *   grows with its grid), each of *(uint64_t *)kernelParams[0] ns when given, else of the number after the last
+ *   ':' in the function's name (cuModuleGetFunction(..., "k:250000")), else 1 us.
  *   Each stream is a timeline in real (CLOCK_MONOTONIC) time: a launch starts when the stream is free and ends
  *   `duration` later; events, queries and synchronize follow that timeline, so GPU busy time is measurable.
  *   A stream holds at most 1024 launches in flight; the 1025th blocks (sleeps) like the real driver's queue.
- * - Stream capture records launches into a graph; a graph launch runs their summed duration.
+ * - Stream capture records launches into a graph; a graph launch runs their summed duration. Capture modes as
+ *   documented: an event query while a global-mode capture is under way in any thread, or a non-relaxed one in
+ *   the querying thread, invalidates those captures (cuStreamEndCapture then fails with
+ *   CUDA_ERROR_STREAM_CAPTURE_INVALIDATED); a non-relaxed capture ended from another thread fails with
+ *   CUDA_ERROR_STREAM_CAPTURE_WRONG_THREAD and goes on. SIMCUDA_END_CAPTURE_RC=n: cuStreamEndCapture ends the
+ *   capture but returns n (as with an unjoined fork).
+ * - Legacy launches (cuLaunch, cuLaunchGrid[Async]) and cuLaunchCooperativeKernelMultiDevice.
  * - cuGetProcAddress(_v2) maps (symbol, cudaVersion, per-thread flag) to variants like the real driver does,
  *   from its own table (never through dlsym).
  * - SIMCUDA_STATS=path: at exit, "name count" lines: calls per entry point, busy_ns, peak memory.
@@ -376,13 +384,15 @@ API CUresult cuCtxSetCurrent(CUcontext c) { CALLED(); cur_ctx = c; return CUDA_S
 API CUresult cuCtxGetCurrent(CUcontext *c) { *c = cur_ctx; return CUDA_SUCCESS; }
 
 /* ---- modules and functions ------------------------------------------------------------------------------------ */
-struct CUfunc_st { char name[32]; };
+struct CUfunc_st { char name[32]; uint64_t base_ns; };
 API CUresult cuModuleLoadData(void **m, const void *img) { (void)img; CALLED(); *m = (void *)0x1; return CUDA_SUCCESS; }
 API CUresult cuModuleGetFunction(CUfunction *f, void *m, const char *name)
 {
     (void)m; CALLED();
     *f = calloc(1, sizeof **f);
     snprintf((*f)->name, sizeof (*f)->name, "%s", name);
+    const char *c = strrchr(name, ':');
+    (*f)->base_ns = c ? strtoull(c + 1, NULL, 10) : 0;
     return CUDA_SUCCESS;
 }
 
@@ -394,9 +404,12 @@ struct CUstream_st {
     uint64_t busy_until;
     uint64_t ends[QDEPTH];
     unsigned qpos;
-    int capturing;
+    int capturing, mode, invalidated;
+    pthread_t owner;
     struct graph *capture;
 };
+static _Atomic int global_captures;
+static __thread int my_strict_captures;
 static struct CUstream_st legacy_stream = {.mu = PTHREAD_MUTEX_INITIALIZER};
 static __thread struct CUstream_st *ptds_stream;
 
@@ -462,28 +475,59 @@ static CUresult run(CUstream hs, int pt, uint64_t dur)
     }
 }
 
-static uint64_t duration(unsigned gx, void **params)
+static uint64_t duration(CUfunction f, uint64_t blocks, void **params)
 {
-    return params && params[0] ? *(uint64_t *)params[0] : (uint64_t)gx * 1000u;
+    const char *w = getenv("SIMCUDA_WAVE_BLOCKS");
+    uint64_t per = w ? strtoull(w, NULL, 10) : 128, waves = (blocks + per - 1) / per;
+    uint64_t base = params && params[0] ? *(uint64_t *)params[0] : f && f->base_ns ? f->base_ns : 1000u;
+    return base * (waves ? waves : 1);
 }
+#define BL(x, y, z) ((uint64_t)(x) * (uint64_t)(y) * (uint64_t)(z))
 
 #define KP CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz, unsigned sh, CUstream hs
-#define UNUSED_K (void)f, (void)gy, (void)gz, (void)bx, (void)by, (void)bz, (void)sh
-API CUresult cuLaunchKernel(KP, void **p, void **e) { (void)e; UNUSED_K; CALLED(); if (!f) return CUDA_ERROR_INVALID_VALUE; return run(hs, 0, duration(gx, p)); }
-API CUresult cuLaunchKernel_ptsz(KP, void **p, void **e) { (void)e; UNUSED_K; CALLED(); if (!f) return CUDA_ERROR_INVALID_VALUE; return run(hs, 1, duration(gx, p)); }
-API CUresult cuLaunchCooperativeKernel(KP, void **p) { UNUSED_K; CALLED(); if (!f) return CUDA_ERROR_INVALID_VALUE; return run(hs, 0, duration(gx, p)); }
-API CUresult cuLaunchCooperativeKernel_ptsz(KP, void **p) { UNUSED_K; CALLED(); if (!f) return CUDA_ERROR_INVALID_VALUE; return run(hs, 1, duration(gx, p)); }
-API CUresult cuLaunchKernelEx(const CUlaunchConfig *c, CUfunction f, void **p, void **e) { (void)e; CALLED(); if (!f || !c) return CUDA_ERROR_INVALID_VALUE; return run(c->hStream, 0, duration(c->gridDimX, p)); }
-API CUresult cuLaunchKernelEx_ptsz(const CUlaunchConfig *c, CUfunction f, void **p, void **e) { (void)e; CALLED(); if (!f || !c) return CUDA_ERROR_INVALID_VALUE; return run(c->hStream, 1, duration(c->gridDimX, p)); }
+#define UNUSED_K (void)bx, (void)by, (void)bz, (void)sh
+API CUresult cuLaunchKernel(KP, void **p, void **e) { (void)e; UNUSED_K; CALLED(); if (!f) return CUDA_ERROR_INVALID_VALUE; return run(hs, 0, duration(f, BL(gx, gy, gz), p)); }
+API CUresult cuLaunchKernel_ptsz(KP, void **p, void **e) { (void)e; UNUSED_K; CALLED(); if (!f) return CUDA_ERROR_INVALID_VALUE; return run(hs, 1, duration(f, BL(gx, gy, gz), p)); }
+API CUresult cuLaunchCooperativeKernel(KP, void **p) { UNUSED_K; CALLED(); if (!f) return CUDA_ERROR_INVALID_VALUE; return run(hs, 0, duration(f, BL(gx, gy, gz), p)); }
+API CUresult cuLaunchCooperativeKernel_ptsz(KP, void **p) { UNUSED_K; CALLED(); if (!f) return CUDA_ERROR_INVALID_VALUE; return run(hs, 1, duration(f, BL(gx, gy, gz), p)); }
+API CUresult cuLaunchKernelEx(const CUlaunchConfig *c, CUfunction f, void **p, void **e) { (void)e; CALLED(); if (!f || !c) return CUDA_ERROR_INVALID_VALUE; return run(c->hStream, 0, duration(f, BL(c->gridDimX, c->gridDimY, c->gridDimZ), p)); }
+API CUresult cuLaunchKernelEx_ptsz(const CUlaunchConfig *c, CUfunction f, void **p, void **e) { (void)e; CALLED(); if (!f || !c) return CUDA_ERROR_INVALID_VALUE; return run(c->hStream, 1, duration(f, BL(c->gridDimX, c->gridDimY, c->gridDimZ), p)); }
+API CUresult cuLaunch(CUfunction f) { CALLED(); if (!f) return CUDA_ERROR_INVALID_VALUE; return run(NULL, 0, duration(f, 1, NULL)); }
+API CUresult cuLaunchGrid(CUfunction f, int w, int h) { CALLED(); if (!f || w <= 0 || h <= 0) return CUDA_ERROR_INVALID_VALUE; return run(NULL, 0, duration(f, BL(w, h, 1), NULL)); }
+API CUresult cuLaunchGridAsync(CUfunction f, int w, int h, CUstream hs) { CALLED(); if (!f || w <= 0 || h <= 0) return CUDA_ERROR_INVALID_VALUE; return run(hs, 0, duration(f, BL(w, h, 1), NULL)); }
+API CUresult cuLaunchCooperativeKernelMultiDevice(CUDA_LAUNCH_PARAMS *l, unsigned n, unsigned flags)
+{
+    (void)flags; CALLED();
+    if (!l || n == 0)
+        return CUDA_ERROR_INVALID_VALUE;
+    for (unsigned i = 0; i < n; i++) /* one simulated GPU: every device's share runs on it */
+        run(l[i].hStream, 0, duration(l[i].function, BL(l[i].gridDimX, l[i].gridDimY, l[i].gridDimZ), l[i].kernelParams));
+    return CUDA_SUCCESS;
+}
 
-static CUresult begin_capture(CUstream hs, int pt)
+/* capture streams, to invalidate on a forbidden event query */
+static struct CUstream_st *_Atomic capturing_streams[64];
+
+static CUresult begin_capture(CUstream hs, int pt, int mode)
 {
     struct CUstream_st *s = S(hs, pt);
     pthread_mutex_lock(&s->mu);
     CUresult rc = CUDA_ERROR_INVALID_VALUE;
     if (!s->capturing) {
         s->capturing = 1;
+        s->mode = mode;
+        s->invalidated = 0;
+        s->owner = pthread_self();
         s->capture = calloc(1, sizeof *s->capture);
+        if (mode == 0)
+            global_captures++;
+        if (mode != 2)
+            my_strict_captures++;
+        for (int i = 0; i < 64; i++) {
+            struct CUstream_st *z = NULL;
+            if (atomic_compare_exchange_strong(&capturing_streams[i], &z, s))
+                break;
+        }
         rc = CUDA_SUCCESS;
     }
     pthread_mutex_unlock(&s->mu);
@@ -494,28 +538,62 @@ static CUresult end_capture(CUstream hs, int pt, CUgraph *g)
     struct CUstream_st *s = S(hs, pt);
     pthread_mutex_lock(&s->mu);
     CUresult rc = 401; /* CUDA_ERROR_ILLEGAL_STATE */
-    if (s->capturing) {
+    if (s->capturing && s->mode != 2 && !pthread_equal(s->owner, pthread_self())) {
+        rc = 908; /* CUDA_ERROR_STREAM_CAPTURE_WRONG_THREAD: the capture goes on */
+    } else if (s->capturing) {
         s->capturing = 0;
-        *g = (CUgraph)s->capture;
+        if (s->mode == 0)
+            global_captures--;
+        if (s->mode != 2)
+            my_strict_captures--;
+        for (int i = 0; i < 64; i++) {
+            struct CUstream_st *me = s;
+            if (atomic_compare_exchange_strong(&capturing_streams[i], &me, NULL))
+                break;
+        }
+        const char *forced = getenv("SIMCUDA_END_CAPTURE_RC");
+        if (s->invalidated) {
+            *g = NULL;
+            free(s->capture);
+            rc = CUDA_ERROR_STREAM_CAPTURE_INVALIDATED;
+        } else if (forced != NULL) {
+            *g = NULL;
+            free(s->capture);
+            rc = atoi(forced);
+        } else {
+            *g = (CUgraph)s->capture;
+            rc = CUDA_SUCCESS;
+        }
         s->capture = NULL;
-        rc = CUDA_SUCCESS;
     }
     pthread_mutex_unlock(&s->mu);
     return rc;
 }
-API CUresult cuStreamBeginCapture(CUstream s) { CALLED(); return begin_capture(s, 0); }
-API CUresult cuStreamBeginCapture_ptsz(CUstream s) { CALLED(); return begin_capture(s, 1); }
-API CUresult cuStreamBeginCapture_v2(CUstream s, CUstreamCaptureMode m) { (void)m; CALLED(); return begin_capture(s, 0); }
-API CUresult cuStreamBeginCapture_v2_ptsz(CUstream s, CUstreamCaptureMode m) { (void)m; CALLED(); return begin_capture(s, 1); }
-API CUresult cuStreamBeginCaptureToGraph(CUstream s, CUgraph g, const CUgraphNode *d, const CUgraphEdgeData *e, size_t n, CUstreamCaptureMode m) { (void)g; (void)d; (void)e; (void)n; (void)m; CALLED(); return begin_capture(s, 0); }
-API CUresult cuStreamBeginCaptureToGraph_ptsz(CUstream s, CUgraph g, const CUgraphNode *d, const CUgraphEdgeData *e, size_t n, CUstreamCaptureMode m) { (void)g; (void)d; (void)e; (void)n; (void)m; CALLED(); return begin_capture(s, 1); }
+/* An event query while a capture forbids it: the driver invalidates the capture(s) concerned. */
+static int query_forbidden(void)
+{
+    if (global_captures == 0 && my_strict_captures == 0)
+        return 0;
+    for (int i = 0; i < 64; i++) {
+        struct CUstream_st *s = capturing_streams[i];
+        if (s != NULL && (s->mode == 0 || (s->mode == 1 && pthread_equal(s->owner, pthread_self()))))
+            s->invalidated = 1;
+    }
+    return 1;
+}
+API CUresult cuStreamBeginCapture(CUstream s) { CALLED(); return begin_capture(s, 0, 0); }
+API CUresult cuStreamBeginCapture_ptsz(CUstream s) { CALLED(); return begin_capture(s, 1, 0); }
+API CUresult cuStreamBeginCapture_v2(CUstream s, CUstreamCaptureMode m) { CALLED(); return begin_capture(s, 0, m); }
+API CUresult cuStreamBeginCapture_v2_ptsz(CUstream s, CUstreamCaptureMode m) { CALLED(); return begin_capture(s, 1, m); }
+API CUresult cuStreamBeginCaptureToGraph(CUstream s, CUgraph g, const CUgraphNode *d, const CUgraphEdgeData *e, size_t n, CUstreamCaptureMode m) { (void)g; (void)d; (void)e; (void)n; CALLED(); return begin_capture(s, 0, m); }
+API CUresult cuStreamBeginCaptureToGraph_ptsz(CUstream s, CUgraph g, const CUgraphNode *d, const CUgraphEdgeData *e, size_t n, CUstreamCaptureMode m) { (void)g; (void)d; (void)e; (void)n; CALLED(); return begin_capture(s, 1, m); }
 API CUresult cuStreamEndCapture(CUstream s, CUgraph *g) { CALLED(); return end_capture(s, 0, g); }
 API CUresult cuStreamEndCapture_ptsz(CUstream s, CUgraph *g) { CALLED(); return end_capture(s, 1, g); }
 static CUresult is_capturing(CUstream hs, int pt, CUstreamCaptureStatus *st)
 {
     struct CUstream_st *s = S(hs, pt);
     pthread_mutex_lock(&s->mu);
-    *st = s->capturing ? 1 : 0;
+    *st = s->capturing ? (s->invalidated ? 2 : 1) : 0;
     pthread_mutex_unlock(&s->mu);
     return CUDA_SUCCESS;
 }
@@ -550,7 +628,7 @@ static CUresult event_record(CUevent e, CUstream hs, int pt)
 }
 API CUresult cuEventRecord(CUevent e, CUstream s) { CALLED(); return event_record(e, s, 0); }
 API CUresult cuEventRecord_ptsz(CUevent e, CUstream s) { CALLED(); return event_record(e, s, 1); }
-API CUresult cuEventQuery(CUevent e) { CALLED(); if (!e) return CUDA_ERROR_INVALID_VALUE; return e->t <= now_ns() ? CUDA_SUCCESS : CUDA_ERROR_NOT_READY; }
+API CUresult cuEventQuery(CUevent e) { CALLED(); if (!e) return CUDA_ERROR_INVALID_VALUE; if (query_forbidden()) return 900; return e->t <= now_ns() ? CUDA_SUCCESS : CUDA_ERROR_NOT_READY; }
 API CUresult cuEventSynchronize(CUevent e) { CALLED(); sleep_until(e->t); return CUDA_SUCCESS; }
 API CUresult cuEventElapsedTime(float *ms, CUevent a, CUevent b)
 {
@@ -602,6 +680,9 @@ static const struct proc procs[] = {
     PR("cuLaunchKernelEx", 11060, 0, cuLaunchKernelEx), PR("cuLaunchKernelEx", 11060, 1, cuLaunchKernelEx_ptsz),
     PR("cuLaunchCooperativeKernel", 9000, 0, cuLaunchCooperativeKernel),
     PR("cuLaunchCooperativeKernel", 9000, 1, cuLaunchCooperativeKernel_ptsz),
+    PR("cuLaunch", 2000, 0, cuLaunch), PR("cuLaunchGrid", 2000, 0, cuLaunchGrid),
+    PR("cuLaunchGridAsync", 2000, 0, cuLaunchGridAsync),
+    PR("cuLaunchCooperativeKernelMultiDevice", 9000, 0, cuLaunchCooperativeKernelMultiDevice),
     PR("cuGraphLaunch", 10000, 0, cuGraphLaunch), PR("cuGraphLaunch", 10000, 1, cuGraphLaunch_ptsz),
     PR("cuGraphInstantiateWithFlags", 11040, 0, cuGraphInstantiateWithFlags),
     PR("cuStreamBeginCapture", 10000, 0, cuStreamBeginCapture), PR("cuStreamBeginCapture", 10000, 1, cuStreamBeginCapture_ptsz),
