@@ -290,7 +290,6 @@ static __attribute__((noinline)) void refill(void)
             forfeit_excess(s, avail, now);
             avail = alnair_tokens_available(now);
         }
-        uint64_t deficit = owe + (uint64_t)(avail < 0 ? -avail : 0);
         if (avail > 0) {
             uint64_t grab = owe + CHUNK_NS;
             if ((uint64_t)avail < grab)
@@ -298,14 +297,15 @@ static __attribute__((noinline)) void refill(void)
             RADD(s->tokens_taken, grab);
             if (atomic_fetch_add(&g_balance, (int64_t)grab) + (int64_t)grab >= 0)
                 break;
-            deficit = owe > grab ? owe - grab : 0; /* partly paid: sleep until more has come */
+            /* partly paid: sleep until more has come */
         }
         if (t0 == 0)
             t0 = now;
+        /* Every waiting process naps the same time (a quarter of the time the line takes to grow a chunk), whatever
+         * it owes: the one with the largest debt polls as often as the one with the smallest, so the tokens are
+         * shared about evenly among them instead of going to whoever checks most often. */
         uint64_t rate = alnair_token_rate();
-        if (deficit > CHUNK_NS)
-            deficit = CHUNK_NS; /* wake up to take what has come, not only once the whole debt is there */
-        uint64_t nap = rate ? (uint64_t)((unsigned __int128)deficit * 1000000000u / rate) : 1000000u;
+        uint64_t nap = rate ? (uint64_t)((unsigned __int128)CHUNK_NS * 1000000000u / rate / 4) : 1000000u;
         alnair_sleep_ns(nap < 20000u ? 20000u : nap > 1000000u ? 1000000u : nap);
     }
     if (t0 != 0)
