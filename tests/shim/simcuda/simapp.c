@@ -140,7 +140,7 @@ static struct {
 #undef FIELD
 } api;
 
-static int route_dlsym, route_gpa, per_thread, version = 12000;
+static int route_dlsym, route_dlvsym, route_gpa, per_thread, version = 12000;
 
 /* ver=N applies to the functions under test; the rest (init, contexts, ...) are looked up as a CUDA 12 program */
 static int versioned(const char *field)
@@ -157,7 +157,7 @@ static void *resolve(const char *field, const char *plain, const char *ptv, cons
                      void *direct_pt)
 {
     static void *h;
-    if (!route_dlsym && !route_gpa)
+    if (!route_dlsym && !route_gpa && !route_dlvsym)
         return per_thread ? direct_pt : direct_plain;
     if (h == NULL)
         h = dlopen("libcuda.so.1", RTLD_NOW);
@@ -167,6 +167,8 @@ static void *resolve(const char *field, const char *plain, const char *ptv, cons
     }
     if (route_dlsym)
         return dlsym(h, per_thread ? ptv : plain);
+    if (route_dlvsym)
+        return dlvsym(h, per_thread ? ptv : plain, "SIMCUDA_1.0");
     static CUresult (*gpa)(const char *, void **, int, cuuint64_t, CUdriverProcAddressQueryResult *);
     if (gpa == NULL)
         gpa = (__typeof__(gpa))dlsym(h, "cuGetProcAddress_v2");
@@ -688,6 +690,9 @@ static void run_op(const char *op, int argc, char **argv, int i)
             printf("hook %s real=%d exported=%d dlsym_is_hook=%d\n", name(k), real(k) != NULL,
                    dlsym(RTLD_DEFAULT, name(k)) == addr(k), viadl == addr(k));
         }
+    } else if (!strcmp(op, "nextprobe")) {
+        const char *(*probe)(void) = (const char *(*)(void))dlsym(RTLD_DEFAULT, "next_probe");
+        printf("nextprobe %s\n", probe ? probe() : "missing");
     } else if (!strcmp(op, "pid")) {
         printf("pid %d\n", getpid());
     } else {
@@ -709,6 +714,8 @@ int main(int argc, char **argv)
     for (; i < argc && strchr(argv[i], '='); i++) {
         if (!strcmp(argv[i], "route=dlsym"))
             route_dlsym = 1;
+        else if (!strcmp(argv[i], "route=dlvsym"))
+            route_dlvsym = 1;
         else if (!strcmp(argv[i], "route=gpa"))
             route_gpa = 1;
         else if (!strcmp(argv[i], "pt=1"))
