@@ -112,3 +112,28 @@ def test_dlsym_rtld_next_is_relative_to_the_caller(runner, make_region, build, s
         res = runner.run("nextprobe", "init", "alloc:1000", region=preload_region, env=env, preload=False)
         assert res.returncode == 0, res.stderr
         assert res.line("nextprobe") == {} and res.lines[0] == "nextprobe libnext2", res.lines
+
+
+def test_nvml_process_queries_show_the_container_its_own_processes(runner, make_region):
+    """nvidia-smi / pynvml inside a container list GPU processes and their utilization: the other tenants'
+    (pids 999991, 999992 here) are not shown; this process and its container siblings are."""
+    from shimkit import release, wait_holding
+
+    region = make_region(memory_limit=GiB, compute_limit=50)
+    sibling = runner.start("init", "alloc:1000", "hold", region=region)
+    try:
+        wait_holding(sibling)
+        others = {"SIMCUDA_NVML_PIDS": f"999991,{sibling.pid},999992"}
+        res = runner.run("init", "pid", "nvmlprocs", region=region, env=others)
+        me = int(res.lines[1].split()[1])
+        line = res.line("nvmlprocs")
+        assert line["rc"] == "0" and line["urc"] == "0", res.lines
+        assert sorted(map(int, line["pids"].split(","))) == sorted([me, sibling.pid])
+        assert sorted(map(int, line["upids"].split(","))) == sorted([me, sibling.pid])
+        # the size query counts what the filtered answer needs; a one-record buffer is too small for two
+        assert (line["rq"], line["need"], line["rs"], line["small"]) == ("7", "2", "7", "2")
+        # without the shim the same call lists every tenant
+        plain = runner.run("init", "nvmlprocs", preload=False, env=others)
+        assert len(plain.line("nvmlprocs")["pids"].split(",")) == 4
+    finally:
+        release(sibling)

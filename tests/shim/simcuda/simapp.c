@@ -640,7 +640,11 @@ static void run_op(const char *op, int argc, char **argv, int i)
         usample u[16];
         unsigned n = 16, m = 16;
         int r1 = procs ? procs((nvmlDevice_t)0x10, &n, p) : -1, r2 = util ? util((nvmlDevice_t)0x10, u, &m, 0) : -1;
-        printf("nvmlprocs rc=%d n=%u pids=", r1, r1 == 0 ? n : 0);
+        unsigned need = 0, small = 1;
+        pinfo one[1];
+        int rq = procs ? procs((nvmlDevice_t)0x10, &need, NULL) : -1;
+        int rs = procs ? procs((nvmlDevice_t)0x10, &small, one) : -1;
+        printf("nvmlprocs rq=%d need=%u rs=%d small=%u rc=%d n=%u pids=", rq, need, rs, small, r1, r1 == 0 ? n : 0);
         for (unsigned k = 0; r1 == 0 && k < n; k++)
             printf("%s%u", k ? "," : "", p[k].pid);
         printf(" urc=%d un=%u upids=", r2, r2 == 0 ? m : 0);
