@@ -55,6 +55,9 @@ struct alnair_aux {
     CUresult (*cuStreamIsCapturing)(CUstream, CUstreamCaptureStatus *);
     CUresult (*cuStreamIsCapturing_ptsz)(CUstream, CUstreamCaptureStatus *);
     CUresult (*cuCtxGetCurrent)(CUcontext *);
+    CUresult (*cuCtxGetDevice)(CUdevice *);
+    CUresult (*cuDeviceGetMemPool)(CUmemoryPool *, CUdevice);
+    CUresult (*cuDeviceGetGraphMemAttribute)(CUdevice, int, void *);
 };
 extern struct alnair_aux alnair_aux;
 void alnair_cuda_resolve(void); /* pthread_once: libcuda's real table + aux */
@@ -101,9 +104,12 @@ extern uint64_t alnair_context_bytes;
 
 /* ---- memory.c --------------------------------------------------------------------------------------------- */
 void alnair_memory_after_fork_child(void);
+void alnair_graph_mem_sync(void); /* charge what the device's graph memory pool holds now */
+int alnair_graph_mem_over(void);  /* graph memory exists and the container is past its limit */
 
 /* ---- launch.c --------------------------------------------------------------------------------------------- */
 void alnair_launch_after_fork_child(void);
+int alnair_captures_under_way(void); /* some stream of this process is being captured */
 
 /* atomics on region fields (the layout's plain integers) */
 #define RLOAD(p) __atomic_load_n(&(p), __ATOMIC_ACQUIRE)

@@ -28,6 +28,8 @@ typedef struct CUctxCreateParams_st CUctxCreateParams;     /* opaque to the shim
 typedef struct CUgraphEdgeData_st CUgraphEdgeData;         /* opaque to the shim */
 typedef struct CUlaunchAttribute_st CUlaunchAttribute;     /* opaque to the shim */
 typedef int CUstreamCaptureMode;
+typedef int CUmemPool_attribute;
+typedef struct CUDA_MEM_ALLOC_NODE_PARAMS_st CUDA_MEM_ALLOC_NODE_PARAMS; /* opaque to the shim */
 typedef int CUstreamCaptureStatus;
 typedef int CUdriverProcAddressQueryResult;
 typedef int CUarray_format;

@@ -26,6 +26,12 @@ P CUresult cuMemAllocFromPoolAsync(CUdeviceptr *dptr, size_t bytesize, CUmemoryP
 P CUresult cuMemAllocFromPoolAsync_ptsz(CUdeviceptr *dptr, size_t bytesize, CUmemoryPool pool, CUstream hStream);
 P CUresult cuMemFreeAsync(CUdeviceptr dptr, CUstream hStream);
 P CUresult cuMemFreeAsync_ptsz(CUdeviceptr dptr, CUstream hStream);
+P CUresult cuMemPoolSetAttribute(CUmemoryPool pool, CUmemPool_attribute attr, void *value);
+P CUresult cuMemPoolTrimTo(CUmemoryPool pool, size_t minBytesToKeep);
+P CUresult cuMemPoolDestroy(CUmemoryPool pool);
+P CUresult cuGraphAddMemAllocNode(CUgraphNode *phGraphNode, CUgraph hGraph, const CUgraphNode *dependencies,
+                                  size_t numDependencies, CUDA_MEM_ALLOC_NODE_PARAMS *nodeParams);
+P CUresult cuDeviceGraphMemTrim(CUdevice device);
 P CUresult cuArrayCreate_v2(CUarray *pHandle, const CUDA_ARRAY_DESCRIPTOR *pAllocateArray);
 P CUresult cuArray3DCreate_v2(CUarray *pHandle, const CUDA_ARRAY3D_DESCRIPTOR *pAllocateArray);
 P CUresult cuArrayDestroy(CUarray hArray);

@@ -213,6 +213,9 @@ static void cuda_resolve_once(void)
     AUX(cuStreamIsCapturing, "cuStreamIsCapturing");
     AUX(cuStreamIsCapturing_ptsz, "cuStreamIsCapturing_ptsz");
     AUX(cuCtxGetCurrent, "cuCtxGetCurrent");
+    AUX(cuCtxGetDevice, "cuCtxGetDevice");
+    AUX(cuDeviceGetMemPool, "cuDeviceGetMemPool");
+    AUX(cuDeviceGetGraphMemAttribute, "cuDeviceGetGraphMemAttribute");
 #undef AUX
     if (alnair_aux.cuEventRecord_ptsz == NULL)
         alnair_aux.cuEventRecord_ptsz = alnair_aux.cuEventRecord;

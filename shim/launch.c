@@ -681,14 +681,36 @@ ALNAIR_API CUresult cuLaunchKernelEx_ptsz(const CUlaunchConfig *config, CUfuncti
                 config ? config->hStream : NULL, 1, fn(config, f, kernelParams, extra));
 }
 
-ALNAIR_API CUresult cuGraphLaunch(CUgraphExec hGraphExec, CUstream hStream)
+/* A graph launch may make the driver reserve graph memory (memory nodes): charged after it (memory.c), and a
+ * launch while graph memory has taken the container past its limit is refused. */
+static CUresult graph_launch(CUgraphExec hGraphExec, CUstream hStream)
 {
     LAUNCH_BODY(cuGraphLaunch, hGraphExec, 0, hStream, 0, fn(hGraphExec, hStream));
 }
 
-ALNAIR_API CUresult cuGraphLaunch_ptsz(CUgraphExec hGraphExec, CUstream hStream)
+static CUresult graph_launch_ptsz(CUgraphExec hGraphExec, CUstream hStream)
 {
     LAUNCH_BODY(cuGraphLaunch_ptsz, hGraphExec, 0, hStream, 1, fn(hGraphExec, hStream));
+}
+
+ALNAIR_API CUresult cuGraphLaunch(CUgraphExec hGraphExec, CUstream hStream)
+{
+    if (UNLIKELY(alnair_graph_mem_over()))
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    CUresult rc = graph_launch(hGraphExec, hStream);
+    if (rc == CUDA_SUCCESS)
+        alnair_graph_mem_sync();
+    return rc;
+}
+
+ALNAIR_API CUresult cuGraphLaunch_ptsz(CUgraphExec hGraphExec, CUstream hStream)
+{
+    if (UNLIKELY(alnair_graph_mem_over()))
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    CUresult rc = graph_launch_ptsz(hGraphExec, hStream);
+    if (rc == CUDA_SUCCESS)
+        alnair_graph_mem_sync();
+    return rc;
 }
 
 /* The pre-CUDA 4 launches (grid from cuFuncSetBlockShape, legacy stream) and the multi-device cooperative launch
@@ -720,6 +742,11 @@ ALNAIR_API CUresult cuLaunchCooperativeKernelMultiDevice(CUDA_LAUNCH_PARAMS *lau
 }
 
 /* ---- stream capture bookkeeping -------------------------------------------------------------------------- */
+int alnair_captures_under_way(void)
+{
+    return atomic_load_explicit(&g_captures, memory_order_relaxed) != 0;
+}
+
 static inline uintptr_t cap_key(CUstream s, int pt)
 {
     return (((uintptr_t)s << 1) | (uintptr_t)(pt != 0)) + 1;

@@ -14,13 +14,14 @@
 
 #include "hook_protos.h"
 
-enum { K_DEV = 1, K_HANDLE, K_ARRAY, K_MIPMAP, K_CTX, K_PCTX, K_MAP };
+enum { K_DEV = 1, K_HANDLE, K_ARRAY, K_MIPMAP, K_CTX, K_PCTX, K_MAP, K_POOL };
 
 struct entry {
     uint64_t key;
     uint64_t size; /* bytes charged for it (K_MAP: the mapping's length, not charged) */
     uint64_t ctx;  /* the context it lives in (0: none; VMM handles outlive contexts); K_PCTX: the primary context */
-    uint64_t aux;  /* K_HANDLE: live mappings of it; K_MAP: the handle mapped there */
+    uint64_t aux;  /* K_HANDLE: live mappings; K_MAP: the handle mapped there; K_DEV: its pool (stream-ordered
+                      allocations, 0: none known); K_POOL: the release threshold */
     uint32_t kind; /* 0: empty, UINT32_MAX: deleted */
     uint32_t refs; /* K_PCTX: retains; K_HANDLE: 1 until cuMemRelease, then 0 (kept while mapped) */
 };
@@ -138,6 +139,18 @@ static void unreserve(uint64_t size)
     do
         nv = old > size ? old - size : 0;
     while (!__atomic_compare_exchange_n(&s->memory_used, &old, nv, 1, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE));
+}
+
+/* Count bytes the driver already holds (no limit check: they exist whatever we say). */
+static void charge(uint64_t size)
+{
+    struct alnair_region_slot *s = alnair_region ? alnair_slot() : NULL;
+    if (s == NULL || size == 0)
+        return;
+    uint64_t old = RLOAD(s->memory_used), nv;
+    do
+        nv = __builtin_add_overflow(old, size, &nv) ? UINT64_MAX : old + size;
+    while (!__atomic_compare_exchange_n(&s->memory_used, &old, nv, 1, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST));
 }
 
 /* 0: reserved (or no region); -1: over the limit (or this process has no slot), nothing reserved. */
@@ -308,41 +321,264 @@ ALNAIR_API CUresult cuMemFree_v2(CUdeviceptr dptr)
     FREE_BODY(K_DEV, dptr, fn(dptr));
 }
 
+/* ---- stream-ordered allocations and their pools -----------------------------------------------------------
+ * A pool keeps freed bytes (up to its release threshold) instead of giving them back to the device: the driver
+ * still holds them, so they stay charged, as the pool's cache (a K_POOL entry: size = cached bytes, aux = the
+ * threshold). The next allocation from that pool is served from the cache first, and cuMemPoolTrimTo, a lower
+ * threshold or cuMemPoolDestroy give the bytes back. An allocation made into a capturing stream is not memory
+ * yet: it becomes graph memory, charged when a graph launch makes the driver reserve it (below). */
+#define CU_MEMPOOL_ATTR_RELEASE_THRESHOLD 4
+#define CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT 2
+static _Atomic int g_pools; /* some pool keeps freed bytes: async allocations look their pool up */
+static _Atomic int g_graph_mem; /* graph memory may exist: allocations were captured, or nodes added */
+
+static uint64_t current_pool(void)
+{
+    CUdevice dev = 0;
+    CUmemoryPool pool = NULL;
+    if (alnair_aux.cuCtxGetDevice == NULL || alnair_aux.cuDeviceGetMemPool == NULL ||
+        alnair_aux.cuCtxGetDevice(&dev) != CUDA_SUCCESS || alnair_aux.cuDeviceGetMemPool(&pool, dev) != CUDA_SUCCESS)
+        return 0;
+    return (uint64_t)(uintptr_t)pool;
+}
+
+/* Take up to `size` bytes out of the pool's cache (their charge moves to the new allocation). */
+static uint64_t pool_take(uint64_t pool, uint64_t size)
+{
+    if (pool == 0)
+        return 0;
+    pthread_mutex_lock(&mu);
+    struct entry *e = find(pool, K_POOL);
+    uint64_t take = 0;
+    if (e != NULL) {
+        take = e->size < size ? e->size : size;
+        e->size -= take;
+    }
+    pthread_mutex_unlock(&mu);
+    return take;
+}
+
+/* `size` freed bytes go back to the pool: what fits under its threshold stays cached (and charged); returns the
+ * bytes no longer held by the driver. */
+static uint64_t pool_give(uint64_t pool, uint64_t size)
+{
+    if (pool == 0)
+        return size;
+    pthread_mutex_lock(&mu);
+    struct entry *e = find(pool, K_POOL);
+    uint64_t keep = 0;
+    if (e != NULL && e->aux > e->size) {
+        keep = e->aux - e->size < size ? e->aux - e->size : size;
+        e->size += keep;
+    }
+    pthread_mutex_unlock(&mu);
+    return size - keep;
+}
+
+static int stream_capturing(CUstream s, int pt)
+{
+    if (!alnair_captures_under_way())
+        return 0;
+    CUresult (*fn)(CUstream, CUstreamCaptureStatus *) =
+        pt ? alnair_aux.cuStreamIsCapturing_ptsz : alnair_aux.cuStreamIsCapturing;
+    CUstreamCaptureStatus st = CU_STREAM_CAPTURE_STATUS_NONE;
+    return fn != NULL && fn(s, &st) == CUDA_SUCCESS && st != CU_STREAM_CAPTURE_STATUS_NONE;
+}
+
+#define ASYNC_ALLOC_BODY(poolexpr, stream, pt, call)                         \
+    do {                                                                     \
+        if (alnair_region == NULL)                                           \
+            return (call);                                                   \
+        if (stream_capturing((stream), (pt))) {                              \
+            atomic_store(&g_graph_mem, 1); /* graph memory: charged at launch */ \
+            return (call);                                                   \
+        }                                                                    \
+        uint64_t pool_ = atomic_load_explicit(&g_pools, memory_order_relaxed) ? (poolexpr) : 0; \
+        uint64_t cached_ = pool_take(pool_, bytesize);                       \
+        uint64_t rest_ = bytesize - cached_;                                 \
+        if (reserve(rest_) != 0) {                                           \
+            unreserve(pool_give(pool_, cached_));                            \
+            return CUDA_ERROR_OUT_OF_MEMORY;                                 \
+        }                                                                    \
+        CUresult rc_ = (call);                                               \
+        if (rc_ != CUDA_SUCCESS) {                                           \
+            unreserve(rest_);                                                \
+            unreserve(pool_give(pool_, cached_));                            \
+            return rc_;                                                      \
+        }                                                                    \
+        track(K_DEV, *dptr, bytesize);                                       \
+        set_pool(*dptr, pool_);                                              \
+        return rc_;                                                          \
+    } while (0)
+
+static void set_pool(uint64_t ptr, uint64_t pool)
+{
+    if (pool == 0)
+        return;
+    pthread_mutex_lock(&mu);
+    struct entry *e = find(ptr, K_DEV);
+    if (e != NULL)
+        e->aux = pool;
+    pthread_mutex_unlock(&mu);
+}
+
 ALNAIR_API CUresult cuMemAllocAsync(CUdeviceptr *dptr, size_t bytesize, CUstream hStream)
 {
     REAL_OR_FAIL(fn, cuMemAllocAsync);
-    ALLOC_BODY(K_DEV, bytesize, fn(dptr, bytesize, hStream), *dptr);
+    ASYNC_ALLOC_BODY(current_pool(), hStream, 0, fn(dptr, bytesize, hStream));
 }
 
 ALNAIR_API CUresult cuMemAllocAsync_ptsz(CUdeviceptr *dptr, size_t bytesize, CUstream hStream)
 {
     REAL_OR_FAIL(fn, cuMemAllocAsync_ptsz);
-    ALLOC_BODY(K_DEV, bytesize, fn(dptr, bytesize, hStream), *dptr);
+    ASYNC_ALLOC_BODY(current_pool(), hStream, 1, fn(dptr, bytesize, hStream));
 }
 
 ALNAIR_API CUresult cuMemAllocFromPoolAsync(CUdeviceptr *dptr, size_t bytesize, CUmemoryPool pool, CUstream hStream)
 {
     REAL_OR_FAIL(fn, cuMemAllocFromPoolAsync);
-    ALLOC_BODY(K_DEV, bytesize, fn(dptr, bytesize, pool, hStream), *dptr);
+    ASYNC_ALLOC_BODY((uint64_t)(uintptr_t)pool, hStream, 0, fn(dptr, bytesize, pool, hStream));
 }
 
 ALNAIR_API CUresult cuMemAllocFromPoolAsync_ptsz(CUdeviceptr *dptr, size_t bytesize, CUmemoryPool pool,
                                                  CUstream hStream)
 {
     REAL_OR_FAIL(fn, cuMemAllocFromPoolAsync_ptsz);
-    ALLOC_BODY(K_DEV, bytesize, fn(dptr, bytesize, pool, hStream), *dptr);
+    ASYNC_ALLOC_BODY((uint64_t)(uintptr_t)pool, hStream, 1, fn(dptr, bytesize, pool, hStream));
 }
+
+#define ASYNC_FREE_BODY(call)                                                \
+    do {                                                                     \
+        if (alnair_region == NULL)                                           \
+            return (call);                                                   \
+        struct entry saved_;                                                 \
+        int had_ = detach(K_DEV, dptr, &saved_);                             \
+        CUresult rc_ = (call);                                               \
+        if (had_ && rc_ == CUDA_SUCCESS) {                                   \
+            saved_.size = pool_give(saved_.aux, saved_.size);                \
+        }                                                                    \
+        settle(had_, &saved_, rc_);                                          \
+        return rc_;                                                          \
+    } while (0)
 
 ALNAIR_API CUresult cuMemFreeAsync(CUdeviceptr dptr, CUstream hStream)
 {
     REAL_OR_FAIL(fn, cuMemFreeAsync);
-    FREE_BODY(K_DEV, dptr, fn(dptr, hStream));
+    ASYNC_FREE_BODY(fn(dptr, hStream));
 }
 
 ALNAIR_API CUresult cuMemFreeAsync_ptsz(CUdeviceptr dptr, CUstream hStream)
 {
     REAL_OR_FAIL(fn, cuMemFreeAsync_ptsz);
-    FREE_BODY(K_DEV, dptr, fn(dptr, hStream));
+    ASYNC_FREE_BODY(fn(dptr, hStream));
+}
+
+ALNAIR_API CUresult cuMemPoolSetAttribute(CUmemoryPool pool, CUmemPool_attribute attr, void *value)
+{
+    REAL_OR_FAIL(fn, cuMemPoolSetAttribute);
+    CUresult rc = fn(pool, attr, value);
+    if (rc != CUDA_SUCCESS || alnair_region == NULL || attr != CU_MEMPOOL_ATTR_RELEASE_THRESHOLD || value == NULL)
+        return rc;
+    uint64_t threshold = *(const cuuint64_t *)value, give = 0;
+    pthread_mutex_lock(&mu);
+    struct entry *e = find((uintptr_t)pool, K_POOL);
+    if (e == NULL && threshold > 0 && (e = insert((uintptr_t)pool, K_POOL, 0)) != NULL)
+        e->refs = 0;
+    if (e != NULL) {
+        e->aux = threshold;
+        if (e->size > threshold) { /* the driver releases what is above the new threshold */
+            give = e->size - threshold;
+            e->size = threshold;
+        }
+    }
+    pthread_mutex_unlock(&mu);
+    if (threshold > 0)
+        atomic_store(&g_pools, 1);
+    unreserve(give);
+    return rc;
+}
+
+ALNAIR_API CUresult cuMemPoolTrimTo(CUmemoryPool pool, size_t minBytesToKeep)
+{
+    REAL_OR_FAIL(fn, cuMemPoolTrimTo);
+    CUresult rc = fn(pool, minBytesToKeep);
+    if (rc != CUDA_SUCCESS || alnair_region == NULL)
+        return rc;
+    uint64_t give = 0;
+    pthread_mutex_lock(&mu);
+    struct entry *e = find((uintptr_t)pool, K_POOL);
+    if (e != NULL && e->size > minBytesToKeep) {
+        give = e->size - minBytesToKeep;
+        e->size = minBytesToKeep;
+    }
+    pthread_mutex_unlock(&mu);
+    unreserve(give);
+    return rc;
+}
+
+ALNAIR_API CUresult cuMemPoolDestroy(CUmemoryPool pool)
+{
+    REAL_OR_FAIL(fn, cuMemPoolDestroy);
+    if (alnair_region == NULL)
+        return fn(pool);
+    struct entry saved;
+    int had = detach((uintptr_t)pool, K_POOL, &saved);
+    CUresult rc = fn(pool);
+    settle(had, &saved, rc);
+    return rc;
+}
+
+/* ---- graph memory: what the device's graph pool has reserved (cuDeviceGetGraphMemAttribute) is charged after
+ * each graph launch and each trim; a graph launch while the container is already over its limit is refused. */
+static uint64_t g_graph_charged[64]; /* per device; under mu */
+
+void alnair_graph_mem_sync(void)
+{
+    if (!atomic_load_explicit(&g_graph_mem, memory_order_relaxed) || alnair_region == NULL)
+        return;
+    CUdevice dev = 0;
+    cuuint64_t reserved = 0;
+    if (alnair_aux.cuCtxGetDevice == NULL || alnair_aux.cuDeviceGetGraphMemAttribute == NULL ||
+        alnair_aux.cuCtxGetDevice(&dev) != CUDA_SUCCESS || dev < 0 || dev >= 64 ||
+        alnair_aux.cuDeviceGetGraphMemAttribute(dev, CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT, &reserved) !=
+            CUDA_SUCCESS)
+        return;
+    pthread_mutex_lock(&mu);
+    uint64_t old = g_graph_charged[dev];
+    g_graph_charged[dev] = reserved;
+    pthread_mutex_unlock(&mu);
+    if (reserved > old)
+        charge(reserved - old); /* already the driver's: counted, so everything else is refused past the limit */
+    else
+        unreserve(old - reserved);
+}
+
+int alnair_graph_mem_over(void)
+{
+    struct alnair_region *r = alnair_region;
+    if (LIKELY(!atomic_load_explicit(&g_graph_mem, memory_order_relaxed)) || r == NULL)
+        return 0;
+    uint64_t limit = RLOAD(r->agent.memory_limit);
+    return limit != 0 && alnair_memory_used_all() > limit;
+}
+
+ALNAIR_API CUresult cuGraphAddMemAllocNode(CUgraphNode *phGraphNode, CUgraph hGraph, const CUgraphNode *dependencies,
+                                           size_t numDependencies, CUDA_MEM_ALLOC_NODE_PARAMS *nodeParams)
+{
+    REAL_OR_FAIL(fn, cuGraphAddMemAllocNode);
+    CUresult rc = fn(phGraphNode, hGraph, dependencies, numDependencies, nodeParams);
+    if (rc == CUDA_SUCCESS && alnair_region != NULL)
+        atomic_store(&g_graph_mem, 1);
+    return rc;
+}
+
+ALNAIR_API CUresult cuDeviceGraphMemTrim(CUdevice device)
+{
+    REAL_OR_FAIL(fn, cuDeviceGraphMemTrim);
+    CUresult rc = fn(device);
+    if (rc == CUDA_SUCCESS)
+        alnair_graph_mem_sync();
+    return rc;
 }
 
 /* ---- virtual memory management: the physical allocation is what counts --------------------------------- */

@@ -132,3 +132,46 @@ def test_reserve_orders_its_add_before_reading_the_others():
     used_all = region_c[region_c.index("uint64_t alnair_memory_used_all(void)"):]
     used_all = used_all[: used_all.index("\n}\n")]
     assert "__ATOMIC_SEQ_CST" in used_all and "RLOAD" not in used_all
+
+
+def test_a_pool_keeps_freed_bytes_under_its_release_threshold(runner, make_region):
+    """cudaMemPoolSetAttribute(RELEASE_THRESHOLD, high) (RAPIDS, PyTorch's async backend): freed bytes stay with the
+    pool, so they stay counted; the pool serves them again, and a trim gives them back."""
+    region = make_region(memory_limit=GiB)
+    res = runner.run("init", "poolthreshold:18446744073709551615", "async:600000000", "free", "info",
+                     "alloc:600000000", "async:500000000", "info", "free", "trim:0", "info", region=region)
+    assert res.line("poolthreshold")["rc"] == "0,0"
+    assert res.rcs("async") == [0, 0]
+    assert res.line("info", 0)["free"] == str(GiB - 600000000)  # freed into the pool: the driver still holds it
+    assert res.rcs("alloc") == [2]  # so 600 MB more would be past the limit
+    assert res.line("info", 1)["free"] == str(GiB - 600000000)  # 500 MB served from the pool's 600
+    assert res.line("trim")["rc"] == "0,0"
+    assert res.line("info", 2)["free"] == str(GiB)
+    assert res.stats["peak_mem"] <= GiB
+
+
+def test_a_pool_without_threshold_gives_freed_bytes_back(runner, make_region):
+    region = make_region(memory_limit=GiB)
+    res = runner.run("init", "async:600000000", "free", "alloc:600000000", "info", region=region)
+    assert res.rcs("alloc") == [0]
+    assert res.line("info")["free"] == str(GiB - 600000000)
+
+
+def test_graph_memory_is_charged_while_the_graph_pool_holds_it(runner, make_region):
+    """An allocation captured into a graph is memory once the graph is launched, and stays reserved until
+    cuDeviceGraphMemTrim."""
+    region = make_region(memory_limit=GiB)
+    res = runner.run("init", "memgraph:600000000", "info", "alloc:600000000", "graphtrim", "info",
+                     "alloc:600000000", region=region)
+    mg = res.line("memgraph")
+    assert mg["rc"] == "0,0,0,0" and mg["launch"] == "0" and mg["again"] == "0", res.lines
+    assert res.line("info", 0)["free"] == str(GiB - 600000000)
+    assert res.rcs("alloc") == [2, 0]
+    assert res.line("info", 1)["free"] == str(GiB)
+
+
+def test_a_graph_launch_past_the_limit_is_refused(runner, make_region):
+    region = make_region(memory_limit=GiB)
+    res = runner.run("init", "alloc:600000000", "memgraph:600000000", region=region)
+    # the first launch reserves 600 MB more (the driver allows it: it is already done); the next one is refused
+    assert res.line("memgraph")["launch"] == "0" and res.line("memgraph")["again"] == "2", res.lines

@@ -64,6 +64,10 @@ CUresult cuMemUnmap(CUdeviceptr, size_t);
 CUresult cuMemAddressReserve(CUdeviceptr *, size_t, size_t, CUdeviceptr, unsigned long long);
 CUresult cuDevicePrimaryCtxReset_v2(CUdevice);
 CUresult cuLaunch(CUfunction);
+CUresult cuDeviceGetMemPool(CUmemoryPool *, CUdevice);
+CUresult cuMemPoolSetAttribute(CUmemoryPool, CUmemPool_attribute, void *);
+CUresult cuMemPoolTrimTo(CUmemoryPool, size_t);
+CUresult cuDeviceGraphMemTrim(CUdevice);
 CUresult cuLaunchGrid(CUfunction, int, int);
 CUresult cuLaunchGridAsync(CUfunction, int, int, CUstream);
 CUresult cuLaunchCooperativeKernelMultiDevice(CUDA_LAUNCH_PARAMS *, unsigned, unsigned);
@@ -128,6 +132,12 @@ CUresult cuLaunchCooperativeKernelMultiDevice(CUDA_LAUNCH_PARAMS *, unsigned, un
     X(PrimaryReset, CUresult (*)(CUdevice), cuDevicePrimaryCtxReset_v2, cuDevicePrimaryCtxReset_v2,             \
       "cuDevicePrimaryCtxReset")                                                                                 \
     X(Launch0, CUresult (*)(CUfunction), cuLaunch, cuLaunch, "cuLaunch")                                        \
+    X(GetMemPool, CUresult (*)(CUmemoryPool *, CUdevice), cuDeviceGetMemPool, cuDeviceGetMemPool,               \
+      "cuDeviceGetMemPool")                                                                                      \
+    X(PoolSetAttr, CUresult (*)(CUmemoryPool, CUmemPool_attribute, void *), cuMemPoolSetAttribute,              \
+      cuMemPoolSetAttribute, "cuMemPoolSetAttribute")                                                            \
+    X(PoolTrim, CUresult (*)(CUmemoryPool, size_t), cuMemPoolTrimTo, cuMemPoolTrimTo, "cuMemPoolTrimTo")        \
+    X(GraphMemTrim, CUresult (*)(CUdevice), cuDeviceGraphMemTrim, cuDeviceGraphMemTrim, "cuDeviceGraphMemTrim") \
     X(LaunchGrid, CUresult (*)(CUfunction, int, int), cuLaunchGrid, cuLaunchGrid, "cuLaunchGrid")               \
     X(LaunchGridAsync, CUresult (*)(CUfunction, int, int, CUstream), cuLaunchGridAsync, cuLaunchGridAsync,      \
       "cuLaunchGridAsync")                                                                                       \
@@ -398,6 +408,32 @@ static void run_op(const char *op, int argc, char **argv, int i)
             held[nheld++] = (struct held){MAPPED, va, a};
         printf("vmmmap %llu rc=%d map=%d release=%d\n", a, r1, r3, r4);
         (void)r2;
+    } else if (sscanf(op, "poolthreshold:%llu", &a) == 1) {
+        /* the current (default) pool keeps up to this many freed bytes */
+        CUmemoryPool pl = NULL;
+        cuuint64_t v = a;
+        CUresult r1 = api.GetMemPool(&pl, 0);
+        printf("poolthreshold rc=%d,%d\n", r1, r1 == CUDA_SUCCESS ? api.PoolSetAttr(pl, 4, &v) : -1);
+    } else if (sscanf(op, "trim:%llu", &a) == 1) {
+        CUmemoryPool pl = NULL;
+        CUresult r1 = api.GetMemPool(&pl, 0);
+        printf("trim rc=%d,%d\n", r1, r1 == CUDA_SUCCESS ? api.PoolTrim(pl, a) : -1);
+    } else if (sscanf(op, "memgraph:%llu", &a) == 1) {
+        /* a graph captured with an allocation in it (cudaMallocAsync in a captured region, kept): launched once */
+        CUstream s;
+        CUgraph g = NULL;
+        CUgraphExec e = NULL;
+        CUdeviceptr p = 0;
+        api.StreamCreate(&s, 0);
+        CUresult r1 = api.BeginCapture(s, 2);
+        CUresult r2 = api.AllocAsync(&p, a, s);
+        CUresult r3 = api.EndCapture(s, &g);
+        CUresult r4 = api.Instantiate(&e, g, 0);
+        CUresult r5 = api.GraphLaunch(e, NULL);
+        CUresult r6 = api.GraphLaunch(e, NULL);
+        printf("memgraph %llu rc=%d,%d,%d,%d launch=%d again=%d\n", a, r1, r2, r3, r4, r5, r6);
+    } else if (!strcmp(op, "graphtrim")) {
+        printf("graphtrim rc=%d\n", api.GraphMemTrim(0));
     } else if (!strcmp(op, "reset")) {
         rc = api.PrimaryReset(0);
         CUcontext c = NULL;

@@ -107,7 +107,7 @@ struct CUctx_st { int dev; int primary; };
 static __thread CUcontext cur_ctx;
 static pthread_mutex_t mmu = PTHREAD_MUTEX_INITIALIZER;
 struct alloc {
-    uint64_t key, size, span;
+    uint64_t key, size, span, pool;
     CUcontext ctx;  /* NULL for VMM handles: they outlive contexts */
     int maps, released;
 };
@@ -162,7 +162,7 @@ static CUresult sim_alloc(unsigned long long *key, uint64_t size, int handle)
         if (!handle)
             next_addr += span;
     }
-    allocs[nallocs++] = (struct alloc){k | ((uint64_t)handle << 62), size, span, handle ? NULL : cur_ctx, 0, 0};
+    allocs[nallocs++] = (struct alloc){k | ((uint64_t)handle << 62), size, span, 0, handle ? NULL : cur_ctx, 0, 0};
     mem_used += size;
     if (mem_used > peak_mem)
         peak_mem = mem_used;
@@ -279,12 +279,6 @@ API CUresult cuMemAllocPitch_v2(CUdeviceptr *p, size_t *pitch, size_t w, size_t 
     return rc;
 }
 API CUresult cuMemFree_v2(CUdeviceptr p) { CALLED(); return sim_free(p, 0); }
-API CUresult cuMemAllocAsync(CUdeviceptr *p, size_t n, CUstream s) { (void)s; CALLED(); return sim_alloc(p, n, 0); }
-API CUresult cuMemAllocAsync_ptsz(CUdeviceptr *p, size_t n, CUstream s) { (void)s; CALLED(); return sim_alloc(p, n, 0); }
-API CUresult cuMemAllocFromPoolAsync(CUdeviceptr *p, size_t n, CUmemoryPool pl, CUstream s) { (void)pl; (void)s; CALLED(); return sim_alloc(p, n, 0); }
-API CUresult cuMemAllocFromPoolAsync_ptsz(CUdeviceptr *p, size_t n, CUmemoryPool pl, CUstream s) { (void)pl; (void)s; CALLED(); return sim_alloc(p, n, 0); }
-API CUresult cuMemFreeAsync(CUdeviceptr p, CUstream s) { (void)s; CALLED(); return sim_free(p, 0); }
-API CUresult cuMemFreeAsync_ptsz(CUdeviceptr p, CUstream s) { (void)s; CALLED(); return sim_free(p, 0); }
 API CUresult cuMemCreate(CUmemGenericAllocationHandle *h, size_t n, const CUmemAllocationProp *prop, unsigned long long f)
 {
     (void)prop; (void)f; CALLED();
@@ -398,7 +392,7 @@ API CUresult cuModuleGetFunction(CUfunction *f, void *m, const char *name)
 
 /* ---- streams, timelines, capture ------------------------------------------------------------------------------- */
 #define QDEPTH 1024
-struct graph { uint64_t dur; };
+struct graph { uint64_t dur, mem; };
 struct CUstream_st {
     pthread_mutex_t mu;
     uint64_t busy_until;
@@ -607,8 +601,173 @@ API CUresult cuGraphInstantiateWithFlags(CUgraphExec *e, CUgraph g, unsigned lon
     *e = (CUgraphExec)x;
     return CUDA_SUCCESS;
 }
-API CUresult cuGraphLaunch(CUgraphExec e, CUstream s) { CALLED(); if (!e) return CUDA_ERROR_INVALID_VALUE; return run(s, 0, ((struct graph *)e)->dur); }
-API CUresult cuGraphLaunch_ptsz(CUgraphExec e, CUstream s) { CALLED(); if (!e) return CUDA_ERROR_INVALID_VALUE; return run(s, 1, ((struct graph *)e)->dur); }
+/* graph memory: a launch reserves what the graph's memory nodes need; the reservation stays until trimmed */
+static uint64_t graph_reserved;
+static CUresult graph_mem(struct graph *g)
+{
+    pthread_mutex_lock(&mmu);
+    if (g->mem > graph_reserved) {
+        if (g->mem - graph_reserved > mem_total() - mem_used) {
+            pthread_mutex_unlock(&mmu);
+            return CUDA_ERROR_OUT_OF_MEMORY;
+        }
+        mem_used += g->mem - graph_reserved;
+        graph_reserved = g->mem;
+        if (mem_used > peak_mem)
+            peak_mem = mem_used;
+    }
+    pthread_mutex_unlock(&mmu);
+    return CUDA_SUCCESS;
+}
+API CUresult cuGraphLaunch(CUgraphExec e, CUstream s) { CALLED(); if (!e) return CUDA_ERROR_INVALID_VALUE; CUresult rc = graph_mem((struct graph *)e); return rc ? rc : run(s, 0, ((struct graph *)e)->dur); }
+API CUresult cuGraphLaunch_ptsz(CUgraphExec e, CUstream s) { CALLED(); if (!e) return CUDA_ERROR_INVALID_VALUE; CUresult rc = graph_mem((struct graph *)e); return rc ? rc : run(s, 1, ((struct graph *)e)->dur); }
+API CUresult cuDeviceGraphMemTrim(CUdevice d) { (void)d; CALLED(); pthread_mutex_lock(&mmu); mem_used -= graph_reserved; graph_reserved = 0; pthread_mutex_unlock(&mmu); return CUDA_SUCCESS; }
+API CUresult cuDeviceGetGraphMemAttribute(CUdevice d, int attr, void *v)
+{
+    (void)d; CALLED();
+    if (v == NULL || attr < 0 || attr > 3)
+        return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&mmu);
+    *(cuuint64_t *)v = graph_reserved; /* used and reserved alike: one graph pool, no fragmentation */
+    pthread_mutex_unlock(&mmu);
+    return CUDA_SUCCESS;
+}
+API CUresult cuGraphAddMemAllocNode(CUgraphNode *n, CUgraph g, const CUgraphNode *d, size_t nd, CUDA_MEM_ALLOC_NODE_PARAMS *p)
+{
+    (void)d; (void)nd; (void)p; CALLED();
+    if (n == NULL || g == NULL)
+        return CUDA_ERROR_INVALID_VALUE;
+    *n = (CUgraphNode)0x1;
+    return CUDA_SUCCESS;
+}
+
+/* stream-ordered allocation: pools keep freed bytes up to their release threshold (one default pool per device,
+ * handle 0x5000; cuMemPoolSetAttribute(RELEASE_THRESHOLD), cuMemPoolTrimTo); an allocation into a capturing
+ * stream becomes graph memory (reserved by the graph's launch). */
+struct pool { uint64_t handle, threshold, cached; };
+static struct pool pools[8] = {{0x5000, 0, 0}};
+static unsigned npools = 1;
+static struct pool *pool_of(uint64_t h)
+{
+    for (unsigned i = 0; i < npools; i++)
+        if (pools[i].handle == h)
+            return &pools[i];
+    if (npools < 8) {
+        pools[npools] = (struct pool){h, 0, 0};
+        return &pools[npools++];
+    }
+    return NULL;
+}
+static CUresult alloc_async(CUdeviceptr *p, size_t n, uint64_t pl, CUstream hs, int pt)
+{
+    if (p == NULL || n == 0)
+        return CUDA_ERROR_INVALID_VALUE;
+    struct CUstream_st *s = S(hs, pt);
+    pthread_mutex_lock(&s->mu);
+    if (s->capturing) {
+        s->capture->mem += n;
+        pthread_mutex_unlock(&s->mu);
+        pthread_mutex_lock(&mmu);
+        *p = next_addr;
+        next_addr += (n + 0xFFFFF) & ~0xFFFFFull;
+        pthread_mutex_unlock(&mmu);
+        return CUDA_SUCCESS;
+    }
+    pthread_mutex_unlock(&s->mu);
+    pthread_mutex_lock(&mmu);
+    struct pool *po = pool_of(pl);
+    uint64_t take = po ? (po->cached < n ? po->cached : n) : 0;
+    if (po)
+        po->cached -= take;
+    mem_used -= take; /* sim_alloc counts the whole size again */
+    pthread_mutex_unlock(&mmu);
+    CUresult rc = sim_alloc(p, n, 0);
+    pthread_mutex_lock(&mmu);
+    if (rc != CUDA_SUCCESS) {
+        mem_used += take;
+        if (po)
+            po->cached += take;
+    } else {
+        for (size_t i = nallocs; i-- > 0;)
+            if (allocs[i].key == *p) {
+                allocs[i].pool = pl;
+                break;
+            }
+    }
+    pthread_mutex_unlock(&mmu);
+    return rc;
+}
+static CUresult free_async(CUdeviceptr p)
+{
+    pthread_mutex_lock(&mmu);
+    for (size_t i = 0; i < nallocs; i++) {
+        if (allocs[i].key == p) {
+            struct pool *po = allocs[i].pool ? pool_of(allocs[i].pool) : NULL;
+            uint64_t keep = 0;
+            if (po && po->threshold > po->cached)
+                keep = po->threshold - po->cached < allocs[i].size ? po->threshold - po->cached : allocs[i].size;
+            if (po)
+                po->cached += keep;
+            mem_used += keep; /* drop_alloc gives the whole size back; the pool still holds `keep` */
+            drop_alloc(i);
+            pthread_mutex_unlock(&mmu);
+            return CUDA_SUCCESS;
+        }
+    }
+    pthread_mutex_unlock(&mmu);
+    return CUDA_ERROR_INVALID_VALUE;
+}
+#define DEFAULT_POOL 0x5000
+API CUresult cuMemAllocAsync(CUdeviceptr *p, size_t n, CUstream s) { CALLED(); return alloc_async(p, n, DEFAULT_POOL, s, 0); }
+API CUresult cuMemAllocAsync_ptsz(CUdeviceptr *p, size_t n, CUstream s) { CALLED(); return alloc_async(p, n, DEFAULT_POOL, s, 1); }
+API CUresult cuMemAllocFromPoolAsync(CUdeviceptr *p, size_t n, CUmemoryPool pl, CUstream s) { CALLED(); return alloc_async(p, n, (uintptr_t)pl, s, 0); }
+API CUresult cuMemAllocFromPoolAsync_ptsz(CUdeviceptr *p, size_t n, CUmemoryPool pl, CUstream s) { CALLED(); return alloc_async(p, n, (uintptr_t)pl, s, 1); }
+API CUresult cuMemFreeAsync(CUdeviceptr p, CUstream s) { (void)s; CALLED(); return free_async(p); }
+API CUresult cuMemFreeAsync_ptsz(CUdeviceptr p, CUstream s) { (void)s; CALLED(); return free_async(p); }
+API CUresult cuDeviceGetMemPool(CUmemoryPool *pl, CUdevice d) { CALLED(); if (!pl || d != 0) return CUDA_ERROR_INVALID_VALUE; *pl = (CUmemoryPool)DEFAULT_POOL; return CUDA_SUCCESS; }
+API CUresult cuCtxGetDevice(CUdevice *d) { if (!d) return CUDA_ERROR_INVALID_VALUE; *d = 0; return CUDA_SUCCESS; }
+API CUresult cuMemPoolSetAttribute(CUmemoryPool pl, CUmemPool_attribute attr, void *v)
+{
+    CALLED();
+    if (v == NULL)
+        return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&mmu);
+    struct pool *po = pool_of((uintptr_t)pl);
+    if (po && attr == 4) {
+        po->threshold = *(cuuint64_t *)v;
+        if (po->cached > po->threshold) {
+            mem_used -= po->cached - po->threshold;
+            po->cached = po->threshold;
+        }
+    }
+    pthread_mutex_unlock(&mmu);
+    return CUDA_SUCCESS;
+}
+API CUresult cuMemPoolTrimTo(CUmemoryPool pl, size_t keep)
+{
+    CALLED();
+    pthread_mutex_lock(&mmu);
+    struct pool *po = pool_of((uintptr_t)pl);
+    if (po && po->cached > keep) {
+        mem_used -= po->cached - keep;
+        po->cached = keep;
+    }
+    pthread_mutex_unlock(&mmu);
+    return CUDA_SUCCESS;
+}
+API CUresult cuMemPoolDestroy(CUmemoryPool pl)
+{
+    CALLED();
+    pthread_mutex_lock(&mmu);
+    struct pool *po = pool_of((uintptr_t)pl);
+    if (po) {
+        mem_used -= po->cached;
+        po->cached = 0;
+        po->threshold = 0;
+    }
+    pthread_mutex_unlock(&mmu);
+    return CUDA_SUCCESS;
+}
 
 /* ---- events ------------------------------------------------------------------------------------------------ */
 struct CUevent_st { uint64_t t; int recorded; };
@@ -685,6 +844,12 @@ static const struct proc procs[] = {
     PR("cuLaunchCooperativeKernelMultiDevice", 9000, 0, cuLaunchCooperativeKernelMultiDevice),
     PR("cuGraphLaunch", 10000, 0, cuGraphLaunch), PR("cuGraphLaunch", 10000, 1, cuGraphLaunch_ptsz),
     PR("cuGraphInstantiateWithFlags", 11040, 0, cuGraphInstantiateWithFlags),
+    PR("cuDeviceGraphMemTrim", 11040, 0, cuDeviceGraphMemTrim),
+    PR("cuDeviceGetGraphMemAttribute", 11040, 0, cuDeviceGetGraphMemAttribute),
+    PR("cuGraphAddMemAllocNode", 11040, 0, cuGraphAddMemAllocNode),
+    PR("cuDeviceGetMemPool", 11020, 0, cuDeviceGetMemPool), PR("cuCtxGetDevice", 2000, 0, cuCtxGetDevice),
+    PR("cuMemPoolSetAttribute", 11020, 0, cuMemPoolSetAttribute), PR("cuMemPoolTrimTo", 11020, 0, cuMemPoolTrimTo),
+    PR("cuMemPoolDestroy", 11020, 0, cuMemPoolDestroy),
     PR("cuStreamBeginCapture", 10000, 0, cuStreamBeginCapture), PR("cuStreamBeginCapture", 10000, 1, cuStreamBeginCapture_ptsz),
     PR("cuStreamBeginCapture", 10010, 0, cuStreamBeginCapture_v2), PR("cuStreamBeginCapture", 10010, 1, cuStreamBeginCapture_v2_ptsz),
     PR("cuStreamBeginCaptureToGraph", 12030, 0, cuStreamBeginCaptureToGraph),
