@@ -88,3 +88,16 @@ def test_host_compiler_builds_with_werror_and_cflags_keep_pic(tmp_path, cflags):
     dyn = subprocess.run(["readelf", "-W", "-d", str(tmp_path / "libalnair.so")], check=True, capture_output=True,
                          text=True).stdout
     assert "TEXTREL" not in dyn
+
+
+def test_arm_build_with_the_pinned_toolchain(tmp_path):
+    """The same pinned toolchain cross-builds the aarch64 shim (Grace Hopper nodes): -Werror clean, glibc 2.17."""
+    import sys
+
+    subprocess.run(["make", "-s", "-C", str(ROOT / "shim"), f"BUILD={tmp_path}", f"PYTHON={sys.executable}",
+                    "ARCH=aarch64"], check=True, capture_output=True, text=True)
+    lib = tmp_path / "libalnair.so"
+    header = subprocess.run(["readelf", "-h", str(lib)], check=True, capture_output=True, text=True).stdout
+    assert "AArch64" in header
+    needs = _glibc_needs(lib)
+    assert needs and max(needs) <= (2, 17), needs
