@@ -21,7 +21,7 @@ cat "$OUT/machine.txt"
 make -s -C shim BUILD=/tmp/shim PYTHON=python3 2>/dev/null || make -s -C shim BUILD=/tmp/shim CC=cc || exit 1
 export ALNAIR_SHIM=/tmp/shim/libalnair.so ALNAIR_GPU_RESULTS="$OUT"
 rc=0
-timeout 420 python3 -m pytest -c /dev/null --rootdir=. --confcutdir=tests/gpu -p no:cacheprovider -m gpu tests/gpu \
+timeout 540 python3 -m pytest -c /dev/null --rootdir=. --confcutdir=tests/gpu -p no:cacheprovider -m gpu tests/gpu \
   -v -rs -W ignore::pytest.PytestUnknownMarkWarning 2>&1 | tee "$OUT/gpu_tests.log" || rc=1
 timeout 150 python3 bench/launch_overhead.py --shim "$ALNAIR_SHIM" --json "$OUT/launch_overhead.json" 2>&1 \
   | tee "$OUT/bench.log" || rc=1

@@ -586,8 +586,8 @@ static __attribute__((noinline)) int pre_launch(struct pre *p, uintptr_t fn, uin
     if (quiet && T.fcount > 0 && T.charged - T.completed_charged > INFLIGHT_MAX_NS)
         wait_inflight(INFLIGHT_MAX_NS, NFENCE);
     T.launches++;
-    if (quiet && T.s_busy)
-        poll_sample();
+    if (quiet && T.s_busy && est == 0)
+        poll_sample(); /* a new size class wants the sampler: is the sample in flight done? */
     if (quiet && est == 0 && near == 0 && T.s_busy)
         wait_sample(); /* nothing known about this kernel: measure the one in flight before guessing again */
     if (quiet && !T.s_busy && (est == 0 || T.launches % SAMPLE_EVERY == 0) && ensure_ctx() == 0 &&
