@@ -1,26 +1,39 @@
 /* Launches: tokens (GPU-time ns) are taken from the region before each launch, and the work in flight is bounded.
  *
- * Cost of a launch = the shim's estimate of its GPU time, per CUfunction (per CUgraphExec for graph launches):
+ * Cost of a launch = the shim's estimate of its GPU time, per (CUfunction, grid class) (per CUgraphExec for graph
+ * launches); the grid class is the bit length of the block count, since a kernel's time grows with its waves:
+ *   - estimates live in a set-associative cache that evicts the least recently used entry of a set, so any number
+ *     of distinct kernels keeps working estimates for the ones running now;
  *   - each thread keeps at most one sample in flight: an event pair around one launch (the first launch of a
- *     function not yet measured, then 1 in SAMPLE_EVERY launches); when the end event has completed, the elapsed
- *     time updates the function's estimate (moving average, 1/4 weight to the new sample). A function still
- *     unmeasured is charged 20 us, and its launch first waits for the thread's sample in flight to complete, so
- *     an unknown kernel is never queued many times on a guess (one short stall per new kernel, at warm-up).
+ *     (function, class) not yet measured, then 1 in SAMPLE_EVERY launches); when its end event has completed, the
+ *     elapsed time updates that estimate (moving average, 1/4 weight to the new sample). A sample is never given up
+ *     for being slow: a 300 ms kernel is measured when it ends.
+ *   - a launch with no estimate is charged a guess: the neighbouring grid class's estimate scaled by 2 (or 1/2),
+ *     else the mean of recent samples (DEFAULT_COST_NS at first). When its sample completes, the difference
+ *     between what it ran and what it was charged is taken (or credited) at once, so a program that launches a
+ *     never-seen kernel every time pays for each. A launch with nothing known at all first waits (at most
+ *     SAMPLE_WAIT_NS) for the thread's sample in flight, so an unknown kernel is never queued many times on a guess.
  *   - true-up: every FENCE_EVERY launches (or FENCE_EVERY_NS of estimated work) the thread records a fence event on
  *     the stream. When a fence was recorded while the previous fence on the same stream was still pending, the GPU
  *     ran the work between them back to back, so their elapsed time is exactly the GPU time of that work: the
  *     difference to what was charged is taken as a debt (added to this slot's tokens_taken) or given back as credit
  *     to this process's prepaid balance (only for intervals in which this thread made every launch on that
- *     stream). Estimates steer; the true-up keeps a saturated queue honest.
+ *     stream, and that hold no launch a sample already corrected). Estimates steer; the true-up keeps a saturated
+ *     queue honest.
  *   - in-flight bound: a thread never has more than INFLIGHT_MAX_NS (one token burst) of charged work, nor more than
  *     NFENCE fences, not yet completed by the GPU; past that it sleeps until the GPU catches up. Without this an
  *     enqueue-time meter lets a tenant bank seconds of work in the driver's queue.
- * Tokens: a process-wide prepaid balance is drawn with one atomic per launch; when it runs out the thread takes
- * max(cost, CHUNK) from the region's grant line (forfeiting anything above TOKEN_BURST_NS), or sleeps with backoff
- * (20 us .. 1 ms, sized from the grant rate) and records the time in wait_ns. No lock anywhere on this path.
- * While any stream capture is under way in this process, the shim records and queries no events of its own (that
- * would break a global-mode capture) and launches into a capturing stream take no tokens: the graph launch pays.
- * With no compute limit the launch only bumps the slot's launch counter (when there is a region) and calls on. */
+ * Tokens: a process-wide prepaid balance is drawn with one atomic per launch; when it goes negative the thread takes
+ * from the region's grant line whatever is available (up to the debt plus CHUNK_NS, forfeiting anything above
+ * TOKEN_BURST_NS), and naps between takes; every process in debt naps the same time whatever it owes, so siblings
+ * with long and short kernels share the line instead of the most frequent poller taking it all. No lock anywhere
+ * on this path; wait time goes to wait_ns. Per-thread events are destroyed when the thread exits.
+ * Stream capture: the driver forbids event queries while a global-mode capture is under way (any thread) or a
+ * non-relaxed one in the querying thread; only then does the shim stop querying its events. Launches into a
+ * capturing stream take no tokens: the graph launch pays. A capture is forgotten when its stream is no longer
+ * capturing after cuStreamEndCapture, whatever that returned.
+ * With no compute limit the launch only bumps the slot's launch counter (when there is a region) and calls on. A
+ * process without a region slot (all held by live processes) has its metered launches refused. */
 #define _GNU_SOURCE
 #include <string.h>
 
