@@ -1,13 +1,17 @@
 /* Device memory: every allocation API reserves its bytes container-wide before calling the driver, every free
  * gives them back, and the memory-info calls (CUDA and NVML) report the limit.
  *
- * Reserve (optimistic, race-free against the limit): add the bytes to our own slot's memory_used, sum all slots;
- * over the limit: reclaim dead processes' slots and sum again; still over: take the bytes back out and fail with
- * CUDA_ERROR_OUT_OF_MEMORY without calling the driver. Two processes racing can both back out (a spurious
- * out-of-memory under contention), never both succeed past the limit. Sizes are remembered per pointer / handle
- * in a process-local table so the free gives back exactly what the allocation took; a failed driver call gives
- * its reservation back at once, so nothing leaks. Arithmetic saturates: a size that overflows is over any limit,
- * and memory_used never wraps below zero. */
+ * Reserve (optimistic, race-free against the limit): add the bytes to our own slot's memory_used, sum all slots
+ * (sequentially consistent on both sides); over the limit: reclaim dead processes' slots and sum again; still
+ * over: take the bytes back out and fail with CUDA_ERROR_OUT_OF_MEMORY without calling the driver. Two processes
+ * racing can both back out (a spurious out-of-memory under contention), never both succeed past the limit. Sizes
+ * are remembered per pointer / handle in a process-local table, with the context each allocation lives in, so a
+ * free gives back exactly what the allocation took and a destroyed or reset context gives back everything in it.
+ * A free takes its entry out of the table before the driver call (an address the driver hands straight back to
+ * another thread must not lose that thread's entry) and puts it back if the driver fails. A failed driver
+ * allocation gives its reservation back at once, so nothing leaks. Memory the driver keeps after a free (VMM
+ * handles still mapped, pool caches under their release threshold, graph memory) stays charged until the driver
+ * lets it go. Arithmetic saturates: a size that overflows is over any limit, and memory_used never wraps. */
 #define _GNU_SOURCE
 #include <stdlib.h>
 #include <string.h>
@@ -121,9 +125,12 @@ static void erase(struct entry *e)
     tomb++;
 }
 
+static uint64_t g_graph_charged[64]; /* per device: graph memory charged so far; under mu */
+
 void alnair_memory_after_fork_child(void)
 {
     pthread_mutex_init(&mu, NULL);
+    memset(g_graph_charged, 0, sizeof g_graph_charged); /* the parent's graph memory is not the child's */
     if (table != NULL)
         memset(table, 0, cap * sizeof *table); /* the parent's allocations are not the child's */
     live = tomb = 0;
@@ -530,8 +537,6 @@ ALNAIR_API CUresult cuMemPoolDestroy(CUmemoryPool pool)
 
 /* ---- graph memory: what the device's graph pool has reserved (cuDeviceGetGraphMemAttribute) is charged after
  * each graph launch and each trim; a graph launch while the container is already over its limit is refused. */
-static uint64_t g_graph_charged[64]; /* per device; under mu */
-
 void alnair_graph_mem_sync(void)
 {
     if (!atomic_load_explicit(&g_graph_mem, memory_order_relaxed) || alnair_region == NULL)
