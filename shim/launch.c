@@ -574,8 +574,8 @@ static __attribute__((noinline)) int pre_launch(struct pre *p, uintptr_t fn, uin
         memset(&T, 0, sizeof T);
         T.gen = gen;
     }
-    if (UNLIKELY(alnair_slot() == NULL || alnair_slotless()))
-        return -1;
+    if (UNLIKELY(alnair_slot() == NULL || (alnair_slotless() && (alnair_slot_retry(), alnair_slotless()))))
+        return -1; /* no slot yet: a slot that has freed up since is claimed here */
     unsigned cls = grid_class(blocks);
     p->key = est_key(fn, cls);
     p->stream = s;
