@@ -11,7 +11,8 @@
  *   - a launch with no estimate is charged a guess: the neighbouring grid class's estimate scaled by 2 (or 1/2),
  *     else the mean of recent samples (DEFAULT_COST_NS at first). When its sample completes, the difference
  *     between what it ran and what it was charged is taken (or credited) at once, so a program that launches a
- *     never-seen kernel every time pays for each. A launch with nothing known at all first waits (at most
+ *     never-seen kernel every time pays for each (launches of the same kernel and size that went out on a guess
+ *     while the sampler was busy are settled by that sample too). A launch with nothing known at all waits (at most
  *     SAMPLE_WAIT_NS) for the thread's sample in flight, so an unknown kernel is never queued many times on a guess.
  *   - true-up: every FENCE_EVERY launches (or FENCE_EVERY_NS of estimated work) the thread records a fence event on
  *     the stream. When a fence was recorded while the previous fence on the same stream was still pending, the GPU
@@ -47,6 +48,7 @@
 #define FENCE_EVERY_NS 2000000ull
 #define NFENCE 16u
 #define NCORR 16u
+#define NPEND 8u
 #define INFLIGHT_MAX_NS ALNAIR_TOKEN_BURST_NS
 #define WAIT_GIVE_UP_NS 2000000000ull /* no GPU progress this long: stop waiting on our own events */
 #define SAMPLE_WAIT_NS 200000000ull   /* an unknown launch waits this long at most for the sample in flight */
@@ -211,6 +213,10 @@ struct tstate {
     CUstream prev_stream;
     uint64_t corr[NCORR]; /* launches (by T.done) whose guessed cost a sample corrected */
     unsigned ncorr;
+    struct {
+        uint64_t key, cost, idx;
+    } pend[NPEND]; /* launches charged a guess and not sampled (the sampler was busy): settled by their key's sample */
+    unsigned npend;
     int strict_captures; /* this thread's non-relaxed captures under way */
     int exit_hook;       /* the thread-exit destructor is armed */
 };
@@ -524,6 +530,15 @@ static void poll_sample(void)
         true_up(ns, T.s_cost);
         T.corr[T.ncorr++ % NCORR] = T.s_idx;
     }
+    for (unsigned i = 0; i < T.npend;) { /* launches of the same kernel and size that ran on a guess meanwhile */
+        if (T.pend[i].key != T.s_key) {
+            i++;
+            continue;
+        }
+        true_up(ns, T.pend[i].cost);
+        T.corr[T.ncorr++ % NCORR] = T.pend[i].idx;
+        T.pend[i] = T.pend[--T.npend];
+    }
     struct est *e = est_insert(T.s_key);
     if (e == NULL)
         return;
@@ -628,6 +643,14 @@ static __attribute__((noinline)) void post_launch(struct pre *p, CUresult rc)
         T.s_cost = p->cost;
         T.s_guess = p->guess;
         T.s_idx = T.done;
+    } else if (p->guess) {
+        if (T.npend == NPEND) /* full: the oldest is left to the fences' true-up */
+            memmove(&T.pend[0], &T.pend[1], (NPEND - 1) * sizeof T.pend[0]);
+        else
+            T.npend++;
+        T.pend[T.npend - 1].key = p->key;
+        T.pend[T.npend - 1].cost = p->cost;
+        T.pend[T.npend - 1].idx = T.done;
     }
     T.charged += p->cost;
     T.since_fence++;
