@@ -40,7 +40,7 @@ static dlvsym_fn real_dlvsym_p;
 static pthread_once_t real_dl_once = PTHREAD_ONCE_INIT;
 
 struct elf_find {
-    const char *lib; /* "libc.so" or "libdl.so" */
+    const char *lib; /* "libc" or "libdl": libc.so.6, or libc-2.17.so where the file name is the real one */
     const char *names[2];
     void *found[2];
 };
@@ -56,7 +56,9 @@ static int elf_find_cb(struct dl_phdr_info *info, size_t size, void *arg)
     struct elf_find *q = arg;
     const char *slash = info->dlpi_name ? strrchr(info->dlpi_name, '/') : NULL;
     const char *base_name = slash ? slash + 1 : info->dlpi_name;
-    if (base_name == NULL || strncmp(base_name, q->lib, strlen(q->lib)) != 0)
+    size_t n = strlen(q->lib);
+    if (base_name == NULL || strncmp(base_name, q->lib, n) != 0 ||
+        !(strncmp(base_name + n, ".so", 3) == 0 || base_name[n] == '-'))
         return 0;
     const ElfW(Dyn) *dyn = NULL;
     for (int i = 0; i < info->dlpi_phnum; i++)
@@ -66,7 +68,7 @@ static int elf_find_cb(struct dl_phdr_info *info, size_t size, void *arg)
         return 0;
     const ElfW(Sym) *symtab = NULL;
     const char *strtab = NULL;
-    const uint32_t *gh = NULL;
+    const uint32_t *gh = NULL, *sysv = NULL;
     const uint16_t *versym = NULL;
     uintptr_t base = info->dlpi_addr;
     for (; dyn->d_tag != DT_NULL; dyn++) {
@@ -76,11 +78,31 @@ static int elf_find_cb(struct dl_phdr_info *info, size_t size, void *arg)
             strtab = (const char *)dyn_ptr(base, dyn->d_un.d_ptr);
         else if (dyn->d_tag == DT_GNU_HASH)
             gh = (const uint32_t *)dyn_ptr(base, dyn->d_un.d_ptr);
+        else if (dyn->d_tag == DT_HASH)
+            sysv = (const uint32_t *)dyn_ptr(base, dyn->d_un.d_ptr);
         else if (dyn->d_tag == DT_VERSYM)
             versym = (const uint16_t *)dyn_ptr(base, dyn->d_un.d_ptr);
     }
-    if (symtab == NULL || strtab == NULL || gh == NULL || gh[0] == 0)
+    if (symtab == NULL || strtab == NULL)
         return 0;
+    if (gh == NULL || gh[0] == 0) { /* a library linked with --hash-style=sysv only: walk every symbol */
+        uint32_t nsyms = sysv ? sysv[1] : 0; /* nchain = the number of symbols */
+        for (int k = 0; k < 2; k++) {
+            void *hidden = NULL;
+            for (uint32_t i = 1; i < nsyms && q->found[k] == NULL; i++) {
+                const ElfW(Sym) *sym = &symtab[i];
+                if (sym->st_shndx == SHN_UNDEF || strcmp(strtab + sym->st_name, q->names[k]) != 0)
+                    continue;
+                if (versym == NULL || !(versym[i] & 0x8000))
+                    q->found[k] = (void *)(base + sym->st_value);
+                else
+                    hidden = (void *)(base + sym->st_value);
+            }
+            if (q->found[k] == NULL)
+                q->found[k] = hidden;
+        }
+        return q->found[0] != NULL && q->found[1] != NULL;
+    }
     uint32_t nbuckets = gh[0], symoffset = gh[1], bloom_size = gh[2];
     const ElfW(Addr) *bloom = (const ElfW(Addr) *)(gh + 4);
     const uint32_t *buckets = (const uint32_t *)(bloom + bloom_size), *chain = buckets + nbuckets;
@@ -114,7 +136,7 @@ static int elf_find_cb(struct dl_phdr_info *info, size_t size, void *arg)
 
 static void find_real_dl(void)
 {
-    static const char *const libs[] = {"libc.so", "libdl.so"};
+    static const char *const libs[] = {"libc", "libdl"};
     for (size_t i = 0; i < sizeof libs / sizeof libs[0] && (real_dlsym_p == NULL || real_dlvsym_p == NULL); i++) {
         struct elf_find q = {libs[i], {"dlsym", "dlvsym"}, {NULL, NULL}};
         dl_iterate_phdr(elf_find_cb, &q);
