@@ -8,6 +8,7 @@ import asyncio
 import json
 import os
 import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,7 +48,7 @@ class Build:
 @pytest.fixture(scope="module")
 def build(tmp_path_factory: pytest.TempPathFactory) -> Build:
     out = tmp_path_factory.mktemp("profbuild")
-    for args in (["make", "-s", "-C", str(ROOT / "shim"), f"BUILD={out / 'shim'}"],
+    for args in (["make", "-s", "-C", str(ROOT / "shim"), f"BUILD={out / 'shim'}", f"PYTHON={sys.executable}"],
                  ["make", "-s", "-C", str(ROOT / "tests/shim/simcuda"), f"BUILD={out / 'sim'}",
                   f"SHIM={ROOT / 'shim'}"]):
         subprocess.run(args, check=True, capture_output=True, text=True)
