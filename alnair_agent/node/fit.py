@@ -325,10 +325,11 @@ def score_fast(shape: Shape, rooms: Sequence[Room], free: FreeSummary, policy: s
 
 def score_of(shape: Shape, free: FreeSummary, policy: str) -> int:
     """The score on a node the pod fits."""
-    return _score_of((shape.steady_memory, shape.steady_compute), free, policy)
+    return score_added((shape.steady_memory, shape.steady_compute), free, policy)
 
 
-def _score_of(added: tuple[int, int], free: FreeSummary, policy: str) -> int:
+def score_added(added: tuple[int, int], free: FreeSummary, policy: str) -> int:
+    """The score of a node the pod fits, once `added` (memory, compute) more units are in use there."""
     b, d = free.memory_total, free.compute_total
     a = min(free.memory_used + added[0], b)
     c = min(free.compute_used + added[1], d)
