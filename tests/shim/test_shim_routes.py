@@ -137,3 +137,24 @@ def test_nvml_process_queries_show_the_container_its_own_processes(runner, make_
         assert len(plain.line("nvmlprocs")["pids"].split(",")) == 4
     finally:
         release(sibling)
+
+
+@pytest.mark.parametrize("route", ROUTES, ids=lambda r: "+".join(r))
+def test_memory_copies_pass_through_and_their_bytes_are_counted(runner, make_region, route):
+    """Copies reach the driver unchanged by every route, and each process's slot counts the bytes its copies
+    moved: NVML attributes no copy-engine time to processes, the agent's profiler splits it by these bytes."""
+    region = make_region(memory_limit=GiB, compute_limit=50)
+    res = runner.run(*route, "init", "copy:50:1048576", "copyasync:4096", "sync", region=region)
+    copied = int(res.line("copy")["bytes"])
+    assert copied >= 1048576 and res.line("copyasync")["rc"] == "0"
+    sfx, asfx = ("_ptds", "_ptsz") if "pt=1" in route else ("", "")
+    assert res.stats.get("cuMemcpyHtoD_v2" + sfx, 0) == copied // 1048576, res.stats
+    assert res.stats.get("cuMemcpyAsync" + asfx, 0) == 1, res.stats
+    [slot] = Region.open(region).slots()
+    assert slot.copy_bytes == copied + 4096
+    assert slot.launches == 0  # copies take no compute tokens
+
+
+def test_copies_without_limits_pass_straight_through(runner):
+    res = runner.run("route=gpa", "init", "copy:20:65536", preload=True)
+    assert int(res.line("copy")["bytes"]) >= 65536

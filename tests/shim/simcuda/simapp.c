@@ -17,6 +17,10 @@
 /* prototypes of the simulated driver's exports this program links against */
 #define KP CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, CUstream
 CUresult cuInit(unsigned);
+CUresult cuMemcpyHtoD_v2(CUdeviceptr, const void *, size_t);
+CUresult cuMemcpyHtoD_v2_ptds(CUdeviceptr, const void *, size_t);
+CUresult cuMemcpyAsync(CUdeviceptr, CUdeviceptr, size_t, CUstream);
+CUresult cuMemcpyAsync_ptsz(CUdeviceptr, CUdeviceptr, size_t, CUstream);
 CUresult cuGetProcAddress_v2(const char *, void **, int, cuuint64_t, CUdriverProcAddressQueryResult *);
 CUresult cuDevicePrimaryCtxRetain(CUcontext *, CUdevice);
 CUresult cuDevicePrimaryCtxRelease_v2(CUdevice);
@@ -142,7 +146,11 @@ CUresult cuLaunchCooperativeKernelMultiDevice(CUDA_LAUNCH_PARAMS *, unsigned, un
     X(LaunchGridAsync, CUresult (*)(CUfunction, int, int, CUstream), cuLaunchGridAsync, cuLaunchGridAsync,      \
       "cuLaunchGridAsync")                                                                                       \
     X(LaunchMulti, CUresult (*)(CUDA_LAUNCH_PARAMS *, unsigned, unsigned), cuLaunchCooperativeKernelMultiDevice, \
-      cuLaunchCooperativeKernelMultiDevice, "cuLaunchCooperativeKernelMultiDevice")
+      cuLaunchCooperativeKernelMultiDevice, "cuLaunchCooperativeKernelMultiDevice")                            \
+    X(CopyHtoD, CUresult (*)(CUdeviceptr, const void *, size_t), cuMemcpyHtoD_v2, cuMemcpyHtoD_v2_ptds,          \
+      "cuMemcpyHtoD")                                                                                            \
+    X(CopyAsync, CUresult (*)(CUdeviceptr, CUdeviceptr, size_t, CUstream), cuMemcpyAsync, cuMemcpyAsync_ptsz,    \
+      "cuMemcpyAsync")
 
 static struct {
 #define FIELD(f, t, plain, ptv, base) __typeof__(t) f;
@@ -687,6 +695,18 @@ static void run_op(const char *op, int argc, char **argv, int i)
         for (unsigned k = 0; r2 == 0 && k < m; k++)
             printf("%s%u", k ? "," : "", u[k].pid);
         printf("\n");
+    } else if (sscanf(op, "copy:%llu:%llu", &a, &b) == 2) {
+        /* copy:MS:BYTES copies BYTES host->device (synchronously) back to back for MS ms; prints copies and bytes */
+        unsigned long long n = 0;
+        char host[1];
+        uint64_t t0 = mono();
+        while (mono() - t0 < a * 1000000ull)
+            if (api.CopyHtoD(0x1000, host, (size_t)b) == CUDA_SUCCESS)
+                n++;
+        printf("copy copies=%llu bytes=%llu\n", n, n * b);
+    } else if (sscanf(op, "copyasync:%llu", &a) == 1) {
+        rc = api.CopyAsync(0x1000, 0x2000, (size_t)a, NULL);
+        printf("copyasync rc=%d\n", rc);
     } else if (sscanf(op, "sleep:%llu", &a) == 1) {
         usleep((useconds_t)(a * 1000));
     } else if (!strcmp(op, "hold")) {

@@ -446,7 +446,9 @@ API CUresult cuStreamSynchronize_ptsz(CUstream s) { CALLED(); return stream_sync
 API CUresult cuStreamQuery(CUstream s) { CALLED(); return stream_tail(S(s, 0)) <= now_ns() ? CUDA_SUCCESS : CUDA_ERROR_NOT_READY; }
 API CUresult cuCtxSynchronize(void) { CALLED(); sleep_until(stream_tail(&legacy_stream)); if (ptds_stream) sleep_until(stream_tail(ptds_stream)); return CUDA_SUCCESS; }
 
-static CUresult run(CUstream hs, int pt, uint64_t dur)
+static CUresult run_kind(CUstream hs, int pt, uint64_t dur, enum simtl_kind kind);
+static CUresult run(CUstream hs, int pt, uint64_t dur) { return run_kind(hs, pt, dur, SIMTL_KERNEL); }
+static CUresult run_kind(CUstream hs, int pt, uint64_t dur, enum simtl_kind kind)
 {
     struct CUstream_st *s = S(hs, pt);
     for (;;) {
@@ -462,7 +464,7 @@ static CUresult run(CUstream hs, int pt, uint64_t dur)
             sleep_until(oldest);
             continue;
         }
-        uint64_t start = simtl_book(s->busy_until > now ? s->busy_until : now, dur, mem_used, SIMTL_KERNEL);
+        uint64_t start = simtl_book(s->busy_until > now ? s->busy_until : now, dur, mem_used, kind);
         s->busy_until = start + dur;
         s->ends[s->qpos] = s->busy_until;
         s->qpos = (s->qpos + 1) % QDEPTH;
@@ -805,6 +807,39 @@ API CUresult cuEventElapsedTime(float *ms, CUevent a, CUevent b)
 }
 API CUresult cuEventElapsedTime_v2(float *ms, CUevent a, CUevent b) { return cuEventElapsedTime(ms, a, b); }
 
+/* ---- memory copies: copy-engine time on the stream's timeline (SIMCUDA_COPY_BYTES_PER_US, default 25000: 25 GB/s);
+ * the synchronous forms wait for it ------------------------------------------------------------------------------ */
+static uint64_t copy_ns(size_t n)
+{
+    const char *r = getenv("SIMCUDA_COPY_BYTES_PER_US");
+    uint64_t per_us = r ? strtoull(r, NULL, 10) : 25000u;
+    return per_us ? (uint64_t)n * 1000u / per_us : 0;
+}
+static CUresult copy_async(CUstream hs, int pt, size_t n) { return n ? run_kind(hs, pt, copy_ns(n), SIMTL_COPY) : CUDA_SUCCESS; }
+static CUresult copy_sync(int pt, size_t n)
+{
+    CUresult rc = copy_async(NULL, pt, n);
+    if (rc == CUDA_SUCCESS)
+        stream_sync(NULL, pt);
+    return rc;
+}
+API CUresult cuMemcpy(CUdeviceptr d, CUdeviceptr s, size_t n) { (void)d; (void)s; CALLED(); return copy_sync(0, n); }
+API CUresult cuMemcpy_ptds(CUdeviceptr d, CUdeviceptr s, size_t n) { (void)d; (void)s; CALLED(); return copy_sync(1, n); }
+API CUresult cuMemcpyAsync(CUdeviceptr d, CUdeviceptr s, size_t n, CUstream h) { (void)d; (void)s; CALLED(); return copy_async(h, 0, n); }
+API CUresult cuMemcpyAsync_ptsz(CUdeviceptr d, CUdeviceptr s, size_t n, CUstream h) { (void)d; (void)s; CALLED(); return copy_async(h, 1, n); }
+API CUresult cuMemcpyHtoD_v2(CUdeviceptr d, const void *s, size_t n) { (void)d; (void)s; CALLED(); return copy_sync(0, n); }
+API CUresult cuMemcpyHtoD_v2_ptds(CUdeviceptr d, const void *s, size_t n) { (void)d; (void)s; CALLED(); return copy_sync(1, n); }
+API CUresult cuMemcpyDtoH_v2(void *d, CUdeviceptr s, size_t n) { (void)d; (void)s; CALLED(); return copy_sync(0, n); }
+API CUresult cuMemcpyDtoH_v2_ptds(void *d, CUdeviceptr s, size_t n) { (void)d; (void)s; CALLED(); return copy_sync(1, n); }
+API CUresult cuMemcpyDtoD_v2(CUdeviceptr d, CUdeviceptr s, size_t n) { (void)d; (void)s; CALLED(); return copy_sync(0, n); }
+API CUresult cuMemcpyDtoD_v2_ptds(CUdeviceptr d, CUdeviceptr s, size_t n) { (void)d; (void)s; CALLED(); return copy_sync(1, n); }
+API CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr d, const void *s, size_t n, CUstream h) { (void)d; (void)s; CALLED(); return copy_async(h, 0, n); }
+API CUresult cuMemcpyHtoDAsync_v2_ptsz(CUdeviceptr d, const void *s, size_t n, CUstream h) { (void)d; (void)s; CALLED(); return copy_async(h, 1, n); }
+API CUresult cuMemcpyDtoHAsync_v2(void *d, CUdeviceptr s, size_t n, CUstream h) { (void)d; (void)s; CALLED(); return copy_async(h, 0, n); }
+API CUresult cuMemcpyDtoHAsync_v2_ptsz(void *d, CUdeviceptr s, size_t n, CUstream h) { (void)d; (void)s; CALLED(); return copy_async(h, 1, n); }
+API CUresult cuMemcpyDtoDAsync_v2(CUdeviceptr d, CUdeviceptr s, size_t n, CUstream h) { (void)d; (void)s; CALLED(); return copy_async(h, 0, n); }
+API CUresult cuMemcpyDtoDAsync_v2_ptsz(CUdeviceptr d, CUdeviceptr s, size_t n, CUstream h) { (void)d; (void)s; CALLED(); return copy_async(h, 1, n); }
+
 /* ---- cuGetProcAddress --------------------------------------------------------------------------------------- */
 struct proc { const char *base; int vmin; int pt; void *fn; };
 #define PR(base, vmin, pt, fn) {base, vmin, pt, (void *)&fn}
@@ -863,6 +898,14 @@ static const struct proc procs[] = {
     PR("cuEventRecord", 2000, 0, cuEventRecord), PR("cuEventRecord", 7000, 1, cuEventRecord_ptsz),
     PR("cuEventQuery", 2000, 0, cuEventQuery), PR("cuEventSynchronize", 2000, 0, cuEventSynchronize),
     PR("cuEventElapsedTime", 2000, 0, cuEventElapsedTime), PR("cuEventElapsedTime", 12080, 0, cuEventElapsedTime_v2),
+    PR("cuMemcpy", 4000, 0, cuMemcpy), PR("cuMemcpy", 7000, 1, cuMemcpy_ptds),
+    PR("cuMemcpyAsync", 4000, 0, cuMemcpyAsync), PR("cuMemcpyAsync", 7000, 1, cuMemcpyAsync_ptsz),
+    PR("cuMemcpyHtoD", 3020, 0, cuMemcpyHtoD_v2), PR("cuMemcpyHtoD", 7000, 1, cuMemcpyHtoD_v2_ptds),
+    PR("cuMemcpyDtoH", 3020, 0, cuMemcpyDtoH_v2), PR("cuMemcpyDtoH", 7000, 1, cuMemcpyDtoH_v2_ptds),
+    PR("cuMemcpyDtoD", 3020, 0, cuMemcpyDtoD_v2), PR("cuMemcpyDtoD", 7000, 1, cuMemcpyDtoD_v2_ptds),
+    PR("cuMemcpyHtoDAsync", 3020, 0, cuMemcpyHtoDAsync_v2), PR("cuMemcpyHtoDAsync", 7000, 1, cuMemcpyHtoDAsync_v2_ptsz),
+    PR("cuMemcpyDtoHAsync", 3020, 0, cuMemcpyDtoHAsync_v2), PR("cuMemcpyDtoHAsync", 7000, 1, cuMemcpyDtoHAsync_v2_ptsz),
+    PR("cuMemcpyDtoDAsync", 3020, 0, cuMemcpyDtoDAsync_v2), PR("cuMemcpyDtoDAsync", 7000, 1, cuMemcpyDtoDAsync_v2_ptsz),
 };
 
 static CUresult lookup(const char *sym, void **pfn, int ver, cuuint64_t flags, CUdriverProcAddressQueryResult *st)
@@ -887,3 +930,4 @@ static CUresult lookup(const char *sym, void **pfn, int ver, cuuint64_t flags, C
 }
 API CUresult cuGetProcAddress(const char *sym, void **pfn, int ver, cuuint64_t flags) { CALLED(); return lookup(sym, pfn, ver, flags, NULL); }
 API CUresult cuGetProcAddress_v2(const char *sym, void **pfn, int ver, cuuint64_t flags, CUdriverProcAddressQueryResult *st) { CALLED(); return lookup(sym, pfn, ver, flags, st); }
+
