@@ -60,6 +60,7 @@ def help_epilog() -> str:
         lines.append(f"  {v.name}  ({default}; {v.parse.__doc__.replace('`', '')})")
     lines.append("")
     lines.append("commands:\n  demo [--seconds N]  the agent, the shim and simulated GPUs on this machine: no GPU, no cluster")
+    lines.append("  install-shim DIR    copy libalnair.so into DIR atomically (the DaemonSet's init container)")
     return "\n".join(lines)
 
 
@@ -68,10 +69,16 @@ def main(argv: list[str] | None = None) -> int:
                                      epilog=help_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"alnair-agent {version()}")
     parser.add_argument("--demo", action="store_true", help="same as the demo command")
-    sub = parser.add_subparsers(dest="command", metavar="{demo}")
+    sub = parser.add_subparsers(dest="command", metavar="{demo,install-shim}")
     demo = sub.add_parser("demo", help="run the demo: containers under the real shim on simulated GPUs, a live table")
     demo.add_argument("--seconds", type=float, default=15.0, help="how long the containers run (default 15)")
+    install = sub.add_parser("install-shim", help="copy libalnair.so into a folder atomically (temporary name, rename)")
+    install.add_argument("folder", help="the host's shim folder as mounted in the init container")
     args = parser.parse_args(argv)
+    if args.command == "install-shim":
+        from alnair_agent.shim_install import install_shim
+
+        return install_shim(args.folder)
     if args.demo or args.command == "demo":
         from alnair_agent.demo import run_demo
 
