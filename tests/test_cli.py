@@ -98,3 +98,26 @@ async def test_kubeconfig_files_are_merged_like_kubectl(tmp_path: Path) -> None:
 def test_console_scripts_run() -> None:
     out = subprocess.run([sys.executable, "-m", "alnair_agent.main", "--version"], capture_output=True, text=True)
     assert out.returncode == 0 and out.stdout.startswith("alnair-agent ")
+
+
+def test_install_shim_replaces_the_file_atomically(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from alnair_agent.shim_install import install_shim
+
+    src = tmp_path / "new.so"
+    src.write_bytes(b"\x7fELF new")
+    host = tmp_path / "host-lib"
+    host.mkdir()
+    (host / "libalnair.so").write_bytes(b"\x7fELF old")
+    with open(host / "libalnair.so", "rb") as mapped_by_a_running_container:
+        assert install_shim(host, source=src) == 0
+        assert mapped_by_a_running_container.read() == b"\x7fELF old"  # its inode lives on: renamed over, not rewritten
+    assert (host / "libalnair.so").read_bytes() == b"\x7fELF new"
+    assert sorted(p.name for p in host.iterdir()) == ["libalnair.so"]  # no temporary left behind
+    assert (host / "libalnair.so").stat().st_mode & 0o777 == 0o755
+    assert install_shim(tmp_path / "nowhere", source=src) == 1
+    assert "is not a folder" in capsys.readouterr().err
+
+
+def test_the_packaged_shim_is_installed_by_the_command(tmp_path: Path) -> None:
+    assert main(["install-shim", str(tmp_path)]) == 0
+    assert (tmp_path / "libalnair.so").read_bytes()[:4] == b"\x7fELF"
