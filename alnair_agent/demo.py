@@ -16,6 +16,7 @@ the table.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shutil
 import subprocess
@@ -221,7 +222,7 @@ async def demo(root: Path, seconds: float = 15.0, out: TextIO = sys.stdout) -> D
         sim_timeline_dir=timelines,
     )
     settings.shim_dir.mkdir(parents=True)
-    with open(os.devnull, "w") as quiet, contextlib_redirect(quiet):
+    with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):  # its line is for the init container's log
         if install_shim(settings.shim_dir) != 0:  # what the DaemonSet's init container does
             raise DemoUnavailable("the package was built without libalnair.so")
     rows = [Row(w) for w in DEMO_WORKLOADS]
@@ -282,19 +283,6 @@ def answers_env(answers: dict, key: str) -> str:
         if key in answer.envs:
             return answer.envs[key]
     return ""
-
-
-class contextlib_redirect:
-    """Send stdout elsewhere for a moment (install_shim prints a line meant for the init container's log)."""
-
-    def __init__(self, to: TextIO) -> None:
-        self.to = to
-
-    def __enter__(self) -> None:
-        self.saved, sys.stdout = sys.stdout, self.to
-
-    def __exit__(self, *exc: object) -> None:
-        sys.stdout = self.saved
 
 
 def summary(rows: list[Row], out: TextIO) -> None:

@@ -59,7 +59,8 @@ def help_epilog() -> str:
         default = "required" if v.default is None else f"default {v.default}"
         lines.append(f"  {v.name}  ({default}; {v.parse.__doc__.replace('`', '')})")
     lines.append("")
-    lines.append("commands:\n  demo [--seconds N]  the agent, the shim and simulated GPUs on this machine: no GPU, no cluster")
+    lines.append("commands:")
+    lines.append("  demo [--seconds N]  the agent, the shim and simulated GPUs on this machine: no GPU, no cluster")
     lines.append("  install-shim DIR    copy libalnair.so into DIR atomically (the DaemonSet's init container)")
     return "\n".join(lines)
 

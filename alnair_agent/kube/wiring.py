@@ -33,6 +33,7 @@ async def connect_kubernetes(settings: Settings) -> AsyncIterator[Kubernetes]:
         watch = PodWatch(api, settings.node_name)
         writer = AnnotationWriter(api, settings.node_name)
         yield Kubernetes(pod_source=watch, pod_states=watch, annotations=writer,
-                         events=EventWriter(api, settings.node_name), services=[("pod-watch", watch.run), ("annotations", writer.run)])
+                         events=EventWriter(api, settings.node_name),
+                         services=[("pod-watch", watch.run), ("annotations", writer.run)])
     finally:
         await api.close()
