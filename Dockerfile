@@ -27,12 +27,15 @@ LABEL org.opencontainers.image.title="alnair" \
       org.opencontainers.image.description="Share NVIDIA GPUs between Kubernetes pods with enforced limits" \
       org.opencontainers.image.licenses="Apache-2.0" \
       org.opencontainers.image.source="https://github.com/CentaurusInfra/alnair"
+# openssl: alnair-scheduler makes the webhook's self-signed certificate with it when no Secret provides one
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends openssl \
+ && rm -rf /var/lib/apt/lists/*
 COPY --from=build /wheels /tmp/wheels
 RUN pip install --no-cache-dir --no-index --find-links /tmp/wheels alnair \
  && rm -rf /tmp/wheels \
  && install -D -m 0755 "$(python -c 'import alnair_agent.shim_install as s; print(s.packaged_shim())')" \
       /opt/alnair/lib/libalnair.so \
- && openssl version \
  && useradd --system --uid 10001 --no-create-home --shell /usr/sbin/nologin alnair \
  && alnair-agent --version && alnair-scheduler --help >/dev/null
 # alnair-scheduler runs as this user. The agent's DaemonSet runs it as root (runAsUser: 0): it serves kubelet's

@@ -291,8 +291,8 @@ def summary(rows: list[Row], out: TextIO) -> None:
         w = r.workload
         name = f"{w.pod}/main"
         if r.refused:
-            out.write(f"  {name}: refused by the agent at admission (no GPU has {w.memory} GiB left); kubelet "
-                      "would keep the pod Pending on a real node.\n")
+            out.write(f"  {name}: refused at admission: no GPU has {w.memory} GiB left (on a cluster, alnair-scheduler "
+                      "would place it on no node and it would stay Pending).\n")
             continue
         within = "within" if r.util_mean <= r.compute_limit + 2 else "ABOVE"
         out.write(f"  {name}: {w.what}. Cap {r.compute_limit} %: used {r.util_mean:.1f} % on average "

@@ -163,11 +163,13 @@ def self_signed(dns_names: list[str], folder: Path) -> tuple[Path, Path]:
 def tls_context(cert: Path | None, key: Path | None, dns_names: list[str]) -> tuple[ssl.SSLContext, bytes]:
     """The server's TLS context and the PEM of its certificate (the caBundle when self-signed). With `cert` and
     `key` (a kubernetes.io/tls Secret mounted as files) they are used; else a self-signed certificate is made."""
-    if cert is None or key is None:
-        folder = Path(tempfile.mkdtemp(prefix="alnair-webhook-"))
-        cert, key = self_signed(dns_names, folder)
     ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    if cert is None or key is None:
+        with tempfile.TemporaryDirectory(prefix="alnair-webhook-") as tmp:  # the key lives on in memory only
+            cert, key = self_signed(dns_names, Path(tmp))
+            ctx.load_cert_chain(str(cert), str(key))
+            return ctx, cert.read_bytes()
     ctx.load_cert_chain(str(cert), str(key))
     return ctx, cert.read_bytes()
 
