@@ -100,6 +100,8 @@ def test_manifests_run_the_image_and_commands_the_dockerfile_builds() -> None:
     version = cfg["metadata"]["version"]
     scripts = {ln.split("=")[0].strip() for ln in cfg["options.entry_points"]["console_scripts"].splitlines() if ln}
     assert scripts == {"alnair-agent", "alnair-scheduler"}
+    # the runtime stage installs this distribution (whose console scripts those are) from the build stage's wheels
+    assert f"--find-links /tmp/wheels {cfg['metadata']['name']}" in dockerfile()
     images = set()
     for name, spec in pod_specs():
         for c in spec.get("initContainers", []) + spec["containers"]:
