@@ -163,3 +163,11 @@ async def test_ca_bundle_is_published_on_every_webhook(tmp_path: Path, unused_tc
     [(ctype, body)] = seen
     assert ctype == "application/json-patch+json"
     assert body == [{"op": "add", "path": "/webhooks/0/clientConfig/caBundle", "value": base64.b64encode(pem).decode()}]
+
+
+@pytest.mark.parametrize(("prefix", "refused"), [("ALNAIR_", True), ("ALNAIR_X_", True), ("LD_", True),
+                                                 ("NVIDIA_", True), ("A", True), ("APP_", False), ("", False)])
+def test_env_from_with_a_prefix_that_makes_the_agents_variables_is_refused(prefix: str, refused: bool) -> None:
+    p = pod(GPU)
+    p["spec"]["containers"][1]["envFrom"] = [{"prefix": prefix, "configMapRef": {"name": "settings"}}]
+    assert review(admission(p), DEFAULT)["response"]["allowed"] is not refused

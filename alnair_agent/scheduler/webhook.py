@@ -81,6 +81,11 @@ def forbidden_env(pod: Mapping[str, Any]) -> list[str]:
             name = str((e or {}).get("name", ""))
             if name in FORBIDDEN_ENV or name.startswith(FORBIDDEN_ENV_PREFIX):
                 found.append(f"{c.get('name', '?')}/{name}")
+        for source in c.get("envFrom") or ():  # the keys of a ConfigMap or Secret are not in the pod: the prefix is
+            prefix = str((source or {}).get("prefix", ""))
+            names = (*FORBIDDEN_ENV, FORBIDDEN_ENV_PREFIX)
+            if prefix and (prefix.startswith(FORBIDDEN_ENV_PREFIX) or any(n.startswith(prefix) for n in names)):
+                found.append(f"{c.get('name', '?')}/envFrom prefix {prefix}")
     return found
 
 
