@@ -225,3 +225,15 @@ def test_agent_probe_paths_are_served() -> None:
     if missing:
         pytest.skip(f"alnair_agent/metrics.py does not serve {', '.join(missing)} yet (issue 10)")
     assert not missing
+
+
+def test_tox_has_test_lint_and_shim_environments() -> None:
+    tox = configparser.ConfigParser(interpolation=None)
+    tox.read(ROOT / "tox.ini")
+    assert [e.strip() for e in tox["tox"]["envlist"].split(",")] == ["py3", "lint", "shim"]
+    assert "python -m pytest -q" in tox["testenv"]["commands"] and tox["testenv"]["extras"] == "test"
+    assert "ruff check" in tox["testenv:lint"]["commands"]
+    shim = tox["testenv:shim"]["commands"]
+    assert "make -C shim" in shim and "tests/shim" in shim
+    for path in ("shim/Makefile", "tests/shim", "alnair_agent", "tests", "bench"):
+        assert (ROOT / path).exists()
