@@ -47,6 +47,11 @@ def test_scheduler_config_calls_what_the_extender_serves() -> None:
 
 def test_extender_rbac_grants_what_it_uses() -> None:
     role = next(d for d in docs("alnair-scheduler.yaml") if d["kind"] == "ClusterRole")
-    grants = {(r, v) for rule in role["rules"] for r in rule["resources"] for v in rule["verbs"]}
+    grants = {(r, v) for rule in role["rules"] if not rule.get("resourceNames")
+              for r in rule["resources"] for v in rule["verbs"]}
     assert grants == {("nodes", "list"), ("nodes", "watch"), ("pods", "get"), ("pods", "list"), ("pods", "watch"),
                       ("pods", "patch"), ("pods/binding", "create")}
+    # the webhook's caBundle: its own configuration only
+    [named] = [rule for rule in role["rules"] if rule.get("resourceNames")]
+    assert named == {"apiGroups": ["admissionregistration.k8s.io"], "resources": ["mutatingwebhookconfigurations"],
+                     "resourceNames": ["alnair-scheduler"], "verbs": ["get", "patch"]}

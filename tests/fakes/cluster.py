@@ -218,13 +218,13 @@ class KubeletDriver:
                     answers[c["name"]] = await self.kubelet.admit(meta["namespace"], meta["name"], c["name"],
                                                                   dict(requests))
         except AdmissionError as e:
-            self.refused[meta["uid"]] = str(e)
+            message = self.refused[meta["uid"]] = str(e)
             self.kubelet.remove_pod(meta["namespace"], meta["name"])
             with contextlib.suppress(KeyError):
                 def failed(p: dict[str, Any]) -> None:
                     p["status"]["phase"] = "Failed"
                     p["status"]["reason"] = "UnexpectedAdmissionError"
-                    p["status"]["message"] = str(e)
+                    p["status"]["message"] = message
                 self.api.modify_pod(meta["namespace"], meta["name"], failed)
             return
         self.admitted[meta["uid"]] = Admission(meta["name"], meta["namespace"], answers, time.monotonic())
