@@ -123,7 +123,9 @@ class Driver:
         self.check(self.cu.cuCtxSynchronize(), "cuCtxSynchronize")
 
     def timed(self, fn, ns: int, blocks: int, threads: int) -> float:
-        """GPU seconds of one launch, by events (the events are not the shim's)."""
+        """GPU seconds of one launch, by events (the events are not the shim's), after one launch to warm up (a
+        function's first launch also loads its module)."""
+        self.check(self.launch(fn, ns, blocks, threads), "cuLaunchKernel")
         e0, e1 = ctypes.c_void_p(), ctypes.c_void_p()
         self.check(self.cu.cuEventCreate(ctypes.byref(e0), 0), "cuEventCreate")
         self.check(self.cu.cuEventCreate(ctypes.byref(e1), 0), "cuEventCreate")
@@ -246,6 +248,12 @@ def main() -> None:
         res.update(nvml_memory())
     elif scenario == "oom":
         chunk = int(sys.argv[2]) if len(sys.argv) > 2 and sys.argv[2].isdigit() else 256 << 20
+        if "--start" in sys.argv:
+            # Several processes of one container: each creates its CUDA context first (the shim charges it), says so,
+            # and allocates only once told to, so none is refused its context by a sibling that started sooner.
+            torch.empty(1, device="cuda")
+            print(json.dumps({"ready": True}), flush=True)
+            sys.stdin.readline()
         held = []
         try:
             while True:

@@ -152,9 +152,15 @@ def test_two_processes_share_one_container_limit(shim, region_dir):
     region = make(region_dir, 8 * GiB, 0)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ALNAIR_", "LD_PRELOAD", "PYTORCH_CUDA_ALLOC"))}
     env.update(LD_PRELOAD=shim, ALNAIR_REGION=str(region))
-    procs = [subprocess.Popen([sys.executable, str(CHILD), "oom", str(128 << 20), "--hold"], env=env,
+    procs = [subprocess.Popen([sys.executable, str(CHILD), "oom", str(128 << 20), "--hold", "--start"], env=env,
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for _ in range(2)]
+    for p in procs:  # both contexts exist (and are charged) before either allocates
+        line = p.stdout.readline()
+        assert line and json.loads(line).get("ready"), p.stderr.read()[-3000:]
+    for p in procs:
+        p.stdin.write("start\n")
+        p.stdin.flush()
     results = []
     for p in procs:  # each reports once it hit the limit, and keeps its memory until both have
         line = p.stdout.readline()
@@ -184,7 +190,8 @@ def test_300ms_kernels_hold_a_20_percent_cap(shim, region_dir):
 
 
 def test_thousands_of_distinct_kernels_hold_a_30_percent_cap(shim, region_dir):
-    res = _spin(shim, region_dir, "distinct", 30, 10.0, env={"SPIN_DISTINCT": "10000"})
+    # Eager module loading: the 10,000 modules load before the clock starts, not at each one's first launch.
+    res = _spin(shim, region_dir, "distinct", 30, 10.0, env={"SPIN_DISTINCT": "10000", "CUDA_MODULE_LOADING": "EAGER"})
     assert res["refused"] == 0
     assert abs(res["utilization"] - 0.30) <= 0.03, res
 
