@@ -8,6 +8,7 @@ extender's per-node lock there is only one (see `alnair_agent.node.decision`).
 from __future__ import annotations
 
 import asyncio
+import random
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -140,8 +141,9 @@ class PodWatch:
                 failure = {"error": "ApiException", "status": e.status, "reason": e.reason}
             except (aiohttp.ClientError, TimeoutError, OSError, ValueError, WatchProtocolError) as e:
                 failure = {"error": type(e).__name__, "detail": str(e)[:200]}
-            log.warning("pod_watch_failed", retry_in_s=round(backoff, 3), **failure)
-            await asyncio.sleep(backoff)
+            delay = backoff * random.uniform(0.5, 1.0)  # jitter: nodes must not retry in lockstep after an outage
+            log.warning("pod_watch_failed", retry_in_s=round(delay, 3), **failure)
+            await asyncio.sleep(delay)
             backoff = min(backoff * 2, self._timing.backoff_max_s)
 
     async def _list(self, core: CoreV1Api) -> None:

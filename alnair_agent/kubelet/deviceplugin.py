@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import random
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -156,6 +157,7 @@ class DevicePluginService:
             pb_grpc.add_DevicePluginServicer_to_server(servicer, server)
             server.add_insecure_port(f"unix://{path}")
             await server.start()
+            os.chmod(path, 0o600)  # only kubelet (root) dials it; no other host user may talk to the plugin
             self._servers[resource] = server
         log.info("device_plugin_serving", sockets=[str(self.socket_path(r)) for r in RESOURCES])
 
@@ -199,9 +201,14 @@ class DevicePluginService:
                         registered_inode = inode
                         backoff = REREGISTER_POLL_S
                     except (grpc.aio.AioRpcError, OSError) as e:
+                        # Forget the socket we last registered with: a new kubelet.sock may reuse its inode at
+                        # once, and our own re-served sockets hide the restart, so without this a refused
+                        # Register would never be retried.
+                        registered_inode = None
                         detail = e.details() if isinstance(e, grpc.aio.AioRpcError) else str(e)
-                        log.warning("device_plugin_register_failed", error=detail, retry_in_s=backoff)
-                        await asyncio.sleep(backoff)
+                        delay = backoff * random.uniform(0.5, 1.0)
+                        log.warning("device_plugin_register_failed", error=detail, retry_in_s=round(delay, 3))
+                        await asyncio.sleep(delay)
                         backoff = min(backoff * 2, REGISTER_RETRY_MAX_S)
                         continue
                 await asyncio.sleep(REREGISTER_POLL_S)

@@ -128,7 +128,8 @@ class Reconciler:
             try:
                 region = self.workspace.open_region(alloc_id)
             except RegionError as e:
-                log.warning("region_unreadable", allocation=alloc_id, error=str(e))
+                if not getattr(e, "repeated", False):  # logged once per bad file, not every heartbeat
+                    log.warning("region_unreadable", allocation=alloc_id, error=str(e))
                 return None
             self._regions[alloc_id] = region
         return region
@@ -282,11 +283,23 @@ class Reconciler:
         return self.pods is not None and self.pods.synced and self._pod(alloc) is None
 
     def beat(self) -> None:
+        """The heartbeat into every live region; limits the container overwrote are put back (the agent is their
+        only writer: a container that zeroes its own limits gets them rewritten within one beat)."""
         now = time.clock_gettime_ns(time.CLOCK_MONOTONIC)
-        for alloc_id in list(self.allocator.allocations):
+        for alloc_id, alloc in list(self.allocator.allocations.items()):
             region = self._region(alloc_id)
-            if region is not None:
+            if region is None:
+                continue
+            try:
                 region.beat(now)
+                if (region.memory_limit, region.compute_limit) != (alloc.memory_limit, alloc.compute_limit):
+                    log.warning("region_limits_restored", allocation=alloc_id, pod=alloc.ref(),
+                                found=[region.memory_limit, region.compute_limit],
+                                limits=[alloc.memory_limit, alloc.compute_limit])
+                    region.set_limits(alloc.memory_limit, alloc.compute_limit)
+            except (OSError, RegionError, ValueError) as e:
+                log.warning("region_write_failed", allocation=alloc_id, error=str(e))
+                self._forget_region(alloc_id)
 
     async def run(self) -> None:
         try:
