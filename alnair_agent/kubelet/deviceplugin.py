@@ -78,18 +78,20 @@ class ResourceServicer(pb_grpc.DevicePluginServicer):
         return pb.PreferredAllocationResponse(container_responses=responses)
 
     async def Allocate(self, request: pb.AllocateRequest, context: grpc.aio.ServicerContext) -> pb.AllocateResponse:
-        responses = []
-        for req in request.container_requests:
-            try:
-                answer = await self.allocator.allocate(self.resource, list(req.devices_ids))
-            except AllocationError as e:
-                log.warning("allocate_refused", resource=self.resource, devices=len(req.devices_ids), reason=e.message)
-                await context.abort(e.code, e.message)
-            responses.append(pb.ContainerAllocateResponse(
+        try:
+            # All or nothing: a refused container request gives back what the earlier ones of the call took.
+            answers = await self.allocator.allocate_all(
+                self.resource, [list(req.devices_ids) for req in request.container_requests])
+        except AllocationError as e:
+            log.warning("allocate_refused", resource=self.resource, containers=len(request.container_requests),
+                        reason=e.message)
+            await context.abort(e.code, e.message)
+        return pb.AllocateResponse(container_responses=[
+            pb.ContainerAllocateResponse(
                 envs=answer.envs,
                 mounts=[pb.Mount(container_path=c, host_path=h, read_only=ro) for c, h, ro in answer.mounts],
-            ))
-        return pb.AllocateResponse(container_responses=responses)
+            ) for answer in answers
+        ])
 
     async def PreStartContainer(self, request: pb.PreStartContainerRequest,
                                 context: grpc.aio.ServicerContext) -> pb.PreStartContainerResponse:

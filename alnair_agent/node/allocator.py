@@ -25,6 +25,7 @@ reconciler, only once kubelet no longer reports the container).
 from __future__ import annotations
 
 import asyncio
+import copy
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -424,6 +425,41 @@ class Allocator:
             raise AllocationError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
 
     # -- Allocate -------------------------------------------------------------------------------------------
+    async def allocate_all(self, resource: str, requests: list[list[str]]) -> list[ContainerAnswer]:
+        """One Allocate call's container requests, all or nothing: when one is refused, what the earlier ones
+        took is given back (kubelet admits none of them), records and folders as they were before the call."""
+        before = {i: copy.deepcopy(a) for i, a in self.allocations.items()}
+        answers = []
+        try:
+            for device_ids in requests:
+                answers.append(await self.allocate(resource, device_ids))
+        except BaseException:
+            if answers:
+                async with self._lock:
+                    self._roll_back(before, f"a later container of the same Allocate call for {resource} was refused")
+            raise
+        return answers
+
+    def _roll_back(self, before: dict[str, Allocation], why: str) -> None:
+        for alloc_id, alloc in list(self.allocations.items()):
+            old = before.get(alloc_id)
+            if old is None:
+                self._abandon(alloc, why)
+            elif old != alloc:
+                limits_changed = (old.memory_limit, old.compute_limit) != (alloc.memory_limit, alloc.compute_limit)
+                alloc.__dict__.update(copy.deepcopy(old.__dict__))
+                try:
+                    if limits_changed:
+                        region = self.workspace.open_region(alloc_id)
+                        try:
+                            region.set_limits(alloc.memory_limit, alloc.compute_limit)
+                        finally:
+                            region.close()
+                    self.workspace.save(alloc)
+                except (OSError, RegionError) as e:
+                    log.error("allocation_roll_back_incomplete", allocation=alloc_id, error=str(e))
+                log.warning("allocation_rolled_back", allocation=alloc_id, reason=why)
+
     async def allocate(self, resource: str, device_ids: list[str]) -> ContainerAnswer:
         if not device_ids:
             raise AllocationError(grpc.StatusCode.INVALID_ARGUMENT, f"Allocate for {resource} names no device IDs")

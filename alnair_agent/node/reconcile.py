@@ -161,6 +161,10 @@ class Reconciler:
         now = time.time()
         ended: list[Allocation] = []
         for alloc in list(self.allocator.allocations.values()):
+            freed = self.workspace.sweep(alloc.id)
+            if freed:
+                log.warning("container_files_removed", allocation=alloc.id, pod=alloc.ref(), bytes=freed,
+                            reason="only the region belongs in /run/alnair")
             if self._ended(alloc, by_id, now):
                 ended.append(alloc)
             elif self.usage is not None and alloc.identified:

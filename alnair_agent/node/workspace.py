@@ -15,6 +15,7 @@ import os
 import re
 import secrets
 import shutil
+import stat
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -22,6 +23,7 @@ from pathlib import Path
 import structlog
 
 from alnair_agent.constants import ALLOCATION_FILE_NAME, CONTAINER_FOLDER_NAME, REGION_FILE_NAME, RESOURCES
+from alnair_agent.node import region_layout as L
 from alnair_agent.node.region import Region, RegionError
 
 log = structlog.get_logger(__name__)
@@ -101,6 +103,27 @@ ROOT_MODE = 0o700
 FOLDER_MODE = 0o700
 RUN_MODE = 0o755
 RECORD_MODE = 0o600
+
+
+def _truncate_plain(path: Path, size: int = 0) -> None:
+    """Empty a regular file without following a link or opening anything else (O_PATH, fstat, then the same
+    inode through /proc/self/fd)."""
+    try:
+        pfd = os.open(path, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return
+    try:
+        if not stat.S_ISREG(os.fstat(pfd).st_mode):
+            return
+        fd = os.open(f"/proc/self/fd/{pfd}", os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        try:
+            os.ftruncate(fd, size)
+        finally:
+            os.close(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(pfd)
 
 
 def _signature(st: os.stat_result) -> tuple[int, ...]:
@@ -205,6 +228,42 @@ class Workspace:
         self._bad.pop(alloc_id, None)
         return region
 
+    def sweep(self, alloc_id: str) -> int:
+        """Bound what a container keeps in its `run/` (on the workspace filesystem): only `region` belongs there.
+        Anything else the container made is emptied (a plain file, through an O_PATH-checked descriptor, so space
+        held by the container's own open descriptor is freed too) and removed; nothing is followed or opened
+        before its type is known. Returns the bytes freed (as st_blocks said)."""
+        run = self.container_folder(alloc_id)
+        freed = 0
+        try:
+            entries = os.listdir(run)
+        except OSError:
+            return 0
+        for name in entries:
+            path = run / name
+            if name == REGION_FILE_NAME:
+                # A region grown past its size (writes beyond the end) is cut back: its extra bytes are no
+                # part of the layout.
+                with contextlib.suppress(OSError):
+                    st = os.lstat(path)
+                    if stat.S_ISREG(st.st_mode) and st.st_size > L.REGION_SIZE:
+                        freed += max(0, st.st_blocks * 512 - L.REGION_SIZE)
+                        _truncate_plain(path, L.REGION_SIZE)
+                continue
+            try:
+                st = os.lstat(path)
+            except OSError:
+                continue
+            freed += st.st_blocks * 512
+            if stat.S_ISREG(st.st_mode):
+                _truncate_plain(path)
+            if stat.S_ISDIR(st.st_mode):
+                self._rmtree(path)
+            else:
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
+        return freed
+
     def bad_regions(self) -> dict[str, str]:
         """Allocation -> why its region is refused (for metrics and logs)."""
         return {alloc_id: str(e) for alloc_id, (_, e) in self._bad.items()}
@@ -238,7 +297,10 @@ class Workspace:
         """Remove the folder and everything in it. The container may have left folders it made unreadable
         (mode 000): they are opened up first. Links are removed, never followed."""
         self._bad.pop(alloc_id, None)
+        self._rmtree(self.path(alloc_id))
 
+    @staticmethod
+    def _rmtree(top: Path) -> None:
         def retry(func, path, exc):  # type: ignore[no-untyped-def]
             parent = os.path.dirname(path)
             with contextlib.suppress(OSError):
@@ -247,6 +309,6 @@ class Workspace:
                     os.chmod(path, 0o700)
                 func(path)
 
-        shutil.rmtree(self.path(alloc_id), onerror=retry)
-        if self.path(alloc_id).exists():
-            shutil.rmtree(self.path(alloc_id), ignore_errors=True)
+        shutil.rmtree(top, onerror=retry)
+        if top.exists():
+            shutil.rmtree(top, ignore_errors=True)
