@@ -88,7 +88,11 @@ def env_for(settings: Settings) -> dict[str, str]:
         "ALNAIR_RESYNC_INTERVAL_S": str(settings.resync_interval_s),
         "ALNAIR_PLACE_UNSCHEDULED": "true" if settings.place_unscheduled else "false",
         "ALNAIR_LOG_FORMAT": "json",
+        "ALNAIR_HEALTH_INTERVAL_S": str(settings.health_interval_s),
+        "PYTHONUNBUFFERED": "1",  # the log file is read while the agent runs
     })
+    if settings.sim_faults_file is not None:
+        env["ALNAIR_SIM_FAULTS_FILE"] = str(settings.sim_faults_file)
     return env
 
 

@@ -6,6 +6,7 @@ import hashlib
 import json
 import os
 import queue
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,6 +41,7 @@ class SimulatedBackend:
     _faults_seen: tuple[int, ...] | None = None  # (mtime_ns, size, ino) of the file last read
     _file_unhealthy: dict[int, str] = field(default_factory=dict)
     _sample_error: str | None = None
+    _faults_lock: threading.Lock = field(default_factory=threading.Lock)
 
     @classmethod
     def from_settings(cls, settings) -> "SimulatedBackend":  # type: ignore[no-untyped-def]
@@ -53,6 +55,11 @@ class SimulatedBackend:
         (and the last good state kept): the hook must never be a way to crash the agent."""
         if self.faults_file is None:
             return
+        with self._faults_lock:  # read from the health thread and the profiler's thread
+            self._read_faults_locked()
+
+    def _read_faults_locked(self) -> None:
+        assert self.faults_file is not None
         try:
             st = os.stat(self.faults_file)
             seen: tuple[int, ...] = (st.st_mtime_ns, st.st_size, st.st_ino)

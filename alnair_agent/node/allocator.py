@@ -428,20 +428,31 @@ class Allocator:
     async def allocate_all(self, resource: str, requests: list[list[str]]) -> list[ContainerAnswer]:
         """One Allocate call's container requests, all or nothing: when one is refused, what the earlier ones
         took is given back (kubelet admits none of them), records and folders as they were before the call."""
-        before = {i: copy.deepcopy(a) for i, a in self.allocations.items()}
-        answers = []
+        # Only a call of several containers can need undoing (kubelet sends one per call in practice).
+        before = {i: copy.deepcopy(a) for i, a in self.allocations.items()} if len(requests) > 1 else {}
+        answers: list[ContainerAnswer] = []
         try:
-            for device_ids in requests:
-                answers.append(await self.allocate(resource, device_ids))
+            try:
+                for device_ids in requests:
+                    answers.append(await self.allocate(resource, device_ids))
+            except OSError as e:  # a record that cannot be written (full or failing disk): refused clearly
+                raise AllocationError(grpc.StatusCode.INTERNAL,
+                                      f"cannot write allocation records under {self.workspace.root}: {e}") from e
         except BaseException:
             if answers:
                 async with self._lock:
-                    self._roll_back(before, f"a later container of the same Allocate call for {resource} was refused")
+                    self._roll_back(before, [a.allocation.id for a in answers],
+                                    f"a container of the same Allocate call for {resource} was refused")
             raise
         return answers
 
-    def _roll_back(self, before: dict[str, Allocation], why: str) -> None:
-        for alloc_id, alloc in list(self.allocations.items()):
+    def _roll_back(self, before: dict[str, Allocation], touched: list[str], why: str) -> None:
+        """Undo what this call did to the records it answered with (and only those: another call may be under
+        way): a record it created is abandoned, one it completed gets its earlier state back."""
+        for alloc_id in dict.fromkeys(touched):
+            alloc = self.allocations.get(alloc_id)
+            if alloc is None:
+                continue
             old = before.get(alloc_id)
             if old is None:
                 self._abandon(alloc, why)

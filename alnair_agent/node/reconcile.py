@@ -143,7 +143,23 @@ class Reconciler:
             log.warning("pod_resources_unavailable", error=str(e))
             return None
 
+    def _save(self, alloc: Allocation) -> None:
+        """Write a corrected record; a full or failing disk is logged and the record kept in memory (it is
+        written again on the next change, and kubelet's pod-resources re-teaches it after a restart)."""
+        try:
+            self.workspace.save(alloc)
+        except OSError as e:
+            log.warning("allocation_record_write_failed", allocation=alloc.id, error=str(e))
+
+    def _sweep(self) -> None:
+        for alloc in list(self.allocator.allocations.values()):
+            freed = self.workspace.sweep(alloc.id)
+            if freed:
+                log.warning("container_files_removed", allocation=alloc.id, pod=alloc.ref(), bytes=freed,
+                            reason="only the region belongs in /run/alnair")
+
     async def once(self) -> None:
+        self._sweep()  # first: what a container piled up in its folder must not fail the rest of the pass
         held = await self._held()
         by_id: dict[str, DeviceAssignment] | None = None
         if held is not None:
@@ -161,10 +177,6 @@ class Reconciler:
         now = time.time()
         ended: list[Allocation] = []
         for alloc in list(self.allocator.allocations.values()):
-            freed = self.workspace.sweep(alloc.id)
-            if freed:
-                log.warning("container_files_removed", allocation=alloc.id, pod=alloc.ref(), bytes=freed,
-                            reason="only the region belongs in /run/alnair")
             if self._ended(alloc, by_id, now):
                 ended.append(alloc)
             elif self.usage is not None and alloc.identified:
@@ -201,7 +213,7 @@ class Reconciler:
             owner = next((by_id[i] for i in alloc.all_ids() if i in by_id), None)
             if owner is not None:
                 alloc.namespace, alloc.pod_name, alloc.container = owner.namespace, owner.pod, owner.container
-                self.workspace.save(alloc)
+                self._save(alloc)
                 log.info("allocation_identified", allocation=alloc.id, pod=f"{owner.namespace}/{owner.pod}",
                          container=owner.container)
 
@@ -228,7 +240,7 @@ class Reconciler:
             claimed.add(owner)
             alloc.namespace, alloc.pod_name, alloc.container = owner
             alloc.pod_uid = pod.uid if pod is not None else ""
-            self.workspace.save(alloc)
+            self._save(alloc)
 
     def _reported(self, alloc: Allocation, by_id: dict[str, DeviceAssignment]) -> bool:
         """Whether kubelet still reports any of the record's devices for the record's own container."""

@@ -250,9 +250,19 @@ class FakeApiServer:
         app.router.add_get("/api/v1/nodes", self._list_or_watch_nodes)
         app.router.add_get("/api/v1/nodes/{name}", self._get_node)
         app.router.add_patch("/api/v1/nodes/{name}", self._patch_node)
-        self._server = TestServer(app, host="127.0.0.1")
+        self._app = app
+        self._server = TestServer(app, host="127.0.0.1", port=getattr(self, "_port", None))
         await self._server.start_server()
+        self._port = self._server.port
         return self
+
+    async def outage(self) -> None:
+        """The API server goes away: open watches end, the port refuses connections until `recover`."""
+        await self.close()
+
+    async def recover(self) -> None:
+        """The API server comes back on the same address, with the same objects."""
+        await self.start()
 
     async def close(self) -> None:
         for w in self._watchers:  # end open streams first, or the server would wait for them on shutdown
