@@ -159,6 +159,7 @@ class AgentProcess:
 
     settings: Settings
     proc: subprocess.Popen[bytes] | None = None
+    extra_env: dict[str, str] | None = None  # on top of the settings (e.g. KUBECONFIG, ALNAIR_KUBERNETES=auto)
 
     @property
     def log_path(self) -> Path:
@@ -167,7 +168,8 @@ class AgentProcess:
     def start(self) -> None:
         self.settings.workspace.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as out:
-            self.proc = subprocess.Popen([sys.executable, "-m", "alnair_agent.main"], env=env_for(self.settings),
+            self.proc = subprocess.Popen([sys.executable, "-m", "alnair_agent.main"],
+                                         env=env_for(self.settings) | (self.extra_env or {}),
                                          stdout=out, stderr=subprocess.STDOUT)
 
     def output(self) -> str:
