@@ -318,6 +318,9 @@ async def test_container_filling_the_workspace_is_cut_back_and_others_unaffected
             run = ws / hog / CONTAINER_FOLDER_NAME
             # The container fills the filesystem from its /run/alnair, keeps a descriptor open on its file, and
             # also grows its region past its size.
+            with open(run / REGION_FILE_NAME, "r+b") as region_file:  # grown past its size
+                region_file.seek(L.REGION_SIZE + (1 << 16))
+                region_file.write(b"x")
             held = open(run / "junk", "wb")  # noqa: SIM115
             try:
                 try:
