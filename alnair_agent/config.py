@@ -40,7 +40,7 @@ def parse_sim_gpus(text: str) -> tuple[SimGpu, ...]:
     """'2x16GiB' or '16GiB,80GiB' or '2x16GiB,1x80GiB' -> one SimGpu per GPU."""
     gpus: list[SimGpu] = []
     for part in text.split(","):
-        m = _SIM_RE.match(part.strip())
+        m = _SIM_RE.fullmatch(part.strip())
         if not m:
             raise ValueError(f"'{part.strip()}' is not [<count>x]<size><MiB|GiB|TiB>")
         count = int(m.group(1) or 1)
@@ -79,7 +79,7 @@ def _range(kind: type[int] | type[float], lo: float, hi: float) -> Callable[[str
     def parse(text: str) -> Any:
         try:
             # Only plain ASCII decimals: Python's int()/float() also take '1_000', '１２', 'inf', '1e400'.
-            if not pattern.match(text):
+            if not pattern.fullmatch(text):
                 raise ValueError(text)
             value = kind(text)
         except ValueError:
@@ -257,7 +257,8 @@ class Settings:
             try:
                 values[var.attr] = var.parse(raw.strip())
             except ValueError as e:
-                raise ConfigError(f"{var.name}={raw!r} is not allowed; expected {e}") from None
+                expected = "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(e))  # one line, always
+                raise ConfigError(f"{var.name}={raw!r} is not allowed; expected {expected}") from None
         unknown = sorted(k for k in env if k.startswith("ALNAIR_") and k not in known and not _SERVICE_LINK.match(k))
         if unknown:
             raise ConfigError(f"{unknown[0]} is not a known setting; known: {', '.join(sorted(known))}")

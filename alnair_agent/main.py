@@ -60,6 +60,9 @@ def main(argv: list[str] | None = None) -> int:
         log.warning("startup_check", problem=warning)
     try:
         uvloop.run(serve(settings))
+    except ConfigError as e:  # a setting that only the GPUs found show to be unusable
+        print(f"alnair-agent: configuration error: {e}", file=sys.stderr)
+        return 2
     except GpuBackendError as e:
         log.error("gpu_backend_failed", error=str(e))
         return 1

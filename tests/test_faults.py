@@ -17,6 +17,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+import grpc
 import pytest
 from agent_harness import env_for, gpu_of, node_settings, registered
 from faults_util import (
@@ -283,6 +284,7 @@ async def test_full_workspace_refuses_allocate_clearly_and_leaves_nothing(root):
                 with pytest.raises(AdmissionError) as err:
                     await kubelet.admit("default", f"full{i}", "main", {MEM: 1, SM: 10})
                 assert "No space left" in err.value.details, err.value.details
+                assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
             # No half-made folder, no temp file, no descriptor left open on anything but live regions.
             assert sorted(p.name for p in ws.iterdir() if p.is_dir()) == folders
             assert not list(ws.glob("*/*.tmp")) and not list(ws.glob("*/run/*.tmp"))
@@ -481,3 +483,16 @@ async def test_nvml_faults_injected_into_the_live_agent_and_recovery(root):
         status, body = await http_get(port, "/readyz")
         assert status == 200 and "unhealthy" not in body
         assert agent.proc.poll() is None
+
+
+async def test_too_many_memory_units_on_a_real_gpu_is_a_configuration_error(root):
+    """The NVML backend's GPUs are known only at start: a unit that would make too many device IDs is refused
+    then (main prints it in one line, exit 2), before anything is registered."""
+    from alnair_agent.app import Agent
+    from alnair_agent.config import ConfigError, SimGpu
+    from alnair_agent.gpu.simulated import SimulatedBackend
+
+    settings = node_settings(root, memory_unit_mib=1, sim_gpus=(SimGpu(141 << 30),))
+    agent = Agent(settings, SimulatedBackend.from_settings(settings))
+    with pytest.raises(ConfigError, match="ALNAIR_MEMORY_UNIT_MIB=1 makes 144384 memory units"):
+        await agent.run(asyncio.Event())

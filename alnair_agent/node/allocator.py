@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import errno
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -581,8 +582,11 @@ class Allocator:
             region = self.workspace.create(alloc)
         except OSError as e:
             self.workspace.remove(alloc.id)
-            raise AllocationError(grpc.StatusCode.INTERNAL,
-                                  f"cannot create workspace for {alloc.describe()} under {self.workspace.root}: {e}") from e
+            # A full workspace filesystem is a refusal kubelet retries, not an agent fault.
+            code = (grpc.StatusCode.RESOURCE_EXHAUSTED if e.errno in (errno.ENOSPC, errno.EDQUOT)
+                    else grpc.StatusCode.INTERNAL)
+            raise AllocationError(code, f"cannot create workspace for {alloc.describe()} under "
+                                        f"{self.workspace.root}: {e}") from e
         region.close()
         self.allocations[alloc.id] = alloc
         return alloc
