@@ -496,3 +496,11 @@ async def test_too_many_memory_units_on_a_real_gpu_is_a_configuration_error(root
     agent = Agent(settings, SimulatedBackend.from_settings(settings))
     with pytest.raises(ConfigError, match="ALNAIR_MEMORY_UNIT_MIB=1 makes 144384 memory units"):
         await agent.run(asyncio.Event())
+
+
+@pytest.mark.parametrize("var", ["ALNAIR_DEVICE_PLUGIN_DIR", "ALNAIR_SHIM_DIR"])
+def test_plugin_or_shim_folder_that_is_a_file_stops_start_with_one_line(root, var):
+    (root / "afile").write_text("x")
+    for path in (root / "afile", root / "afile" / "below"):
+        err = _start_fails_with_one_line(node_settings(root), **{var: str(path)})
+        assert var in err and str(path) in err, err
