@@ -111,7 +111,8 @@ def test_fuzzed_allocate_is_answered_or_refused_clearly(live, resource, requests
     except grpc.RpcError as e:
         assert e.code() in REFUSALS, (e.code(), e.details())
         assert e.details()
-        assert set(os.listdir(live.settings.workspace)) == before  # a refused call keeps nothing
+        # a refused call keeps nothing (the reconciler may retire old folders meanwhile: only none new)
+        assert set(os.listdir(live.settings.workspace)) <= before
         return
     assert len(resp.container_responses) == len(requests)
     live.folders_ok()
@@ -148,7 +149,16 @@ def test_raw_garbage_on_the_plugin_sockets_is_survived(live):
     assert len(open_paths(live.agent.proc.pid)) < 100
 
 
-def test_multi_container_allocate_with_a_bad_second_entry_keeps_nothing(live):
+@pytest.fixture
+def fresh() -> Iterator[LiveNode]:
+    """A node of its own (the fuzzers leave allocations behind on the shared one)."""
+    node = LiveNode()
+    yield node
+    node.close()
+
+
+def test_multi_container_allocate_with_a_bad_second_entry_keeps_nothing(fresh):
+    live = fresh
     mem = _ids("mem")
     for bad in (["not-a-device"], [mem[0], mem[3]], [mem[1], mem[1]], []):  # unknown, two GPUs, repeated, none
         before = set(os.listdir(live.settings.workspace))
