@@ -77,3 +77,20 @@ def test_agent_rbac_grants_exactly_the_verbs_its_code_calls():
     role = next(d for d in _agent_docs() if d["kind"] == "ClusterRole")
     grants = {(r, v) for rule in role["rules"] for r in rule["resources"] for v in rule["verbs"]}
     assert grants == used == {("pods", "list"), ("pods", "watch"), ("pods", "patch"), ("nodes", "patch")}
+
+
+async def test_folders_of_an_earlier_agent_get_the_tight_modes_at_start(root):
+    settings = node_settings(root)
+    async with KubeletEmulator(settings.device_plugin_dir, settings.pod_resources_socket) as kubelet:
+        async with running_agent(settings) as running:
+            await registered(kubelet)
+            await kubelet.admit("default", "p", "main", {MEM: 1, SM: 10})
+            alloc_id = next(iter(running.agent.allocator.allocations))
+        folder = settings.workspace / alloc_id
+        folder.chmod(0o755)  # what the agent before issue 10 made
+        (folder / CONTAINER_FOLDER_NAME).chmod(0o777)
+        (folder / ALLOCATION_FILE_NAME).chmod(0o644)
+        async with running_agent(settings):
+            assert mode(folder) == 0o700
+            assert mode(folder / CONTAINER_FOLDER_NAME) == 0o755
+            assert mode(folder / ALLOCATION_FILE_NAME) == 0o600

@@ -160,6 +160,7 @@ class Workspace:
             os.chmod(self.root, ROOT_MODE)
         except OSError as e:
             raise WorkspaceError(f"cannot set the mode of {self.root}: {e.strerror}") from None
+
     def path(self, alloc_id: str) -> Path:
         if not _ID_RE.match(alloc_id):
             raise ValueError(f"bad allocation id {alloc_id!r}")
@@ -290,6 +291,12 @@ class Workspace:
             except (OSError, ValueError) as e:
                 log.warning("workspace_record_unreadable", folder=str(folder), error=str(e))
                 continue
+            # Folders made by an earlier agent (0755, run/ 0777) get today's modes.
+            for path, mode in ((folder, FOLDER_MODE), (record, RECORD_MODE),
+                               (self.container_folder(alloc.id), RUN_MODE)):
+                with contextlib.suppress(OSError):
+                    if not path.is_symlink():
+                        os.chmod(path, mode)
             out.append(alloc)
         return out
 
