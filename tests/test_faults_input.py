@@ -309,3 +309,70 @@ async def test_agent_with_odd_pods_on_its_node_keeps_serving(root, api):
             answers = await kubelet.admit("default", "fine", "main", {MEM: 1, SM: 10})
             assert answers[MEM].envs
     await client.close()
+
+
+async def test_fuzzed_bodies_against_the_extender_process(view):
+    """The real `alnair-scheduler` process: every verb answers JSON to hostile bodies and keeps serving."""
+    import sys
+
+    import aiohttp
+
+    env = os.environ | {"ALNAIR_SCHEDULER_PORT": "0", "ALNAIR_SCHEDULER_HEALTH_PORT": "0", "ALNAIR_KUBERNETES": "off"}
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "alnair_agent.scheduler.main", "--host", "127.0.0.1", env=env,
+        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
+    assert proc.stderr is not None
+    drain: asyncio.Task[None] | None = None
+    try:
+        while True:
+            line = json.loads(await asyncio.wait_for(proc.stderr.readline(), 20))
+            if line["event"] == "scheduler_listening":
+                break
+        base, health = (f"http://{a}" for a in line["addresses"])
+
+        async def drain_stderr() -> None:  # keep the pipe from filling up
+            while await proc.stderr.read(65536):
+                pass
+
+        drain = asyncio.create_task(drain_stderr())
+        rng = random.Random(10)
+        bodies = [json.dumps(_odd_args(rng)).encode() for _ in range(40)]
+        bodies += [random.Random(i).randbytes(200) for i in range(20)] + [b"", b"{}", b"[]", b"null", b"1e999"]
+        async with aiohttp.ClientSession() as session:
+            for body in bodies:
+                for verb in ("filter", "prioritize", "bind"):
+                    async with session.post(f"{base}/{verb}", data=body) as resp:
+                        assert resp.status == 200, (verb, body)
+                        await resp.json()
+            async with session.get(f"{health}/healthz") as resp:
+                assert resp.status == 200
+        assert proc.returncode is None
+    finally:
+        if proc.returncode is None:
+            proc.terminate()
+            await proc.wait()
+        if drain is not None:
+            await drain
+
+
+def _odd_json(rng: random.Random, depth: int = 0) -> Any:
+    kinds = ["none", "bool", "int", "float", "str"] + (["list", "dict"] if depth < 3 else [])
+    kind = rng.choice(kinds)
+    if kind == "list":
+        return [_odd_json(rng, depth + 1) for _ in range(rng.randint(0, 3))]
+    if kind == "dict":
+        return {rng.choice(["name", "uid", "containers", "limits", "", "x"]): _odd_json(rng, depth + 1)
+                for _ in range(rng.randint(0, 3))}
+    return {"none": None, "bool": rng.random() < 0.5, "int": rng.randint(-(2**70), 2**70),
+            "float": rng.choice([0.5, -1.0, 1e308]), "str": "".join(rng.choices(string.printable, k=8))}[kind]
+
+
+def _odd_args(rng: random.Random) -> dict[str, Any]:
+    """ExtenderArgs-shaped, with odd values where kube-scheduler puts pods and node names."""
+    pod = {"metadata": {"name": _odd_json(rng), "namespace": "default", "uid": _odd_json(rng)},
+           "spec": {"containers": [{"name": "main", "resources": {"limits": {
+               rng.choice([MEM, SM]): _odd_json(rng)}}}] if rng.random() < 0.7 else _odd_json(rng)}}
+    return {"Pod": pod if rng.random() < 0.8 else _odd_json(rng),
+            "NodeNames": rng.choice([["gpu-a", "gpu-b"], [], _odd_json(rng)]), "Nodes": _odd_json(rng),
+            "PodName": _odd_json(rng), "PodNamespace": _odd_json(rng), "PodUID": _odd_json(rng),
+            "Node": _odd_json(rng)}
