@@ -9,7 +9,7 @@ from pathlib import Path
 import structlog
 
 from alnair_agent.node.allocator import Allocator, PodSource
-from alnair_agent.config import Settings
+from alnair_agent.config import MAX_UNITS_PER_GPU, ConfigError, Settings
 from alnair_agent.kube.events import EventSink
 from alnair_agent.kubelet.deviceplugin import DevicePluginService
 from alnair_agent.gpu.backend import GpuBackend, GpuInfo
@@ -60,6 +60,11 @@ class Agent:
             log.info("gpus_found", count=len(self.gpus),
                      gpus=[{"index": g.index, "uuid": g.uuid, "name": g.name, "memory_bytes": g.memory_bytes}
                            for g in self.gpus])
+            biggest = max((g.memory_bytes for g in self.gpus), default=0)
+            if biggest // s.memory_unit_bytes > MAX_UNITS_PER_GPU:
+                raise ConfigError(
+                    f"ALNAIR_MEMORY_UNIT_MIB={s.memory_unit_mib} makes {biggest // s.memory_unit_bytes} memory units "
+                    f"of a {biggest >> 20} MiB GPU; at most {MAX_UNITS_PER_GPU} allowed: use a larger unit")
             self.inventory = Inventory(self.gpus, s.memory_unit_bytes)
             workspace = Workspace(s.workspace)
             workspace.ensure()

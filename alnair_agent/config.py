@@ -29,14 +29,18 @@ class SimGpu:
 
 
 _SIZE_UNITS = {"MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40}
-_SIM_RE = re.compile(r"^(?:(\d+)x)?(\d+)(MiB|GiB|TiB)$")
+_SIM_RE = re.compile(r"^(?:([0-9]{1,3})x)?([0-9]{1,7})(MiB|GiB|TiB)$", re.ASCII)
+MAX_SIM_GPUS = 64
+MAX_SIM_GPU_BYTES = 16 << 40  # 16 TiB: far above any GPU, far below what could exhaust the agent
+# Device IDs per GPU per resource (memory units): kubelet keeps every ID, so a tiny unit on a large GPU is refused.
+MAX_UNITS_PER_GPU = 16384
 
 
 def parse_sim_gpus(text: str) -> tuple[SimGpu, ...]:
     """'2x16GiB' or '16GiB,80GiB' or '2x16GiB,1x80GiB' -> one SimGpu per GPU."""
     gpus: list[SimGpu] = []
     for part in text.split(","):
-        m = _SIM_RE.match(part.strip())
+        m = _SIM_RE.fullmatch(part.strip())
         if not m:
             raise ValueError(f"a comma-separated list of GPU memory sizes, each [<count>x]<size> in MiB|GiB|TiB "
                              f"such as 2x16GiB or 16GiB,80GiB; '{part.strip()}' is not one")
@@ -44,9 +48,13 @@ def parse_sim_gpus(text: str) -> tuple[SimGpu, ...]:
         size = int(m.group(2)) * _SIZE_UNITS[m.group(3)]
         if count < 1 or size < 1:
             raise ValueError(f"'{part.strip()}' needs a count >= 1 and a size > 0")
+        if size > MAX_SIM_GPU_BYTES:
+            raise ValueError(f"'{part.strip()}': at most 16TiB per GPU")
+        if len(gpus) + count > MAX_SIM_GPUS:
+            raise ValueError(f"more than {MAX_SIM_GPUS} GPUs; 1..{MAX_SIM_GPUS} allowed")
         gpus += [SimGpu(size)] * count
-    if not 1 <= len(gpus) <= 64:
-        raise ValueError(f"{len(gpus)} GPUs; 1..64 allowed")
+    if not 1 <= len(gpus) <= MAX_SIM_GPUS:
+        raise ValueError(f"{len(gpus)} GPUs; 1..{MAX_SIM_GPUS} allowed")
     return tuple(gpus)
 
 
@@ -60,11 +68,20 @@ def _choice(*allowed: str) -> Callable[[str], str]:
     return parse
 
 
+_INT_TEXT = re.compile(r"^[0-9]{1,12}$", re.ASCII)
+_FLOAT_TEXT = re.compile(r"^[0-9]{1,12}(\.[0-9]{1,12})?$", re.ASCII)
+
+
 def _range(kind: type[int] | type[float], lo: float, hi: float) -> Callable[[str], Any]:
     noun = "integer" if kind is int else "number"
 
+    pattern = _INT_TEXT if kind is int else _FLOAT_TEXT
+
     def parse(text: str) -> Any:
         try:
+            # Only plain ASCII decimals: Python's int()/float() also take '1_000', '１２', 'inf', '1e400'.
+            if not pattern.fullmatch(text):
+                raise ValueError(text)
             value = kind(text)
         except ValueError:
             raise ValueError(f"an {noun} {lo}..{hi}" if kind is int else f"a {noun} {lo}..{hi}") from None
@@ -117,7 +134,7 @@ def _sim_gpus(text: str) -> tuple[SimGpu, ...]:
     return parse_sim_gpus(text)
 
 
-_sim_gpus.__doc__ = "e.g. 2x16GiB or 16GiB,80GiB"
+_sim_gpus.__doc__ = "e.g. 2x16GiB or 16GiB,80GiB (1..64 GPUs, each at most 16TiB)"
 
 
 def _opt_abs_path(text: str) -> Path | None:
@@ -186,6 +203,10 @@ VARIABLES: tuple[Variable, ...] = (
     Variable("ALNAIR_SIM_TIMELINE_DIR", "sim_timeline_dir", _opt_abs_path, "off",
              "Test and demo only: folder of the simulated driver's per-GPU timelines (its SIMCUDA_TIMELINE_DIR), "
              "read by the simulated backend for per-process utilization."),
+    Variable("ALNAIR_SIM_FAULTS_FILE", "sim_faults_file", _opt_abs_path, "off",
+             "Test only, off by default: a JSON file the simulated backend re-reads while running to inject NVML "
+             "faults into the live agent (`{\"unhealthy\": {\"<gpu index>\": \"<reason>\"}, \"sample_error\": "
+             "\"<text>\"}`); see docs/reliability.md. Ignored with the NVML backend."),
 )
 
 
@@ -212,6 +233,7 @@ class Settings:
     profile_interval_s: float = 1.0
     annotate_interval_s: float = 30.0
     sim_timeline_dir: Path | None = None
+    sim_faults_file: Path | None = None
 
     @property
     def memory_unit_bytes(self) -> int:
@@ -224,6 +246,7 @@ class Settings:
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> "Settings":
         """Parse every ALNAIR_* variable; raise ConfigError naming the first bad one."""
+        # An empty value (`ALNAIR_X=`) means the default, as an unset one does.
         values: dict[str, Any] = {}
         known = {v.name for v in VARIABLES}
         for var in VARIABLES:
@@ -235,11 +258,42 @@ class Settings:
             try:
                 values[var.attr] = var.parse(raw.strip())
             except ValueError as e:
-                raise ConfigError(f"{var.name}={raw!r} is not allowed; expected {e}") from None
+                expected = "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(e))  # one line, always
+                raise ConfigError(f"{var.name}={raw!r} is not allowed; expected {expected}") from None
         unknown = sorted(k for k in env if k.startswith("ALNAIR_") and k not in known and not _SERVICE_LINK.match(k))
         if unknown:
             raise ConfigError(f"{unknown[0]} is not a known setting; known: {', '.join(sorted(known))}")
-        return cls(**values)
+        settings = cls(**values)
+        if settings.gpu_backend == "simulated":
+            biggest = max(g.memory_bytes for g in settings.sim_gpus)
+            if biggest // settings.memory_unit_bytes > MAX_UNITS_PER_GPU:
+                raise ConfigError(
+                    f"ALNAIR_MEMORY_UNIT_MIB={settings.memory_unit_mib} makes {biggest // settings.memory_unit_bytes} "
+                    f"memory units of a {biggest >> 20} MiB GPU (ALNAIR_SIM_GPUS); at most {MAX_UNITS_PER_GPU} "
+                    "allowed: use a larger unit")
+        return settings
+
+
+def check_paths(settings: Settings) -> list[str]:
+    """Start-up checks of the host folders, before anything runs: ConfigError naming the variable when one cannot
+    work (the workspace is a file, lies under a file, is read-only or cannot be created; the plugin or shim folder
+    is not a folder). Returns warnings for what may still come right (the shim not installed yet)."""
+    from alnair_agent.node.workspace import Workspace, WorkspaceError
+
+    try:
+        Workspace(settings.workspace).ensure()
+    except WorkspaceError as e:
+        raise ConfigError(f"ALNAIR_WORKSPACE={str(settings.workspace)!r} is not usable: {e}") from None
+    warnings = []
+    for name, path in (("ALNAIR_DEVICE_PLUGIN_DIR", settings.device_plugin_dir), ("ALNAIR_SHIM_DIR", settings.shim_dir)):
+        if path.exists() and not path.is_dir():
+            raise ConfigError(f"{name}={str(path)!r} is not usable: it exists and is not a folder")
+        if not path.exists() and any(p.exists() and not p.is_dir() for p in path.parents):
+            raise ConfigError(f"{name}={str(path)!r} is not usable: it lies under a file")
+    if not (settings.shim_dir / "libalnair.so").is_file():
+        warnings.append(f"ALNAIR_SHIM_DIR={str(settings.shim_dir)!r} holds no libalnair.so: containers admitted now "
+                        "start without the shim (limits unenforced) until it is installed")
+    return warnings
 
 
 def _check_table() -> None:

@@ -16,7 +16,7 @@ import structlog
 import uvloop
 
 from alnair_agent import logs
-from alnair_agent.config import ConfigError, Settings
+from alnair_agent.config import ConfigError, Settings, check_paths
 from alnair_agent.gpu import make_backend
 from alnair_agent.gpu.backend import GpuBackendError
 from alnair_agent.kube.client import KubeConfigError
@@ -86,12 +86,18 @@ def main(argv: list[str] | None = None) -> int:
         return run_demo(getattr(args, "seconds", 15.0))
     try:
         settings = Settings.from_env(os.environ)
+        warnings = check_paths(settings)
     except ConfigError as e:
         print(f"alnair-agent: configuration error: {e}", file=sys.stderr)
         return 2
     logs.configure(settings.log_format, settings.log_level)
+    for warning in warnings:
+        log.warning("startup_check", problem=warning)
     try:
         uvloop.run(serve(settings))
+    except ConfigError as e:  # a setting that only the GPUs found show to be unusable
+        print(f"alnair-agent: configuration error: {e}", file=sys.stderr)
+        return 2
     except GpuBackendError as e:
         log.error("gpu_backend_failed", error=str(e))
         return 1

@@ -1,4 +1,4 @@
-"""/metrics (Prometheus text format) and /healthz over HTTP (aiohttp).
+"""/metrics (Prometheus text format), /livez, /readyz and /healthz (= /readyz) over HTTP (aiohttp).
 
 /metrics is prometheus-client's own aiohttp handler over a registry holding the agent's collector and
 prometheus-client's process collector (the agent's CPU seconds and resident memory). Per-GPU and per-container
@@ -64,6 +64,13 @@ class AgentCollector(Collector):
         a = self.agent
         assert a.allocator is not None and a.inventory is not None
         healthy = GaugeMetricFamily("alnair_gpu_healthy", "1 when the GPU is healthy", labels=GPU_LABELS)
+        sick = GaugeMetricFamily("alnair_gpus_unhealthy", "GPUs whose devices are Unhealthy in ListAndWatch")
+        sick.add_metric([], sum(1 for g in a.inventory.gpus.values() if not g.healthy))
+        yield sick
+        refused = GaugeMetricFamily("alnair_regions_refused",
+                                    "Container regions the agent refuses to use (not a plain file of the right size)")
+        refused.add_metric([], len(a.allocator.workspace.bad_regions()))
+        yield refused
         free_mem = GaugeMetricFamily("alnair_gpu_allocatable_memory_bytes",
                                      "GPU memory not yet given to any container (in whole units)", labels=GPU_LABELS)
         free_sm = GaugeMetricFamily("alnair_gpu_allocatable_compute_ratio",
@@ -157,16 +164,28 @@ class MetricsServer:
         self.registry.register(AgentCollector(agent))
         ProcessCollector(registry=self.registry)
 
-    async def _healthz(self, request: web.Request) -> web.Response:
+    async def _livez(self, request: web.Request) -> web.Response:
+        """Liveness: the process and its event loop answer. Nothing else: a kubelet that is away must not get
+        the agent restarted (it holds no state that a restart would fix)."""
+        return web.Response(text="alive\n")
+
+    async def _readyz(self, request: web.Request) -> web.Response:
+        """Readiness: registered with kubelet (503 otherwise). Unhealthy GPUs do not make the agent unready (the
+        healthy GPUs still serve) but are named in the body and in `alnair_gpu_healthy`/`alnair_gpus_unhealthy`."""
         plugin = self.agent.plugin
+        inventory = self.agent.inventory
+        sick = [f"{g.info.index} ({uuid})" for uuid, g in inventory.gpus.items() if not g.healthy] if inventory else []
+        note = f"; unhealthy GPUs: {', '.join(sick)}\n" if sick else "\n"
         if plugin is not None and plugin.registered.is_set():
-            return web.Response(text="ok\n")
-        return web.Response(status=503, text="not registered with kubelet\n")
+            return web.Response(text="ok: registered with kubelet" + note)
+        return web.Response(status=503, text="not registered with kubelet" + note)
 
     async def run(self) -> None:
         app = web.Application()
         app.router.add_get("/metrics", make_aiohttp_handler(self.registry))
-        app.router.add_get("/healthz", self._healthz)
+        app.router.add_get("/livez", self._livez)
+        app.router.add_get("/readyz", self._readyz)
+        app.router.add_get("/healthz", self._readyz)  # the older name, kept: readiness
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
         try:

@@ -88,7 +88,11 @@ def env_for(settings: Settings) -> dict[str, str]:
         "ALNAIR_RESYNC_INTERVAL_S": str(settings.resync_interval_s),
         "ALNAIR_PLACE_UNSCHEDULED": "true" if settings.place_unscheduled else "false",
         "ALNAIR_LOG_FORMAT": "json",
+        "ALNAIR_HEALTH_INTERVAL_S": str(settings.health_interval_s),
+        "PYTHONUNBUFFERED": "1",  # the log file is read while the agent runs
     })
+    if settings.sim_faults_file is not None:
+        env["ALNAIR_SIM_FAULTS_FILE"] = str(settings.sim_faults_file)
     return env
 
 
@@ -155,6 +159,7 @@ class AgentProcess:
 
     settings: Settings
     proc: subprocess.Popen[bytes] | None = None
+    extra_env: dict[str, str] | None = None  # on top of the settings (e.g. KUBECONFIG, ALNAIR_KUBERNETES=auto)
 
     @property
     def log_path(self) -> Path:
@@ -163,7 +168,8 @@ class AgentProcess:
     def start(self) -> None:
         self.settings.workspace.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as out:
-            self.proc = subprocess.Popen([sys.executable, "-m", "alnair_agent.main"], env=env_for(self.settings),
+            self.proc = subprocess.Popen([sys.executable, "-m", "alnair_agent.main"],
+                                         env=env_for(self.settings) | (self.extra_env or {}),
                                          stdout=out, stderr=subprocess.STDOUT)
 
     def output(self) -> str:

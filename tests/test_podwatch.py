@@ -183,8 +183,10 @@ async def test_backoff_is_capped(api: FakeApiServer, client: ApiClient) -> None:
     with capture_logs() as logs:
         async with running(watch.run()):
             assert await watch.wait_synced(5)
-    assert [e["retry_in_s"] for e in logs if e["event"] == "pod_watch_failed"] == [
-        0.005, 0.01, 0.02, 0.02, 0.02, 0.02]
+    delays = [e["retry_in_s"] for e in logs if e["event"] == "pod_watch_failed"]
+    backoffs = [0.005, 0.01, 0.02, 0.02, 0.02, 0.02]  # doubling, capped; each delay jittered to half..all of it
+    assert len(delays) == len(backoffs)
+    assert all(b / 2 - 0.001 <= d <= b + 0.001 for d, b in zip(delays, backoffs, strict=True)), delays
 
 
 async def test_wait_synced_times_out_without_an_api_server() -> None:

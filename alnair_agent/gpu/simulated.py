@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import queue
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,10 +36,60 @@ class SimulatedBackend:
     _events: "queue.Queue[HealthEvent]" = field(default_factory=queue.Queue)
     _gpus: list[GpuInfo] = field(default_factory=list)
     _last_bucket: int | None = None  # the last timeline bucket already reported
+    # The NVML fault hook (ALNAIR_SIM_FAULTS_FILE): off (None) unless configured.
+    faults_file: Path | None = None
+    _faults_seen: tuple[int, ...] | None = None  # (mtime_ns, size, ino) of the file last read
+    _file_unhealthy: dict[int, str] = field(default_factory=dict)
+    _sample_error: str | None = None
+    _faults_lock: threading.Lock = field(default_factory=threading.Lock)
 
     @classmethod
     def from_settings(cls, settings) -> "SimulatedBackend":  # type: ignore[no-untyped-def]
-        return cls(tuple(settings.sim_gpus), settings.node_name, getattr(settings, "sim_timeline_dir", None))
+        return cls(tuple(settings.sim_gpus), settings.node_name, getattr(settings, "sim_timeline_dir", None),
+                   faults_file=getattr(settings, "sim_faults_file", None))
+
+    # -- the fault hook ----------------------------------------------------------------------------------------
+    def _read_faults(self) -> None:
+        """Re-read the fault file when it changed: GPUs it names go unhealthy (like an Xid), those it no longer
+        names come back; `sample_error` makes `sample` fail like an NVML error. A malformed file is ignored
+        (and the last good state kept): the hook must never be a way to crash the agent."""
+        if self.faults_file is None:
+            return
+        with self._faults_lock:  # read from the health thread and the profiler's thread
+            self._read_faults_locked()
+
+    def _read_faults_locked(self) -> None:
+        assert self.faults_file is not None
+        try:
+            st = os.stat(self.faults_file)
+            seen: tuple[int, ...] = (st.st_mtime_ns, st.st_size, st.st_ino)
+        except OSError:
+            seen = ()
+        if seen == self._faults_seen:
+            return
+        self._faults_seen = seen
+        data: object = {}
+        if seen:
+            try:
+                data = json.loads(Path(self.faults_file).read_text()[:65536])
+            except (OSError, ValueError):
+                return
+        if not isinstance(data, dict):
+            return
+        raw = data.get("unhealthy", {})
+        wanted: dict[int, str] = {}
+        if isinstance(raw, dict):
+            for key, reason in raw.items():
+                if isinstance(key, str) and key.isascii() and key.isdigit() and int(key) < len(self._gpus):
+                    wanted[int(key)] = str(reason)[:200]
+        error = data.get("sample_error")
+        self._sample_error = str(error)[:200] if error else None
+        for index in sorted(set(self._file_unhealthy) | set(wanted)):
+            if index in wanted and index not in self._file_unhealthy:
+                self._events.put(HealthEvent(self._gpus[index].uuid, False, wanted[index]))
+            elif index not in wanted:
+                self._events.put(HealthEvent(self._gpus[index].uuid, True, "fault cleared"))
+        self._file_unhealthy = wanted
 
     def start(self) -> list[GpuInfo]:
         if not self.specs:
@@ -55,6 +107,9 @@ class SimulatedBackend:
 
     def sample(self) -> Samples:
         """Complete timeline buckets since the previous call; the first call only marks where to start."""
+        self._read_faults()
+        if self._sample_error:
+            raise GpuBackendError(f"injected NVML fault: {self._sample_error}")
         k1 = time.clock_gettime_ns(time.CLOCK_MONOTONIC) // TL.BUCKET_NS  # buckets before k1 are complete
         k0 = k1 if self._last_bucket is None else self._last_bucket
         k0 = max(k0, k1 - TL.BUCKETS)
@@ -82,6 +137,7 @@ class SimulatedBackend:
         self._events.put(HealthEvent(self._gpus[index].uuid, healthy, reason))
 
     def wait_health_events(self, timeout_s: float) -> list[HealthEvent]:
+        self._read_faults()
         try:
             events = [self._events.get(timeout=timeout_s)]
         except queue.Empty:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import random
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -240,6 +241,8 @@ class AnnotationWriter:
             t.pending[key] = min(seq, t.pending.get(key, seq))
         t.in_flight = {}
         t.backoff_s = min(t.backoff_s * 2 or self._timing.backoff_initial_s, self._timing.backoff_max_s)
-        t.retry_at = now + t.backoff_s
-        log.warning("annotation_patch_failed", retry_in_s=round(t.backoff_s, 3), **failure)
+        # Jitter (half to all of the backoff): after an outage every node's writer must not retry in lockstep.
+        delay = t.backoff_s * random.uniform(0.5, 1.0)
+        t.retry_at = now + delay
+        log.warning("annotation_patch_failed", retry_in_s=round(delay, 3), **failure)
         self._wake.set()

@@ -8,6 +8,7 @@ extender's per-node lock there is only one (see `alnair_agent.node.decision`).
 from __future__ import annotations
 
 import asyncio
+import random
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -33,7 +34,9 @@ class WatchTiming:
     """How the watch retries and how long it waits; tests shorten these."""
 
     backoff_initial_s: float = 0.2
-    backoff_max_s: float = 30.0
+    # Short: the device plugin cannot tell which pod kubelet admits while the watch is down (a local API server is
+    # cheap to reconnect to; the jitter keeps a fleet of agents from retrying in lockstep).
+    backoff_max_s: float = 5.0
     watch_timeout_s: int = 300  # server-side: the API server ends each watch after this; it is then resumed
     connect_timeout_s: float = 10.0
     list_timeout_s: float = 60.0
@@ -140,8 +143,9 @@ class PodWatch:
                 failure = {"error": "ApiException", "status": e.status, "reason": e.reason}
             except (aiohttp.ClientError, TimeoutError, OSError, ValueError, WatchProtocolError) as e:
                 failure = {"error": type(e).__name__, "detail": str(e)[:200]}
-            log.warning("pod_watch_failed", retry_in_s=round(backoff, 3), **failure)
-            await asyncio.sleep(backoff)
+            delay = backoff * random.uniform(0.5, 1.0)  # jitter: nodes must not retry in lockstep after an outage
+            log.warning("pod_watch_failed", retry_in_s=round(delay, 3), **failure)
+            await asyncio.sleep(delay)
             backoff = min(backoff * 2, self._timing.backoff_max_s)
 
     async def _list(self, core: CoreV1Api) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import random
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -82,20 +83,22 @@ class ResourceServicer(pb_grpc.DevicePluginServicer):
         return pb.PreferredAllocationResponse(container_responses=responses)
 
     async def Allocate(self, request: pb.AllocateRequest, context: grpc.aio.ServicerContext) -> pb.AllocateResponse:
-        responses = []
-        for req in request.container_requests:
-            try:
-                answer = await self.allocator.allocate(self.resource, list(req.devices_ids))
-            except AllocationError as e:
-                log.warning("allocate_refused", resource=self.resource, devices=len(req.devices_ids), reason=e.message)
-                if self.events is not None and e.pod is not None:
-                    self.events.pod_refused(e.pod.namespace, e.pod.name, e.pod.uid, e.message)
-                await context.abort(e.code, e.message)
-            responses.append(pb.ContainerAllocateResponse(
+        try:
+            # All or nothing: a refused container request gives back what the earlier ones of the call took.
+            answers = await self.allocator.allocate_all(
+                self.resource, [list(req.devices_ids) for req in request.container_requests])
+        except AllocationError as e:
+            log.warning("allocate_refused", resource=self.resource, containers=len(request.container_requests),
+                        reason=e.message)
+            if self.events is not None and e.pod is not None:
+                self.events.pod_refused(e.pod.namespace, e.pod.name, e.pod.uid, e.message)
+            await context.abort(e.code, e.message)
+        return pb.AllocateResponse(container_responses=[
+            pb.ContainerAllocateResponse(
                 envs=answer.envs,
                 mounts=[pb.Mount(container_path=c, host_path=h, read_only=ro) for c, h, ro in answer.mounts],
-            ))
-        return pb.AllocateResponse(container_responses=responses)
+            ) for answer in answers
+        ])
 
     async def PreStartContainer(self, request: pb.PreStartContainerRequest,
                                 context: grpc.aio.ServicerContext) -> pb.PreStartContainerResponse:
@@ -164,6 +167,7 @@ class DevicePluginService:
             pb_grpc.add_DevicePluginServicer_to_server(servicer, server)
             server.add_insecure_port(f"unix://{path}")
             await server.start()
+            os.chmod(path, 0o600)  # only kubelet (root) dials it; no other host user may talk to the plugin
             self._servers[resource] = server
         log.info("device_plugin_serving", sockets=[str(self.socket_path(r)) for r in RESOURCES])
 
@@ -207,9 +211,14 @@ class DevicePluginService:
                         registered_inode = inode
                         backoff = REREGISTER_POLL_S
                     except (grpc.aio.AioRpcError, OSError) as e:
+                        # Forget the socket we last registered with: a new kubelet.sock may reuse its inode at
+                        # once, and our own re-served sockets hide the restart, so without this a refused
+                        # Register would never be retried.
+                        registered_inode = None
                         detail = e.details() if isinstance(e, grpc.aio.AioRpcError) else str(e)
-                        log.warning("device_plugin_register_failed", error=detail, retry_in_s=backoff)
-                        await asyncio.sleep(backoff)
+                        delay = backoff * random.uniform(0.5, 1.0)
+                        log.warning("device_plugin_register_failed", error=detail, retry_in_s=round(delay, 3))
+                        await asyncio.sleep(delay)
                         backoff = min(backoff * 2, REGISTER_RETRY_MAX_S)
                         continue
                 await asyncio.sleep(REREGISTER_POLL_S)

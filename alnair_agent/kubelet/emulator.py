@@ -67,6 +67,9 @@ class KubeletEmulator:
         self.responses: dict[ContainerKey, dict[str, pb.ContainerAllocateResponse]] = {}
         # (rpc name, resource, seconds) of every admission call, as kubelet would see its latency.
         self.call_times: list[tuple[str, str, float]] = []
+        # Fault injection (tests): refuse this many Register calls (UNAVAILABLE), as a kubelet still starting does.
+        self.refuse_registrations = 0
+        self.refused: list[str] = []
         self._server: grpc.aio.Server | None = None
         self._pr_server: grpc.aio.Server | None = None
         self._changed = asyncio.Condition()
@@ -227,6 +230,10 @@ class _Registration(pb_grpc.RegistrationServicer):
         self.kubelet = kubelet
 
     async def Register(self, request: pb.RegisterRequest, context: grpc.aio.ServicerContext) -> pb.Empty:
+        if self.kubelet.refuse_registrations > 0:
+            self.kubelet.refuse_registrations -= 1
+            self.kubelet.refused.append(request.resource_name)
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "injected: kubelet refuses registration")
         try:
             await self.kubelet._on_register(request)
         except (ValueError, grpc.aio.AioRpcError) as e:

@@ -25,6 +25,8 @@ reconciler, only once kubelet no longer reports the container).
 from __future__ import annotations
 
 import asyncio
+import copy
+import errno
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -434,6 +436,52 @@ class Allocator:
             raise AllocationError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
 
     # -- Allocate -------------------------------------------------------------------------------------------
+    async def allocate_all(self, resource: str, requests: list[list[str]]) -> list[ContainerAnswer]:
+        """One Allocate call's container requests, all or nothing: when one is refused, what the earlier ones
+        took is given back (kubelet admits none of them), records and folders as they were before the call."""
+        # Only a call of several containers can need undoing (kubelet sends one per call in practice).
+        before = {i: copy.deepcopy(a) for i, a in self.allocations.items()} if len(requests) > 1 else {}
+        answers: list[ContainerAnswer] = []
+        try:
+            try:
+                for device_ids in requests:
+                    answers.append(await self.allocate(resource, device_ids))
+            except OSError as e:  # a record that cannot be written (full or failing disk): refused clearly
+                raise AllocationError(grpc.StatusCode.INTERNAL,
+                                      f"cannot write allocation records under {self.workspace.root}: {e}") from e
+        except BaseException:
+            if answers:
+                async with self._lock:
+                    self._roll_back(before, [a.allocation.id for a in answers],
+                                    f"a container of the same Allocate call for {resource} was refused")
+            raise
+        return answers
+
+    def _roll_back(self, before: dict[str, Allocation], touched: list[str], why: str) -> None:
+        """Undo what this call did to the records it answered with (and only those: another call may be under
+        way): a record it created is abandoned, one it completed gets its earlier state back."""
+        for alloc_id in dict.fromkeys(touched):
+            alloc = self.allocations.get(alloc_id)
+            if alloc is None:
+                continue
+            old = before.get(alloc_id)
+            if old is None:
+                self._abandon(alloc, why)
+            elif old != alloc:
+                limits_changed = (old.memory_limit, old.compute_limit) != (alloc.memory_limit, alloc.compute_limit)
+                alloc.__dict__.update(copy.deepcopy(old.__dict__))
+                try:
+                    if limits_changed:
+                        region = self.workspace.open_region(alloc_id)
+                        try:
+                            region.set_limits(alloc.memory_limit, alloc.compute_limit)
+                        finally:
+                            region.close()
+                    self.workspace.save(alloc)
+                except (OSError, RegionError) as e:
+                    log.error("allocation_roll_back_incomplete", allocation=alloc_id, error=str(e))
+                log.warning("allocation_rolled_back", allocation=alloc_id, reason=why)
+
     async def allocate(self, resource: str, device_ids: list[str]) -> ContainerAnswer:
         if not device_ids:
             raise AllocationError(grpc.StatusCode.INVALID_ARGUMENT, f"Allocate for {resource} names no device IDs")
@@ -544,8 +592,11 @@ class Allocator:
             region = self.workspace.create(alloc)
         except OSError as e:
             self.workspace.remove(alloc.id)
-            raise AllocationError(grpc.StatusCode.INTERNAL,
-                                  f"cannot create workspace for {alloc.describe()} under {self.workspace.root}: {e}") from e
+            # A full workspace filesystem is a refusal kubelet retries, not an agent fault.
+            code = (grpc.StatusCode.RESOURCE_EXHAUSTED if e.errno in (errno.ENOSPC, errno.EDQUOT)
+                    else grpc.StatusCode.INTERNAL)
+            raise AllocationError(code, f"cannot create workspace for {alloc.describe()} under "
+                                        f"{self.workspace.root}: {e}") from e
         region.close()
         self.allocations[alloc.id] = alloc
         return alloc

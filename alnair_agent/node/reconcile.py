@@ -128,7 +128,8 @@ class Reconciler:
             try:
                 region = self.workspace.open_region(alloc_id)
             except RegionError as e:
-                log.warning("region_unreadable", allocation=alloc_id, error=str(e))
+                if not getattr(e, "repeated", False):  # logged once per bad file, not every heartbeat
+                    log.warning("region_unreadable", allocation=alloc_id, error=str(e))
                 return None
             self._regions[alloc_id] = region
         return region
@@ -142,7 +143,23 @@ class Reconciler:
             log.warning("pod_resources_unavailable", error=str(e))
             return None
 
+    def _save(self, alloc: Allocation) -> None:
+        """Write a corrected record; a full or failing disk is logged and the record kept in memory (it is
+        written again on the next change, and kubelet's pod-resources re-teaches it after a restart)."""
+        try:
+            self.workspace.save(alloc)
+        except OSError as e:
+            log.warning("allocation_record_write_failed", allocation=alloc.id, error=str(e))
+
+    def _sweep(self) -> None:
+        for alloc in list(self.allocator.allocations.values()):
+            freed = self.workspace.sweep(alloc.id)
+            if freed:
+                log.warning("container_files_removed", allocation=alloc.id, pod=alloc.ref(), bytes=freed,
+                            reason="only the region belongs in /run/alnair")
+
     async def once(self) -> None:
+        self._sweep()  # first: what a container piled up in its folder must not fail the rest of the pass
         held = await self._held()
         by_id: dict[str, DeviceAssignment] | None = None
         if held is not None:
@@ -196,7 +213,7 @@ class Reconciler:
             owner = next((by_id[i] for i in alloc.all_ids() if i in by_id), None)
             if owner is not None:
                 alloc.namespace, alloc.pod_name, alloc.container = owner.namespace, owner.pod, owner.container
-                self.workspace.save(alloc)
+                self._save(alloc)
                 log.info("allocation_identified", allocation=alloc.id, pod=f"{owner.namespace}/{owner.pod}",
                          container=owner.container)
 
@@ -223,7 +240,7 @@ class Reconciler:
             claimed.add(owner)
             alloc.namespace, alloc.pod_name, alloc.container = owner
             alloc.pod_uid = pod.uid if pod is not None else ""
-            self.workspace.save(alloc)
+            self._save(alloc)
 
     def _reported(self, alloc: Allocation, by_id: dict[str, DeviceAssignment]) -> bool:
         """Whether kubelet still reports any of the record's devices for the record's own container."""
@@ -282,11 +299,23 @@ class Reconciler:
         return self.pods is not None and self.pods.synced and self._pod(alloc) is None
 
     def beat(self) -> None:
+        """The heartbeat into every live region; limits the container overwrote are put back (the agent is their
+        only writer: a container that zeroes its own limits gets them rewritten within one beat)."""
         now = time.clock_gettime_ns(time.CLOCK_MONOTONIC)
-        for alloc_id in list(self.allocator.allocations):
+        for alloc_id, alloc in list(self.allocator.allocations.items()):
             region = self._region(alloc_id)
-            if region is not None:
+            if region is None:
+                continue
+            try:
                 region.beat(now)
+                if (region.memory_limit, region.compute_limit) != (alloc.memory_limit, alloc.compute_limit):
+                    log.warning("region_limits_restored", allocation=alloc_id, pod=alloc.ref(),
+                                found=[region.memory_limit, region.compute_limit],
+                                limits=[alloc.memory_limit, alloc.compute_limit])
+                    region.set_limits(alloc.memory_limit, alloc.compute_limit)
+            except (OSError, RegionError, ValueError) as e:
+                log.warning("region_write_failed", allocation=alloc_id, error=str(e))
+                self._forget_region(alloc_id)
 
     async def run(self) -> None:
         try:

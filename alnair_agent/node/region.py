@@ -9,6 +9,8 @@ file, and a mapped page past the end would kill the agent with SIGBUS. A short r
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
 import stat
 import struct
@@ -23,6 +25,15 @@ _FMT = {name: "<" + code for name, (code, _) in L.CTYPES.items()}
 
 class RegionError(Exception):
     """The region file is missing, the wrong size, or has a bad magic/version."""
+
+
+def _check_plain(path: Path, st: os.stat_result) -> None:
+    if not stat.S_ISREG(st.st_mode):
+        raise RegionError(f"region {path}: not a regular file (mode 0o{st.st_mode:o})")
+    if st.st_nlink != 1:
+        raise RegionError(f"region {path}: has {st.st_nlink} links, expected 1")
+    if st.st_size != L.REGION_SIZE:
+        raise RegionError(f"region {path}: size {st.st_size} bytes, expected {L.REGION_SIZE}")
 
 
 def _fields(block: str) -> dict[str, tuple[int, str]]:
@@ -95,13 +106,33 @@ class Region:
         if not 0 <= compute_limit <= 100:
             raise ValueError(f"compute_limit must be 0..100 percent, got {compute_limit}")
         tmp = path.with_name(path.name + ".tmp")
-        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o666)
-        try:
-            os.ftruncate(fd, L.REGION_SIZE)
-        except OSError:
-            os.close(fd)
-            raise
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         region = cls(path, fd)
+        try:
+            region._fill(memory_limit, compute_limit)
+            # The container may open the file the moment it exists under its final name: publish it complete.
+            # 0666: the container's user may be any uid; no host user reaches it (its folders are 0700/0711).
+            os.fchmod(fd, 0o666)
+            os.replace(tmp, path)
+        except BaseException:
+            region.close()
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+        return region
+
+    def _fill(self, memory_limit: int, compute_limit: int) -> None:
+        """Write the header, limits and initial grant line into a new file. ENOSPC shows here, not later: the
+        whole file is allocated first (a sparse file could fail on the container's first write instead)."""
+        region = self
+        try:
+            os.posix_fallocate(self._fd, 0, L.REGION_SIZE)
+        except OSError as e:
+            if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                raise
+            os.ftruncate(self._fd, L.REGION_SIZE)
         region._put(_HEADER, "magic", L.MAGIC)
         region._put(_HEADER, "version", L.VERSION)
         region._put(_HEADER, "size", L.REGION_SIZE)
@@ -110,31 +141,43 @@ class Region:
         region._aput("memory_limit", memory_limit)
         region._aput("compute_limit", compute_limit)
         region.set_grant_line(rate_for_percent(compute_limit))
-        # The container may open the file the moment it exists under its final name: publish it complete.
-        os.chmod(tmp, 0o666)
-        os.replace(tmp, path)
-        return region
 
     @classmethod
     def open(cls, path: Path) -> "Region":
-        """Map an existing region, refusing one with a bad size, magic or version."""
+        """Open an existing region, refusing anything but a plain file of the right size, magic and version.
+
+        The container can put anything at this path (a link to a host file, a FIFO, a device node it made with
+        mknod, a socket, a folder). Nothing is opened for reading or writing before it is known to be a plain
+        file: an O_PATH descriptor (opens nothing, follows no link, never blocks) is checked with fstat, and only
+        that same inode is then reopened read-write through /proc/self/fd (so a swap in between changes nothing).
+        """
         try:
-            # The container can replace the file with a link to anything on the host: never follow one.
-            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK)
+            pfd = os.open(path, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
         except OSError as e:
             raise RegionError(f"region {path}: cannot open: {e.strerror}") from e
         try:
-            st = os.fstat(fd)
-            size = st.st_size
-            if not stat.S_ISREG(st.st_mode):
-                raise RegionError(f"region {path}: not a regular file")
-            if size != L.REGION_SIZE:
-                raise RegionError(f"region {path}: size {size} bytes, expected {L.REGION_SIZE}")
+            st = os.fstat(pfd)
+            _check_plain(path, st)
+            try:
+                fd = os.open(f"/proc/self/fd/{pfd}", os.O_RDWR | os.O_NONBLOCK | os.O_CLOEXEC)
+            except OSError as e:
+                raise RegionError(f"region {path}: cannot open: {e.strerror}") from e
+        finally:
+            os.close(pfd)
+        try:
+            again = os.fstat(fd)
+            if (again.st_dev, again.st_ino) != (st.st_dev, st.st_ino):
+                raise RegionError(f"region {path}: replaced while being opened")
+            _check_plain(path, again)
         except BaseException:
             os.close(fd)
             raise
         region = cls(path, fd)
-        magic, version = region._get(_HEADER, "magic"), region._get(_HEADER, "version")
+        try:
+            magic, version = region._get(_HEADER, "magic"), region._get(_HEADER, "version")
+        except BaseException:
+            region.close()
+            raise
         if magic != L.MAGIC or version != L.VERSION:
             region.close()
             raise RegionError(

@@ -9,11 +9,13 @@ kubelet gets the Allocate answer, so no answered allocation is ever unknown afte
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import secrets
 import shutil
+import stat
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -21,7 +23,8 @@ from pathlib import Path
 import structlog
 
 from alnair_agent.constants import ALLOCATION_FILE_NAME, CONTAINER_FOLDER_NAME, REGION_FILE_NAME, RESOURCES
-from alnair_agent.node.region import Region
+from alnair_agent.node import region_layout as L
+from alnair_agent.node.region import Region, RegionError
 
 log = structlog.get_logger(__name__)
 
@@ -87,12 +90,76 @@ def _record_from_json(data: object) -> Allocation:
     return alloc
 
 
+class WorkspaceError(Exception):
+    """The workspace folder cannot be used (a file, under a file, read-only, missing and not creatable)."""
+
+
+# Modes: the tightest that work. The agent (root) is the only host user that needs any of it. A container sees
+# only its own `run/` (a bind mount: the host folders above it are never traversed from inside the container),
+# so `run/` is 0755 (the container's user, whatever its uid, lists it; only root in the container can add
+# files) and the region 0666 (any container uid maps it read-write), while every folder above them is 0700:
+# no other host user reaches any region or record.
+ROOT_MODE = 0o700
+FOLDER_MODE = 0o700
+RUN_MODE = 0o755
+RECORD_MODE = 0o600
+
+
+def _truncate_plain(path: Path, size: int = 0) -> None:
+    """Empty a regular file without following a link or opening anything else (O_PATH, fstat, then the same
+    inode through /proc/self/fd)."""
+    try:
+        pfd = os.open(path, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return
+    try:
+        if not stat.S_ISREG(os.fstat(pfd).st_mode):
+            return
+        fd = os.open(f"/proc/self/fd/{pfd}", os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        try:
+            os.ftruncate(fd, size)
+        finally:
+            os.close(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(pfd)
+
+
+def _signature(st: os.stat_result) -> tuple[int, ...]:
+    return (st.st_dev, st.st_ino, st.st_mode, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
 class Workspace:
     def __init__(self, root: Path) -> None:
         self.root = root
+        # Regions found bad, by allocation: (what the path looked like, the error). Not re-opened, nor logged
+        # again, until the path changes.
+        self._bad: dict[str, tuple[tuple[int, ...], RegionError]] = {}
 
     def ensure(self) -> None:
-        self.root.mkdir(parents=True, exist_ok=True)
+        """Create the root if needed (0700) and check it is a writable folder; WorkspaceError in one line if not."""
+        try:
+            self.root.mkdir(mode=ROOT_MODE, parents=True, exist_ok=True)
+        except FileExistsError:
+            raise WorkspaceError(f"{self.root} exists and is not a folder") from None
+        except NotADirectoryError:
+            raise WorkspaceError(f"{self.root} lies under a file, not a folder") from None
+        except OSError as e:
+            raise WorkspaceError(f"cannot create {self.root}: {e.strerror}") from None
+        if not self.root.is_dir():
+            raise WorkspaceError(f"{self.root} is not a folder")
+        probe = self.root / f".probe-{os.getpid()}"
+        try:
+            fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+            os.close(fd)
+            os.unlink(probe)
+        except OSError as e:
+            raise WorkspaceError(f"{self.root} is not writable: {e.strerror}") from None
+        try:
+            os.chmod(self.root, ROOT_MODE)
+        except OSError as e:
+            raise WorkspaceError(f"cannot set the mode of {self.root}: {e.strerror}") from None
 
     def path(self, alloc_id: str) -> Path:
         if not _ID_RE.match(alloc_id):
@@ -106,23 +173,101 @@ class Workspace:
     def create(self, alloc: Allocation) -> Region:
         """Create the container's folder, its region (with the limits) and its record."""
         folder = self.path(alloc.id)
-        folder.mkdir(mode=0o755)
-        self.container_folder(alloc.id).mkdir()
-        os.chmod(self.container_folder(alloc.id), 0o777)  # a container may run as any user
-        region = Region.create(self.container_folder(alloc.id) / REGION_FILE_NAME, alloc.memory_limit,
-                               alloc.compute_limit)
-        self.save(alloc)
+        folder.mkdir(mode=FOLDER_MODE)
+        region = None
+        try:
+            run = self.container_folder(alloc.id)
+            run.mkdir(mode=RUN_MODE)
+            os.chmod(run, RUN_MODE)  # whatever the umask
+            region = Region.create(run / REGION_FILE_NAME, alloc.memory_limit, alloc.compute_limit)
+            self.save(alloc)
+        except BaseException:
+            # A full disk (or anything else) leaves nothing behind: no half-made folder, no open descriptor.
+            if region is not None:
+                region.close()
+            self.remove(alloc.id)
+            raise
         return region
 
     def save(self, alloc: Allocation) -> None:
         folder = self.path(alloc.id)
         tmp = folder / (ALLOCATION_FILE_NAME + ".tmp")
+        data = json.dumps(asdict(alloc), sort_keys=True).encode()
         # Atomic against an agent crash (rename); no fsync: after a node crash kubelet re-admits every container.
-        tmp.write_text(json.dumps(asdict(alloc), sort_keys=True))
-        os.replace(tmp, folder / ALLOCATION_FILE_NAME)
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, RECORD_MODE)
+            try:
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view):]
+            finally:
+                os.close(fd)
+            os.replace(tmp, folder / ALLOCATION_FILE_NAME)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
 
     def open_region(self, alloc_id: str) -> Region:
-        return Region.open(self.container_folder(alloc_id) / REGION_FILE_NAME)
+        """Open the container's region. One found bad is remembered: until its path changes it is not opened
+        again; the same RegionError (with `repeated` set) is raised without touching it."""
+        path = self.container_folder(alloc_id) / REGION_FILE_NAME
+        try:
+            sig = _signature(os.lstat(path))
+        except OSError:
+            sig = ()
+        bad = self._bad.get(alloc_id)
+        if bad is not None and bad[0] == sig:
+            bad[1].repeated = True  # type: ignore[attr-defined]
+            raise bad[1]
+        try:
+            region = Region.open(path)
+        except RegionError as e:
+            e.repeated = False  # type: ignore[attr-defined]
+            self._bad[alloc_id] = (sig, e)
+            raise
+        self._bad.pop(alloc_id, None)
+        return region
+
+    def sweep(self, alloc_id: str) -> int:
+        """Bound what a container keeps in its `run/` (on the workspace filesystem): only `region` belongs there.
+        Anything else the container made is emptied (a plain file, through an O_PATH-checked descriptor, so space
+        held by the container's own open descriptor is freed too) and removed; nothing is followed or opened
+        before its type is known. Returns the bytes freed (as st_blocks said)."""
+        run = self.container_folder(alloc_id)
+        freed = 0
+        try:
+            entries = os.listdir(run)
+        except OSError:
+            return 0
+        for name in entries:
+            path = run / name
+            if name == REGION_FILE_NAME:
+                # A region grown past its size (writes beyond the end) is cut back: its extra bytes are no
+                # part of the layout.
+                with contextlib.suppress(OSError):
+                    st = os.lstat(path)
+                    if stat.S_ISREG(st.st_mode) and st.st_size > L.REGION_SIZE:
+                        freed += max(0, st.st_blocks * 512 - L.REGION_SIZE)
+                        _truncate_plain(path, L.REGION_SIZE)
+                continue
+            try:
+                st = os.lstat(path)
+            except OSError:
+                continue
+            freed += st.st_blocks * 512
+            if stat.S_ISREG(st.st_mode):
+                _truncate_plain(path)
+            if stat.S_ISDIR(st.st_mode):
+                self._rmtree(path)
+            else:
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
+        return freed
+
+    def bad_regions(self) -> dict[str, str]:
+        """Allocation -> why its region is refused (for metrics and logs)."""
+        return {alloc_id: str(e) for alloc_id, (_, e) in self._bad.items()}
 
     def load_all(self) -> list[Allocation]:
         """Every readable record; unreadable folders are logged and left alone (never deleted blindly)."""
@@ -130,9 +275,15 @@ class Workspace:
         if not self.root.is_dir():
             return out
         for folder in sorted(self.root.iterdir()):
-            if not folder.is_dir() or not _ID_RE.match(folder.name):
+            if not _ID_RE.match(folder.name) or folder.is_symlink() or not folder.is_dir():
                 continue
             record = folder / ALLOCATION_FILE_NAME
+            if not record.exists() and not record.is_symlink():
+                # The record is written last, before kubelet gets the answer: a folder without one was never
+                # handed to any container (an Allocate that failed half-way, or a crash mid-Allocate).
+                log.warning("workspace_half_made_folder_removed", folder=str(folder))
+                self.remove(folder.name)
+                continue
             try:
                 alloc = _record_from_json(json.loads(record.read_text()))
                 if alloc.id != folder.name:
@@ -140,8 +291,31 @@ class Workspace:
             except (OSError, ValueError) as e:
                 log.warning("workspace_record_unreadable", folder=str(folder), error=str(e))
                 continue
+            # Folders made by an earlier agent (0755, run/ 0777) get today's modes.
+            for path, mode in ((folder, FOLDER_MODE), (record, RECORD_MODE),
+                               (self.container_folder(alloc.id), RUN_MODE)):
+                with contextlib.suppress(OSError):
+                    if not path.is_symlink():
+                        os.chmod(path, mode)
             out.append(alloc)
         return out
 
     def remove(self, alloc_id: str) -> None:
-        shutil.rmtree(self.path(alloc_id), ignore_errors=True)
+        """Remove the folder and everything in it. The container may have left folders it made unreadable
+        (mode 000): they are opened up first. Links are removed, never followed."""
+        self._bad.pop(alloc_id, None)
+        self._rmtree(self.path(alloc_id))
+
+    @staticmethod
+    def _rmtree(top: Path) -> None:
+        def retry(func, path, exc):  # type: ignore[no-untyped-def]
+            parent = os.path.dirname(path)
+            with contextlib.suppress(OSError):
+                os.chmod(parent, 0o700)
+                if not os.path.islink(path) and os.path.isdir(path):
+                    os.chmod(path, 0o700)
+                func(path)
+
+        shutil.rmtree(top, onerror=retry)
+        if top.exists():
+            shutil.rmtree(top, ignore_errors=True)

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import structlog
 
 from alnair_agent.constants import USAGE_ANNOTATION
-from alnair_agent.gpu.backend import GpuBackend, Samples
+from alnair_agent.gpu.backend import GpuBackend, GpuBackendError, Samples
 from alnair_agent.node.region import Region, RegionError
 from alnair_agent.profiler.pidmap import PidMapper, ProcReader, SlotPid
 from alnair_agent.profiler.usage import ContainerUsage, parse_usage, render_usage
@@ -110,11 +110,19 @@ class Profiler:
 
     # -- the service -------------------------------------------------------------------------------------------
     async def run(self) -> None:
+        failing: str | None = None  # the sampling error being suffered (logged once, not every tick)
         try:
             while True:
                 started = time.monotonic()
                 try:
                     await self.tick()
+                    if failing is not None:
+                        log.info("profiler_sampling_recovered", error=failing)
+                        failing = None
+                except GpuBackendError as e:  # an NVML fault: keep trying, say it once
+                    if str(e) != failing:
+                        log.warning("profiler_sampling_failed", error=str(e))
+                        failing = str(e)
                 except Exception:  # noqa: BLE001 - a profiler fault must not stop the device plugin
                     log.exception("profiler_tick_failed")
                 await asyncio.sleep(max(0.0, self.interval_s - (time.monotonic() - started)))

@@ -252,8 +252,10 @@ class FakeApiServer:
         app.router.add_get("/api/v1/nodes/{name}", self._get_node)
         app.router.add_patch("/api/v1/nodes/{name}", self._patch_node)
         app.router.add_post("/api/v1/namespaces/{ns}/events", self._create_event)
-        self._server = TestServer(app, host="127.0.0.1")
+        self._app = app
+        self._server = TestServer(app, host="127.0.0.1", port=getattr(self, "_port", None))
         await self._server.start_server()
+        self._port = self._server.port
         return self
 
     async def _create_event(self, request: web.Request) -> web.Response:
@@ -262,6 +264,14 @@ class FakeApiServer:
             return web.json_response(status(400, "BadRequest", "not an Event of this namespace"), status=400)
         self.kube_events.append(body)
         return web.json_response(body, status=201)
+
+    async def outage(self) -> None:
+        """The API server goes away: open watches end, the port refuses connections until `recover`."""
+        await self.close()
+
+    async def recover(self) -> None:
+        """The API server comes back on the same address, with the same objects."""
+        await self.start()
 
     async def close(self) -> None:
         for w in self._watchers:  # end open streams first, or the server would wait for them on shutdown
