@@ -51,6 +51,7 @@ class _Collected:
     unattributed: dict[str, int]  # GPU uuid -> processes placed on no allocation
     waits: dict[str, list[tuple[tuple[int, int, int], int]]]  # allocation -> slots' wait counters
     region_memory: dict[str, int]  # allocation -> bytes its slots claim (fallback when NVML says nothing)
+    at: float = 0.0  # monotonic s the sample was taken (the end of its window), for the dispatcher
 
 
 class Profiler:
@@ -72,6 +73,10 @@ class Profiler:
         self._ended: dict[PodKey, dict[str, dict[str, object]]] = {}  # entries of ended containers, per pod
         self._ended_uid: dict[PodKey, str] = {}  # the UID of the pod those entries belong to ("" if unknown)
         self._published: dict[PodKey, float] = {}  # monotonic time of the pod's last write
+        # for the dispatcher: samples taken, seconds of window they covered, when the newest was taken
+        self.samples = 0
+        self.sampled_s = 0.0
+        self.sample_at = 0.0
 
     # -- what the reconciler calls -----------------------------------------------------------------------------
     def seen(self, alloc: "Allocation") -> None:
@@ -146,6 +151,10 @@ class Profiler:
                 u.add(now, dt, sum(p.sm_util or 0.0 for p in procs), sum(p.mem_util or 0.0 for p in procs), memory)
             else:
                 u.idle()
+        if dt > 0:
+            self.sampled_s += dt
+            self.sample_at = collected.at
+            self.samples += 1
         self._drop_gone_pods()
         self._publish_due(now_mono)
 
@@ -200,6 +209,7 @@ class Profiler:
     def _collect(self, snap: _Snapshot) -> _Collected:
         """In a worker thread: sample the GPUs, read the region slots, place every process."""
         samples = self.backend.sample()
+        at = time.monotonic()
         slots: list[SlotPid] = []
         waits: dict[str, list[tuple[tuple[int, int, int], int]]] = {}
         region_memory: dict[str, int] = {}
@@ -225,7 +235,7 @@ class Profiler:
                 unattributed[p.gpu_uuid] = unattributed.get(p.gpu_uuid, 0) + 1
             else:
                 places[p.pid] = place.alloc_id
-        return _Collected(samples, places, unattributed, waits, region_memory)
+        return _Collected(samples, places, unattributed, waits, region_memory, at)
 
     def _drop_gone_pods(self) -> None:
         if self.pods is None or not self.pods.synced:
