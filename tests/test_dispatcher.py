@@ -154,7 +154,7 @@ async def admit(api, kubelet: KubeletEmulator, build: Build, timelines: Path, na
 
 
 async def test_two_tenants_30_70_split_3_to_7(root, api, build, timelines):
-    settings = settings_for(root, timelines)
+    settings = settings_for(root, timelines, dispatch_gain=float(os.environ.get("G", 0.5)), dispatch_fast_gain=float(os.environ.get("FG", 0.9)))
     async with api.api_client() as client, running_agent(settings, kubernetes_for(client)) as running, \
             KubeletEmulator(settings.device_plugin_dir, settings.pod_resources_socket) as kubelet:
         await registered(kubelet)
@@ -164,7 +164,7 @@ async def test_two_tenants_30_70_split_3_to_7(root, api, build, timelines):
         async def watch():
             while True:
                 print(round((now_ns()-t0)/1e9,2), {k[:4]: (round(c.k, 2), c.rate//10**7, round(c.target,1), None if c.measured is None else round(c.measured,1), round(c.taken_rate/1e7,1), round(c.wait_frac,2)) for k, c in running.agent.dispatcher.state.items()})
-                await asyncio.sleep(0.25)
+                await asyncio.sleep(1)
         w = asyncio.create_task(watch())
         await a.start(10_000)
         await b.start(10_000)
