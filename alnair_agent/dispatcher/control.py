@@ -43,6 +43,7 @@ SPARE_MARGIN = 5.0  # points of the GPU kept out of loans when others are active
 HUNGRY_WAIT = 0.02  # a container waiting for tokens this fraction of a tick wants more than it has
 MIN_SHARE = 0.5  # below this measured share (%) a window says nothing about the charge factor
 FAST_WINDOWS = 2
+TRIM_GAIN, TRIM_MIN, TRIM_MAX = 0.1, 0.8, 1.25
 MAX_STEP = math.log(1.5)  # the factor moves by at most x1.5 per window (a start-up window can be wild)
 
 
@@ -77,6 +78,7 @@ class Container:
     measured: float | None = None  # share (%) in the last profiler window
     measured_at: float = -1e18  # monotonic s that window ended
     fast_left: int = FAST_WINDOWS
+    trim: float = 1.0  # slow integral of the remaining share error, while its tokens are what holds it back
     seen: bool = False  # counters read at least once
     history: list[tuple[float, int]] = field(default_factory=list)  # (t, taken) of recent ticks
     windows: list[tuple[float, float, float]] = field(default_factory=list)  # recent profiler (t0, t1, share)
@@ -143,6 +145,12 @@ def observe_share(c: Container, t0: float, t1: float, share: float, g: Gains) ->
     c.fast_left = max(0, c.fast_left - 1)
     step = min(max(gain * (math.log(k_obs) - math.log(c.k)), -MAX_STEP), MAX_STEP)
     c.k = min(max(math.exp(math.log(c.k) + step), K_MIN), g.max_factor)
+    # What the factor leaves (the windows' taken/used alignment, a GPU near saturation): a slow integral on the
+    # share error itself, integrated only while the container waits for tokens (they are what holds it back)
+    # and only on strict targets; bounded, so it can never wind up.
+    mean = used_ns / (span * 1e9) * 100.0
+    if c.target <= c.cap and t1 - c.last_hungry <= g.idle_s and mean > MIN_SHARE:
+        c.trim = min(max(c.trim * (c.cap / mean) ** TRIM_GAIN, TRIM_MIN), TRIM_MAX)
 
 
 def wants_more(c: Container, now: float, idle_s: float) -> bool:
@@ -181,4 +189,5 @@ def targets(containers: list[Container], now: float, g: Gains) -> None:
 def rate_for(c: Container, g: Gains) -> int:
     lo = c.cap_rate * K_MIN
     hi = LEND_ALL * NS_PER_PERCENT * g.max_factor
-    return int(min(max(c.target * NS_PER_PERCENT * c.k, lo), hi))
+    trim = c.trim if c.target <= c.cap else 1.0
+    return int(min(max(c.target * NS_PER_PERCENT * c.k * trim, lo), hi))
