@@ -43,8 +43,12 @@ SPARE_MARGIN = 5.0  # points of the GPU kept out of loans when others are active
 HUNGRY_WAIT = 0.02  # a container waiting for tokens this fraction of a tick wants more than it has
 MIN_SHARE = 0.5  # below this measured share (%) a window says nothing about the charge factor
 FAST_WINDOWS = 2
+SETTLE_S = 0.1  # after a change in who is active, the GPU's queues settle this long before a window counts
 TRIM_GAIN, TRIM_MIN, TRIM_MAX = 0.1, 0.8, 1.25
-MAX_STEP = math.log(1.5)  # the factor moves by at most x1.5 per window (a start-up window can be wild)
+# The factor moves by at most x1.2 up and /1.5 down per window: a grant that grows too fast overshoots a strict
+# ceiling while the shim's own estimates still settle after a change (they are re-sampled over ~1 s); one that
+# falls fast only gives time back.
+MAX_UP, MAX_DOWN = math.log(1.2), math.log(1.5)
 
 
 @dataclass(frozen=True)
@@ -78,6 +82,7 @@ class Container:
     measured: float | None = None  # share (%) in the last profiler window
     measured_at: float = -1e18  # monotonic s that window ended
     fast_left: int = FAST_WINDOWS
+    skip_until: float = -1e18  # profiler windows starting before this are transients: not learnt from
     trim: float = 1.0  # slow integral of the remaining share error, while its tokens are what holds it back
     seen: bool = False  # counters read at least once
     history: list[tuple[float, int]] = field(default_factory=list)  # (t, taken) of recent ticks
@@ -131,8 +136,10 @@ def observe_share(c: Container, t0: float, t1: float, share: float, g: Gains) ->
     c.measured, c.measured_at = share, t1
     if t1 - t0 <= 0:
         return
+    if t0 < c.skip_until:
+        return
     c.windows.append((t0, t1, share))
-    c.windows = [w for w in c.windows if w[1] > t1 - g.avg_s and (c.active_since is None or w[1] > c.active_since)]
+    c.windows = [w for w in c.windows if w[1] > t1 - g.avg_s]
     if not c.windows:
         return
     a, b = c.taken_at(c.windows[0][0]), c.taken_at(t1)
@@ -143,13 +150,14 @@ def observe_share(c: Container, t0: float, t1: float, share: float, g: Gains) ->
     k_obs = min(max((b - a) / used_ns, K_MIN), g.max_factor)
     gain = g.fast_gain if c.fast_left > 0 else g.gain
     c.fast_left = max(0, c.fast_left - 1)
-    step = min(max(gain * (math.log(k_obs) - math.log(c.k)), -MAX_STEP), MAX_STEP)
+    step = min(max(gain * (math.log(k_obs) - math.log(c.k)), -MAX_DOWN), MAX_UP)
     c.k = min(max(math.exp(math.log(c.k) + step), K_MIN), g.max_factor)
     # What the factor leaves (the windows' taken/used alignment, a GPU near saturation): a slow integral on the
     # share error itself, integrated only while the container waits for tokens (they are what holds it back)
     # and only on strict targets; bounded, so it can never wind up.
     mean = used_ns / (span * 1e9) * 100.0
-    if c.target <= c.cap and t1 - c.last_hungry <= g.idle_s and mean > MIN_SHARE:
+    if c.fast_left == 0 and span >= 0.9 * g.avg_s and c.target <= c.cap and t1 - c.last_hungry <= g.idle_s \
+            and mean > MIN_SHARE:
         c.trim = min(max(c.trim * (c.cap / mean) ** TRIM_GAIN, TRIM_MIN), TRIM_MAX)
 
 

@@ -97,8 +97,10 @@ class Dispatcher:
         for gpu, containers in by_gpu.items():
             active = frozenset(c.key for c in containers if c.active(now, g.idle_s))
             if active != self._active.get(gpu, frozenset()):
-                for c in containers:  # who shares the GPU changed: every factor moves, learn it fast
+                for c in containers:  # who shares the GPU changed: every factor moves, learn it afresh and fast
                     c.fast_left = C.FAST_WINDOWS
+                    c.windows = []
+                    c.skip_until = now + C.SETTLE_S
                     if c.key in active and c.key not in self._active.get(gpu, frozenset()):
                         c.active_since = now
                 self._active[gpu] = active
