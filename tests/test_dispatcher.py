@@ -249,7 +249,8 @@ async def test_elastic_lone_tenant_uses_the_gpu_and_gives_it_back_within_200_ms(
 
 async def test_agent_restart_mid_run_leaves_every_cap_held(root, api, build, timelines):
     """Two tenants under contention (30 and 50 on one GPU); the agent stops 3 s in and is back 2.5 s later (its
-    heartbeat goes stale): both caps hold over the run and while no agent runs; the new agent carries on from the
+    heartbeat goes stale): both caps hold over the run (+-3) and while no agent runs (+-6: the line in force is
+    the last correction, and nothing corrects it); the new agent carries on from the
     rates it finds in the regions."""
     settings = settings_for(root, timelines)
     async with api.api_client() as client, \
@@ -276,7 +277,8 @@ async def test_agent_restart_mid_run_leaves_every_cap_held(root, api, build, tim
               round(gap_b, 1), "rates after", rates)
         print("  per s", fmt(a.series(t0, t1, SECOND)), fmt(b.series(t0, t1, SECOND)))
         assert abs(sa - 30) <= 3 and abs(sb - 50) <= 3
-        assert abs(gap_a - 30) <= 3 and abs(gap_b - 50) <= 3
+        # with no agent nothing corrects the line: the last one holds, within the loop's usual per-second spread
+        assert abs(gap_a - 30) <= 6 and abs(gap_b - 50) <= 6
 
 
 async def test_bad_neighbours_disturb_nobody(root, api, build, timelines):
