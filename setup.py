@@ -6,6 +6,7 @@ source tree (ignored by git) so `import alnair_agent` from the checkout finds th
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -36,11 +37,25 @@ def generate_protos(out_root: Path) -> None:
 
 
 def build_shim(out_dir: Path) -> None:
-    """Build libalnair.so with the system C compiler (make -C shim) and copy it to out_dir."""
+    """Build libalnair.so with the pinned toolchain (make -C shim: zig cc from the `ziglang` build requirement,
+    targeting glibc 2.17 whatever this host runs) and copy it to out_dir.
+
+    ALNAIR_SHIM_CC=cc builds with a host compiler instead (a machine that cannot fetch ziglang, say): the library then
+    needs whatever glibc that host's headers give, so it is said loudly and never done silently."""
     if not (SHIM_DIR / "Makefile").exists():
         return
     build_dir = ROOT / "build" / "shim"
-    subprocess.run(["make", "-C", str(SHIM_DIR), f"BUILD={build_dir}"], check=True)
+    cmd = ["make", "-C", str(SHIM_DIR), f"BUILD={build_dir}", f"PYTHON={sys.executable}"]
+    host_cc = os.environ.get("ALNAIR_SHIM_CC")
+    if host_cc:
+        print(f"warning: building libalnair.so with {host_cc} (ALNAIR_SHIM_CC): its glibc floor is this host's, "
+              "not GLIBC_2.17", file=sys.stderr)
+        cmd.append(f"CC={host_cc}")
+    elif importlib.util.find_spec("ziglang") is None:
+        raise RuntimeError("libalnair.so is built with the pinned zig toolchain: install `ziglang` (a build "
+                           "requirement in pyproject.toml, which pip's isolated build installs), or set "
+                           "ALNAIR_SHIM_CC=cc to build with a host compiler (its glibc floor is then the host's)")
+    subprocess.run(cmd, check=True)
     out_dir.mkdir(parents=True, exist_ok=True)
     shutil.copy2(build_dir / SHIM_LIB, out_dir / SHIM_LIB)
 

@@ -12,6 +12,7 @@ from alnair_agent.node.allocator import Allocator, PodSource
 from alnair_agent.config import Settings
 from alnair_agent.dispatcher.control import Gains
 from alnair_agent.dispatcher.service import Dispatcher
+from alnair_agent.kube.events import EventSink
 from alnair_agent.kubelet.deviceplugin import DevicePluginService
 from alnair_agent.gpu.backend import GpuBackend, GpuInfo
 from alnair_agent.health import HealthService
@@ -32,6 +33,7 @@ class Kubernetes:
     pod_source: PodSource | None = None
     pod_states: PodStates | None = None
     annotations: AnnotationSink | None = None
+    events: EventSink | None = None
     services: list[tuple[str, object]] = field(default_factory=list)  # (name, coroutine factory)
 
 
@@ -80,8 +82,9 @@ class Agent:
             await self.reconciler.once()
             log.info("allocations_restored", count=len(self.allocator.allocations),
                      external_devices=len(self.allocator.external_held))
-            self.plugin = DevicePluginService(s.device_plugin_dir, self.inventory, self.allocator)
-            health = HealthService(self.backend, self.inventory, self.plugin, s.health_interval_s)
+            events = self.kubernetes.events  # Events on refused pods and on the node's GPU health
+            self.plugin = DevicePluginService(s.device_plugin_dir, self.inventory, self.allocator, events)
+            health = HealthService(self.backend, self.inventory, self.plugin, s.health_interval_s, events)
             services: list[tuple[str, object]] = [
                 ("device-plugin", self.plugin.run()),
                 ("health", health.run()),

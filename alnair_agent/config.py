@@ -38,7 +38,8 @@ def parse_sim_gpus(text: str) -> tuple[SimGpu, ...]:
     for part in text.split(","):
         m = _SIM_RE.match(part.strip())
         if not m:
-            raise ValueError(f"'{part.strip()}' is not [<count>x]<size><MiB|GiB|TiB>")
+            raise ValueError(f"a comma-separated list of GPU memory sizes, each [<count>x]<size> in MiB|GiB|TiB "
+                             f"such as 2x16GiB or 16GiB,80GiB; '{part.strip()}' is not one")
         count = int(m.group(1) or 1)
         size = int(m.group(2)) * _SIZE_UNITS[m.group(3)]
         if count < 1 or size < 1:
@@ -167,8 +168,8 @@ VARIABLES: tuple[Variable, ...] = (
              "MiB of GPU memory per alnair/vgpu-memory unit."),
     Variable("ALNAIR_KUBERNETES", "kubernetes", _choice("auto", "off"), "auto",
              "auto: talk to the API server (in-cluster, else KUBECONFIG); off: run without one."),
-    Variable("ALNAIR_METRICS_PORT", "metrics_port", _int_range(0, 65535), "9400",
-             "Port of /metrics and /healthz; 0 turns the HTTP endpoint off."),
+    Variable("ALNAIR_METRICS_PORT", "metrics_port", _int_range(0, 65535), "9475",
+             "Port of /metrics and the health endpoints (not dcgm-exporter's 9400); 0 turns the HTTP endpoint off."),
     Variable("ALNAIR_LOG_FORMAT", "log_format", _choice("json", "console"), "json",
              "Log lines as JSON (for collectors) or console (for people)."),
     Variable("ALNAIR_LOG_LEVEL", "log_level", _choice("debug", "info", "warning", "error"), "info",
@@ -223,7 +224,7 @@ class Settings:
     place_unscheduled: bool = False
     memory_unit_mib: int = 1024
     kubernetes: str = "auto"
-    metrics_port: int = 9400
+    metrics_port: int = 9475
     log_format: str = "json"
     log_level: str = "info"
     health_interval_s: float = 1.0

@@ -6,6 +6,7 @@ import asyncio
 
 import structlog
 
+from alnair_agent.kube.events import EventSink
 from alnair_agent.kubelet.deviceplugin import DevicePluginService
 from alnair_agent.gpu.backend import GpuBackend
 from alnair_agent.node.inventory import Inventory
@@ -14,7 +15,9 @@ log = structlog.get_logger(__name__)
 
 
 class HealthService:
-    def __init__(self, backend: GpuBackend, inventory: Inventory, plugin: DevicePluginService, interval_s: float) -> None:
+    def __init__(self, backend: GpuBackend, inventory: Inventory, plugin: DevicePluginService, interval_s: float,
+                 events: EventSink | None = None) -> None:
+        self.events = events
         self.backend = backend
         self.inventory = inventory
         self.plugin = plugin
@@ -29,5 +32,7 @@ class HealthService:
                 if self.inventory.set_health(event.uuid, event.healthy):
                     changed = True
                     log.warning("gpu_health_changed", gpu=event.uuid, healthy=event.healthy, reason=event.reason)
+                    if self.events is not None:
+                        self.events.gpu_health(event.uuid, event.healthy, event.reason)
             if changed:
                 await self.plugin.notify_devices_changed()

@@ -40,15 +40,50 @@ async def serve(settings: Settings) -> None:
         await agent.run(stop)
 
 
+def version() -> str:
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as dist_version
+
+    try:
+        return dist_version("alnair")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def help_epilog() -> str:
+    """The configuration variables, for --help (the same table as the README's, from config.VARIABLES)."""
+    from alnair_agent.config import VARIABLES
+
+    lines = ["configuration (environment variables only; a bad value stops the agent with one line naming it):"]
+    for v in VARIABLES:
+        default = "required" if v.default is None else f"default {v.default}"
+        lines.append(f"  {v.name}  ({default}; {v.parse.__doc__.replace('`', '')})")
+    lines.append("")
+    lines.append("commands:")
+    lines.append("  demo [--seconds N]  the agent, the shim and simulated GPUs on this machine: no GPU, no cluster")
+    lines.append("  install-shim DIR    copy libalnair.so into DIR atomically (the DaemonSet's init container)")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="alnair-agent", description="Alnair node agent (GPU sharing for Kubernetes)")
-    parser.add_argument("--demo", action="store_true",
-                        help="run on simulated GPUs against an in-process kubelet, admit a few containers, print, exit")
+    parser = argparse.ArgumentParser(prog="alnair-agent", description="Alnair node agent (GPU sharing for Kubernetes)",
+                                     epilog=help_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"alnair-agent {version()}")
+    parser.add_argument("--demo", action="store_true", help="same as the demo command")
+    sub = parser.add_subparsers(dest="command", metavar="{demo,install-shim}")
+    demo = sub.add_parser("demo", help="run the demo: containers under the real shim on simulated GPUs, a live table")
+    demo.add_argument("--seconds", type=float, default=15.0, help="how long the containers run (default 15)")
+    install = sub.add_parser("install-shim", help="copy libalnair.so into a folder atomically (temporary name, rename)")
+    install.add_argument("folder", help="the host's shim folder as mounted in the init container")
     args = parser.parse_args(argv)
-    if args.demo:
+    if args.command == "install-shim":
+        from alnair_agent.shim_install import install_shim
+
+        return install_shim(args.folder)
+    if args.demo or args.command == "demo":
         from alnair_agent.demo import run_demo
 
-        return run_demo()
+        return run_demo(getattr(args, "seconds", 15.0))
     try:
         settings = Settings.from_env(os.environ)
     except ConfigError as e:

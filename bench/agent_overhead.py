@@ -44,7 +44,7 @@ TICKS = os.sysconf("SC_CLK_TCK")
 
 
 def build(out: Path) -> tuple[Path, Path]:
-    for args in (["make", "-s", "-C", str(ROOT / "shim"), f"BUILD={out / 'shim'}"],
+    for args in (["make", "-s", "-C", str(ROOT / "shim"), f"BUILD={out / 'shim'}", f"PYTHON={sys.executable}"],
                  ["make", "-s", "-C", str(ROOT / "tests/shim/simcuda"), f"BUILD={out / 'sim'}",
                   f"SHIM={ROOT / 'shim'}"]):
         subprocess.run(args, check=True, capture_output=True, text=True)

@@ -55,6 +55,9 @@ struct alnair_aux {
     CUresult (*cuStreamIsCapturing)(CUstream, CUstreamCaptureStatus *);
     CUresult (*cuStreamIsCapturing_ptsz)(CUstream, CUstreamCaptureStatus *);
     CUresult (*cuCtxGetCurrent)(CUcontext *);
+    CUresult (*cuCtxGetDevice)(CUdevice *);
+    CUresult (*cuDeviceGetMemPool)(CUmemoryPool *, CUdevice);
+    CUresult (*cuDeviceGetGraphMemAttribute)(CUdevice, int, void *);
 };
 extern struct alnair_aux alnair_aux;
 void alnair_cuda_resolve(void); /* pthread_once: libcuda's real table + aux */
@@ -80,10 +83,18 @@ static inline struct alnair_region_slot *alnair_slot(void)
     struct alnair_region_slot *s = atomic_load_explicit(&alnair_my_slot, memory_order_relaxed);
     return LIKELY(s != NULL) ? s : alnair_slot_slow();
 }
+/* All slots held by live processes: this process got none and is refused memory, contexts and metered launches. */
+extern struct alnair_region_slot alnair_overflow_slot;
+static inline int alnair_slotless(void)
+{
+    return atomic_load_explicit(&alnair_my_slot, memory_order_relaxed) == &alnair_overflow_slot;
+}
+struct alnair_region_slot *alnair_slot_retry(void); /* alnair_slot(), claiming a slot if one has freed up */
 void alnair_region_after_fork_child(void);
 uint64_t alnair_memory_used_all(void);     /* sum of memory_used over the slots, saturating */
 int alnair_reclaim_dead_slots(void);        /* returns how many were reclaimed */
 int64_t alnair_tokens_available(uint64_t now); /* granted(now) - sum(taken + forfeited) */
+int alnair_grant_line_trusted(void); /* 0 when this thread's last reading came from a line stuck half-written */
 uint64_t alnair_token_rate(void);
 /* Device memory charged for each context (ALNAIR_CONTEXT_BYTES, read once at init). */
 #ifndef ALNAIR_DEFAULT_CONTEXT_BYTES
@@ -93,9 +104,12 @@ extern uint64_t alnair_context_bytes;
 
 /* ---- memory.c --------------------------------------------------------------------------------------------- */
 void alnair_memory_after_fork_child(void);
+void alnair_graph_mem_sync(void); /* charge what the device's graph memory pool holds now */
+int alnair_graph_mem_over(void);  /* graph memory exists and the container is past its limit */
 
 /* ---- launch.c --------------------------------------------------------------------------------------------- */
 void alnair_launch_after_fork_child(void);
+int alnair_captures_under_way(void); /* some stream of this process is being captured */
 
 /* atomics on region fields (the layout's plain integers) */
 #define RLOAD(p) __atomic_load_n(&(p), __ATOMIC_ACQUIRE)

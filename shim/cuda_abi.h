@@ -28,6 +28,8 @@ typedef struct CUctxCreateParams_st CUctxCreateParams;     /* opaque to the shim
 typedef struct CUgraphEdgeData_st CUgraphEdgeData;         /* opaque to the shim */
 typedef struct CUlaunchAttribute_st CUlaunchAttribute;     /* opaque to the shim */
 typedef int CUstreamCaptureMode;
+typedef int CUmemPool_attribute;
+typedef struct CUDA_MEM_ALLOC_NODE_PARAMS_st CUDA_MEM_ALLOC_NODE_PARAMS; /* opaque to the shim */
 typedef int CUstreamCaptureStatus;
 typedef int CUdriverProcAddressQueryResult;
 typedef int CUarray_format;
@@ -53,6 +55,15 @@ typedef struct CUlaunchConfig_st {
     CUlaunchAttribute *attrs;
     unsigned int numAttrs;
 } CUlaunchConfig;
+
+typedef struct CUDA_LAUNCH_PARAMS_st {
+    CUfunction function;
+    unsigned int gridDimX, gridDimY, gridDimZ;
+    unsigned int blockDimX, blockDimY, blockDimZ;
+    unsigned int sharedMemBytes;
+    CUstream hStream;
+    void **kernelParams;
+} CUDA_LAUNCH_PARAMS;
 
 typedef struct CUDA_ARRAY_DESCRIPTOR_st {
     size_t Width;
@@ -86,5 +97,32 @@ typedef struct nvmlMemory_v2_st {
     unsigned long long free;
     unsigned long long used;
 } nvmlMemory_v2_t;
+
+typedef struct nvmlProcessInfo_v1_st {
+    unsigned int pid;
+    unsigned long long usedGpuMemory;
+} nvmlProcessInfo_v1_t;
+typedef struct nvmlProcessInfo_v2_st { /* also nvmlProcessInfo_t of the _v3 calls */
+    unsigned int pid;
+    unsigned long long usedGpuMemory;
+    unsigned int gpuInstanceId;
+    unsigned int computeInstanceId;
+} nvmlProcessInfo_v2_t;
+typedef struct nvmlProcessUtilizationSample_st {
+    unsigned int pid;
+    unsigned long long timeStamp;
+    unsigned int smUtil, memUtil, encUtil, decUtil;
+} nvmlProcessUtilizationSample_t;
+typedef struct nvmlProcessUtilizationInfo_v1_st {
+    unsigned long long timeStamp;
+    unsigned int pid;
+    unsigned int smUtil, memUtil, encUtil, decUtil, jpgUtil, ofaUtil;
+} nvmlProcessUtilizationInfo_v1_t;
+typedef struct nvmlProcessesUtilizationInfo_v1_st {
+    unsigned int version;
+    unsigned int processSamplesCount;
+    unsigned long long lastSeenTimeStamp;
+    nvmlProcessUtilizationInfo_v1_t *procUtilArray;
+} nvmlProcessesUtilizationInfo_t;
 
 #endif /* ALNAIR_CUDA_ABI_H */

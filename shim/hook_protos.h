@@ -17,12 +17,21 @@ P CUresult cuMemFree_v2(CUdeviceptr dptr);
 P CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size, const CUmemAllocationProp *prop,
                        unsigned long long flags);
 P CUresult cuMemRelease(CUmemGenericAllocationHandle handle);
+P CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmemGenericAllocationHandle handle,
+                    unsigned long long flags);
+P CUresult cuMemUnmap(CUdeviceptr ptr, size_t size);
 P CUresult cuMemAllocAsync(CUdeviceptr *dptr, size_t bytesize, CUstream hStream);
 P CUresult cuMemAllocAsync_ptsz(CUdeviceptr *dptr, size_t bytesize, CUstream hStream);
 P CUresult cuMemAllocFromPoolAsync(CUdeviceptr *dptr, size_t bytesize, CUmemoryPool pool, CUstream hStream);
 P CUresult cuMemAllocFromPoolAsync_ptsz(CUdeviceptr *dptr, size_t bytesize, CUmemoryPool pool, CUstream hStream);
 P CUresult cuMemFreeAsync(CUdeviceptr dptr, CUstream hStream);
 P CUresult cuMemFreeAsync_ptsz(CUdeviceptr dptr, CUstream hStream);
+P CUresult cuMemPoolSetAttribute(CUmemoryPool pool, CUmemPool_attribute attr, void *value);
+P CUresult cuMemPoolTrimTo(CUmemoryPool pool, size_t minBytesToKeep);
+P CUresult cuMemPoolDestroy(CUmemoryPool pool);
+P CUresult cuGraphAddMemAllocNode(CUgraphNode *phGraphNode, CUgraph hGraph, const CUgraphNode *dependencies,
+                                  size_t numDependencies, CUDA_MEM_ALLOC_NODE_PARAMS *nodeParams);
+P CUresult cuDeviceGraphMemTrim(CUdevice device);
 P CUresult cuArrayCreate_v2(CUarray *pHandle, const CUDA_ARRAY_DESCRIPTOR *pAllocateArray);
 P CUresult cuArray3DCreate_v2(CUarray *pHandle, const CUDA_ARRAY3D_DESCRIPTOR *pAllocateArray);
 P CUresult cuArrayDestroy(CUarray hArray);
@@ -52,6 +61,28 @@ P CUresult cuLaunchCooperativeKernel(LAUNCH_ARGS, void **kernelParams);
 P CUresult cuLaunchCooperativeKernel_ptsz(LAUNCH_ARGS, void **kernelParams);
 P CUresult cuGraphLaunch(CUgraphExec hGraphExec, CUstream hStream);
 P CUresult cuGraphLaunch_ptsz(CUgraphExec hGraphExec, CUstream hStream);
+P CUresult cuLaunch(CUfunction f);
+P CUresult cuMemcpy(CUdeviceptr dst, CUdeviceptr src, size_t ByteCount);
+P CUresult cuMemcpy_ptds(CUdeviceptr dst, CUdeviceptr src, size_t ByteCount);
+P CUresult cuMemcpyAsync(CUdeviceptr dst, CUdeviceptr src, size_t ByteCount, CUstream hStream);
+P CUresult cuMemcpyAsync_ptsz(CUdeviceptr dst, CUdeviceptr src, size_t ByteCount, CUstream hStream);
+P CUresult cuMemcpyHtoD_v2(CUdeviceptr dstDevice, const void *srcHost, size_t ByteCount);
+P CUresult cuMemcpyHtoD_v2_ptds(CUdeviceptr dstDevice, const void *srcHost, size_t ByteCount);
+P CUresult cuMemcpyDtoH_v2(void *dstHost, CUdeviceptr srcDevice, size_t ByteCount);
+P CUresult cuMemcpyDtoH_v2_ptds(void *dstHost, CUdeviceptr srcDevice, size_t ByteCount);
+P CUresult cuMemcpyDtoD_v2(CUdeviceptr dstDevice, CUdeviceptr srcDevice, size_t ByteCount);
+P CUresult cuMemcpyDtoD_v2_ptds(CUdeviceptr dstDevice, CUdeviceptr srcDevice, size_t ByteCount);
+P CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dstDevice, const void *srcHost, size_t ByteCount, CUstream hStream);
+P CUresult cuMemcpyHtoDAsync_v2_ptsz(CUdeviceptr dstDevice, const void *srcHost, size_t ByteCount, CUstream hStream);
+P CUresult cuMemcpyDtoHAsync_v2(void *dstHost, CUdeviceptr srcDevice, size_t ByteCount, CUstream hStream);
+P CUresult cuMemcpyDtoHAsync_v2_ptsz(void *dstHost, CUdeviceptr srcDevice, size_t ByteCount, CUstream hStream);
+P CUresult cuMemcpyDtoDAsync_v2(CUdeviceptr dstDevice, CUdeviceptr srcDevice, size_t ByteCount, CUstream hStream);
+P CUresult cuMemcpyDtoDAsync_v2_ptsz(CUdeviceptr dstDevice, CUdeviceptr srcDevice, size_t ByteCount,
+                                     CUstream hStream);
+P CUresult cuLaunchGrid(CUfunction f, int grid_width, int grid_height);
+P CUresult cuLaunchGridAsync(CUfunction f, int grid_width, int grid_height, CUstream hStream);
+P CUresult cuLaunchCooperativeKernelMultiDevice(CUDA_LAUNCH_PARAMS *launchParamsList, unsigned int numDevices,
+                                                unsigned int flags);
 #undef LAUNCH_ARGS
 
 P CUresult cuStreamBeginCapture(CUstream hStream);
@@ -69,5 +100,27 @@ P CUresult cuStreamEndCapture_ptsz(CUstream hStream, CUgraph *phGraph);
 
 P nvmlReturn_t nvmlDeviceGetMemoryInfo(nvmlDevice_t device, nvmlMemory_t *memory);
 P nvmlReturn_t nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t device, nvmlMemory_v2_t *memory);
+P nvmlReturn_t nvmlDeviceGetComputeRunningProcesses(nvmlDevice_t device, unsigned int *infoCount,
+                                                   nvmlProcessInfo_v1_t *infos);
+P nvmlReturn_t nvmlDeviceGetComputeRunningProcesses_v2(nvmlDevice_t device, unsigned int *infoCount,
+                                                      nvmlProcessInfo_v2_t *infos);
+P nvmlReturn_t nvmlDeviceGetComputeRunningProcesses_v3(nvmlDevice_t device, unsigned int *infoCount,
+                                                      nvmlProcessInfo_v2_t *infos);
+P nvmlReturn_t nvmlDeviceGetGraphicsRunningProcesses(nvmlDevice_t device, unsigned int *infoCount,
+                                                    nvmlProcessInfo_v1_t *infos);
+P nvmlReturn_t nvmlDeviceGetGraphicsRunningProcesses_v2(nvmlDevice_t device, unsigned int *infoCount,
+                                                       nvmlProcessInfo_v2_t *infos);
+P nvmlReturn_t nvmlDeviceGetGraphicsRunningProcesses_v3(nvmlDevice_t device, unsigned int *infoCount,
+                                                       nvmlProcessInfo_v2_t *infos);
+P nvmlReturn_t nvmlDeviceGetMPSComputeRunningProcesses(nvmlDevice_t device, unsigned int *infoCount,
+                                                      nvmlProcessInfo_v1_t *infos);
+P nvmlReturn_t nvmlDeviceGetMPSComputeRunningProcesses_v2(nvmlDevice_t device, unsigned int *infoCount,
+                                                         nvmlProcessInfo_v2_t *infos);
+P nvmlReturn_t nvmlDeviceGetMPSComputeRunningProcesses_v3(nvmlDevice_t device, unsigned int *infoCount,
+                                                         nvmlProcessInfo_v2_t *infos);
+P nvmlReturn_t nvmlDeviceGetProcessUtilization(nvmlDevice_t device, nvmlProcessUtilizationSample_t *utilization,
+                                               unsigned int *processSamplesCount, unsigned long long lastSeenTimeStamp);
+P nvmlReturn_t nvmlDeviceGetProcessesUtilizationInfo(nvmlDevice_t device,
+                                                     nvmlProcessesUtilizationInfo_t *procesesUtilInfo);
 #undef P
 #endif

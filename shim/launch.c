@@ -1,26 +1,40 @@
 /* Launches: tokens (GPU-time ns) are taken from the region before each launch, and the work in flight is bounded.
  *
- * Cost of a launch = the shim's estimate of its GPU time, per CUfunction (per CUgraphExec for graph launches):
+ * Cost of a launch = the shim's estimate of its GPU time, per (CUfunction, grid class) (per CUgraphExec for graph
+ * launches); the grid class is the bit length of the block count, since a kernel's time grows with its waves:
+ *   - estimates live in a set-associative cache that evicts the least recently used entry of a set, so any number
+ *     of distinct kernels keeps working estimates for the ones running now;
  *   - each thread keeps at most one sample in flight: an event pair around one launch (the first launch of a
- *     function not yet measured, then 1 in SAMPLE_EVERY launches); when the end event has completed, the elapsed
- *     time updates the function's estimate (moving average, 1/4 weight to the new sample). A function still
- *     unmeasured is charged 20 us, and its launch first waits for the thread's sample in flight to complete, so
- *     an unknown kernel is never queued many times on a guess (one short stall per new kernel, at warm-up).
+ *     (function, class) not yet measured, then 1 in SAMPLE_EVERY launches); when its end event has completed, the
+ *     elapsed time updates that estimate (moving average, 1/4 weight to the new sample). A sample is never given up
+ *     for being slow: a 300 ms kernel is measured when it ends.
+ *   - a launch with no estimate is charged a guess: the neighbouring grid class's estimate scaled by 2 (or 1/2),
+ *     else the mean of recent samples (DEFAULT_COST_NS at first). When its sample completes, the difference
+ *     between what it ran and what it was charged is taken (or credited) at once, so a program that launches a
+ *     never-seen kernel every time pays for each (launches of the same kernel and size that went out on a guess
+ *     while the sampler was busy are settled by that sample too). A launch with nothing known at all waits (at most
+ *     SAMPLE_WAIT_NS) for the thread's sample in flight, so an unknown kernel is never queued many times on a guess.
  *   - true-up: every FENCE_EVERY launches (or FENCE_EVERY_NS of estimated work) the thread records a fence event on
  *     the stream. When a fence was recorded while the previous fence on the same stream was still pending, the GPU
  *     ran the work between them back to back, so their elapsed time is exactly the GPU time of that work: the
  *     difference to what was charged is taken as a debt (added to this slot's tokens_taken) or given back as credit
  *     to this process's prepaid balance (only for intervals in which this thread made every launch on that
- *     stream). Estimates steer; the true-up keeps a saturated queue honest.
+ *     stream, and that hold no launch a sample already corrected). Estimates steer; the true-up keeps a saturated
+ *     queue honest.
  *   - in-flight bound: a thread never has more than INFLIGHT_MAX_NS (one token burst) of charged work, nor more than
  *     NFENCE fences, not yet completed by the GPU; past that it sleeps until the GPU catches up. Without this an
  *     enqueue-time meter lets a tenant bank seconds of work in the driver's queue.
- * Tokens: a process-wide prepaid balance is drawn with one atomic per launch; when it runs out the thread takes
- * max(cost, CHUNK) from the region's grant line (forfeiting anything above TOKEN_BURST_NS), or sleeps with backoff
- * (20 us .. 1 ms, sized from the grant rate) and records the time in wait_ns. No lock anywhere on this path.
- * While any stream capture is under way in this process, the shim records and queries no events of its own (that
- * would break a global-mode capture) and launches into a capturing stream take no tokens: the graph launch pays.
- * With no compute limit the launch only bumps the slot's launch counter (when there is a region) and calls on. */
+ * Tokens: a process-wide prepaid balance is drawn with one atomic per launch; when it goes negative the thread takes
+ * from the region's grant line whatever is available (up to the debt plus CHUNK_NS, forfeiting anything above
+ * TOKEN_BURST_NS), and naps between takes; every process in debt naps the same time whatever it owes, so siblings
+ * with long and short kernels share the line instead of the most frequent poller taking it all. No lock anywhere
+ * on this path; wait time goes to wait_ns. Per-thread events are destroyed when the thread exits.
+ * Stream capture: the driver forbids event queries while a global-mode capture is under way (any thread) or a
+ * non-relaxed one in the querying thread; only then does the shim stop querying its events. Launches into a
+ * capturing stream take no tokens: the graph launch pays. A capture is forgotten when its stream is no longer
+ * capturing after cuStreamEndCapture, whatever that returned.
+ * With no compute limit the launch only bumps the slot's launch counter (when there is a region) and calls on. A
+ * process without a region slot (all held by live processes) has its metered launches refused. */
 #define _GNU_SOURCE
 #include <string.h>
 
@@ -33,37 +47,118 @@
 #define FENCE_EVERY 32u
 #define FENCE_EVERY_NS 2000000ull
 #define NFENCE 16u
+#define NCORR 16u
+#define NPEND 8u
 #define INFLIGHT_MAX_NS ALNAIR_TOKEN_BURST_NS
 #define WAIT_GIVE_UP_NS 2000000000ull /* no GPU progress this long: stop waiting on our own events */
-#define EST_BITS 13
-#define EST_SLOTS (1u << EST_BITS)
+#define SAMPLE_WAIT_NS 200000000ull   /* an unknown launch waits this long at most for the sample in flight */
+#define EST_WAYS 4u
+#define EST_SET_BITS 11
+#define EST_SETS (1u << EST_SET_BITS)
+#define CAP_SLOTS 64u
+#define CAPTURE_MODE_GLOBAL 0
+#define CAPTURE_MODE_RELAXED 2
+#define CAPTURE_STATUS_ACTIVE 1
 
-static _Atomic int64_t g_balance; /* prepaid tokens of this process (already in our slot's tokens_taken) */
-static _Atomic int g_captures;    /* stream captures under way in this process */
+static _Atomic int64_t g_balance;        /* prepaid tokens of this process (already in our slot's tokens_taken) */
+static _Atomic int g_captures;           /* stream captures under way in this process */
+static _Atomic int g_global_captures;    /* of them in global mode: no thread may query an event meanwhile */
+static _Atomic uint64_t g_guess_ns = DEFAULT_COST_NS; /* a launch nothing is known about: recent samples' mean */
 
+/* ---- the estimate cache ------------------------------------------------------------------------------------
+ * Key: (function or graph, grid-size class = bit length of the block count): a kernel's time grows with its
+ * grid, so each size class has its own estimate. Set-associative (EST_WAYS ways per set); a miss evicts the
+ * least recently used way of its set, so a program with any number of distinct kernels keeps estimates for
+ * the ones it runs now. Lock-free: a way is taken by CAS key -> 0, ns = 0, key = new; a reader that sees the
+ * new key reads that key's ns (0 until measured). */
 struct est {
-    _Atomic uintptr_t key;
+    _Atomic uint64_t key;
     _Atomic uint64_t ns; /* 0: not measured yet */
+    _Atomic uint32_t used;
+    uint32_t pad;
 };
-static struct est g_est[EST_SLOTS];
+static struct est g_est[EST_SETS * EST_WAYS];
+static _Atomic uint32_t g_est_clock = 1;
 
-static struct est *est_find(uintptr_t key)
+static inline unsigned grid_class(uint64_t blocks)
 {
-    if (key == 0)
-        return NULL;
-    size_t i = (size_t)((key * 0x9E3779B97F4A7C15ull) >> (64 - EST_BITS));
-    for (unsigned n = 0; n < 32; n++, i = (i + 1) & (EST_SLOTS - 1)) {
-        uintptr_t k = atomic_load_explicit(&g_est[i].key, memory_order_acquire);
-        if (k == key)
-            return &g_est[i];
-        if (k == 0) {
-            uintptr_t zero = 0;
-            if (atomic_compare_exchange_strong(&g_est[i].key, &zero, key) || zero == key)
-                return &g_est[i];
+    return blocks ? 64u - (unsigned)__builtin_clzll(blocks) : 0u; /* 0..64 */
+}
+
+static inline uint64_t est_key(uintptr_t fn, unsigned cls)
+{
+    uint64_t k = ((uint64_t)fn << 7) | cls;
+    return k ? k : 1;
+}
+
+static inline struct est *est_set(uint64_t k)
+{
+    return &g_est[(size_t)((k * 0x9E3779B97F4A7C15ull) >> (64 - EST_SET_BITS)) * EST_WAYS];
+}
+
+static inline struct est *est_lookup(uint64_t k)
+{
+    struct est *set = est_set(k);
+    for (unsigned w = 0; w < EST_WAYS; w++) {
+        if (atomic_load_explicit(&set[w].key, memory_order_acquire) == k) {
+            uint32_t now = atomic_load_explicit(&g_est_clock, memory_order_relaxed);
+            if (atomic_load_explicit(&set[w].used, memory_order_relaxed) != now)
+                atomic_store_explicit(&set[w].used, now, memory_order_relaxed);
+            return &set[w];
         }
     }
-    return NULL; /* table crowded here: the default cost applies */
+    return NULL;
 }
+
+static struct est *est_insert(uint64_t k)
+{
+    struct est *e = est_lookup(k);
+    if (e != NULL)
+        return e;
+    struct est *set = est_set(k), *victim = &set[0];
+    for (unsigned w = 0; w < EST_WAYS; w++) {
+        uint64_t key = atomic_load_explicit(&set[w].key, memory_order_relaxed);
+        if (key == 0) {
+            victim = &set[w];
+            break;
+        }
+        if ((int32_t)(atomic_load_explicit(&set[w].used, memory_order_relaxed) -
+                      atomic_load_explicit(&victim->used, memory_order_relaxed)) < 0)
+            victim = &set[w];
+    }
+    uint64_t old = atomic_load_explicit(&victim->key, memory_order_relaxed);
+    if (!atomic_compare_exchange_strong(&victim->key, &old, 0))
+        return NULL; /* another thread took this way just now: the guess applies this once */
+    atomic_store_explicit(&victim->ns, 0, memory_order_relaxed);
+    atomic_store_explicit(&victim->used, atomic_fetch_add(&g_est_clock, 1) + 1, memory_order_relaxed);
+    atomic_store_explicit(&victim->key, k, memory_order_release);
+    return victim;
+}
+
+/* A size class not measured yet: its neighbours' estimate scaled by 2 (a guess, trued up by its sample). */
+static uint64_t est_neighbour(uintptr_t fn, unsigned cls)
+{
+    struct est *e;
+    uint64_t ns;
+    if (cls > 0 && (e = est_lookup(est_key(fn, cls - 1))) != NULL &&
+        (ns = atomic_load_explicit(&e->ns, memory_order_relaxed)) != 0)
+        return ns * 2;
+    if (cls < 64 && (e = est_lookup(est_key(fn, cls + 1))) != NULL &&
+        (ns = atomic_load_explicit(&e->ns, memory_order_relaxed)) != 0)
+        return ns / 2 > MIN_COST_NS ? ns / 2 : MIN_COST_NS;
+    return 0;
+}
+
+/* ---- captures under way ---------------------------------------------------------------------------------------
+ * A table of the streams being captured (stream, mode). The driver forbids event queries while a global-mode
+ * capture is under way in any thread, or a non-relaxed one in the querying thread: only then does the shim stop
+ * querying its events. Relaxed and other threads' thread-local captures change nothing. A capture is forgotten
+ * when the stream is no longer capturing after cuStreamEndCapture, whatever that call returned. */
+struct cap {
+    _Atomic uintptr_t key;
+    int mode;
+};
+static struct cap g_caps[CAP_SLOTS];
 
 struct fence {
     CUevent ev;
@@ -107,8 +202,8 @@ struct tstate {
     uint64_t launches, done, charged, completed_charged, last_fence_charged;
     unsigned since_fence;
     CUevent s_start, s_end;
-    uintptr_t s_key;
-    int s_busy;
+    uint64_t s_key, s_cost, s_idx;
+    int s_busy, s_guess;
     struct fence f[NFENCE];
     unsigned fhead, fcount;
     int prev_valid;
@@ -116,13 +211,40 @@ struct tstate {
     uint64_t prev_charged, prev_seq, prev_mine;
     int prev_has_seq;
     CUstream prev_stream;
+    uint64_t corr[NCORR]; /* launches (by T.done) whose guessed cost a sample corrected */
+    unsigned ncorr;
+    struct {
+        uint64_t key, cost, idx;
+    } pend[NPEND]; /* launches charged a guess and not sampled (the sampler was busy): settled by their key's sample */
+    unsigned npend;
+    int strict_captures; /* this thread's non-relaxed captures under way */
+    int exit_hook;       /* the thread-exit destructor is armed */
 };
 static __thread struct tstate T __attribute__((tls_model("initial-exec")));
+
+/* Per-thread events are destroyed when the thread exits (a pthread key destructor, armed at the first event). */
+static pthread_key_t exit_key;
+static pthread_once_t exit_key_once = PTHREAD_ONCE_INIT;
+static int exit_key_ok;
+static void drop_events(void);
+static void thread_exit(void *arg)
+{
+    (void)arg;
+    if (T.gen == atomic_load(&alnair_fork_gen)) /* never the parent's events in a forked child */
+        drop_events();
+    T.exit_hook = 0;
+}
+static void make_exit_key(void)
+{
+    exit_key_ok = pthread_key_create(&exit_key, thread_exit) == 0;
+}
 
 void alnair_launch_after_fork_child(void)
 {
     atomic_store(&g_balance, 0);
     atomic_store(&g_captures, 0);
+    atomic_store(&g_global_captures, 0);
+    memset(g_caps, 0, sizeof g_caps);
     memset(&T, 0, sizeof T); /* the parent's events are not ours; other threads' TLS is reset by generation */
     T.gen = atomic_load(&alnair_fork_gen);
 }
@@ -145,6 +267,12 @@ static inline void count_launch(void)
     }
 }
 
+/* Event queries are allowed: no global-mode capture anywhere, no non-relaxed capture in this thread. */
+static inline int queries_ok(void)
+{
+    return atomic_load_explicit(&g_global_captures, memory_order_relaxed) == 0 && T.strict_captures == 0;
+}
+
 /* ---- tokens ------------------------------------------------------------------------------------------------ */
 static void forfeit_excess(struct alnair_region_slot *s, int64_t avail, uint64_t now)
 {
@@ -161,33 +289,42 @@ static void forfeit_excess(struct alnair_region_slot *s, int64_t avail, uint64_t
     }
 }
 
-static __attribute__((noinline)) void refill(uint64_t owe)
+/* The balance went negative: take tokens from the grant line until it is paid. Whatever is available is taken at
+ * once, even less than the debt (the rest is waited for), so a process with long kernels is never starved by a
+ * sibling that takes every small amount the line grows by. */
+static __attribute__((noinline)) void refill(void)
 {
     struct alnair_region_slot *s = alnair_slot();
     if (s == NULL)
         return;
-    uint64_t need = owe < ALNAIR_TOKEN_BURST_NS / 2 ? owe : ALNAIR_TOKEN_BURST_NS / 2; /* a huge kernel runs on debt */
-    uint64_t t0 = 0, now;
+    uint64_t t0 = 0, now = 0;
     for (;;) {
+        int64_t bal = atomic_load_explicit(&g_balance, memory_order_relaxed);
+        if (bal >= 0)
+            break;
+        uint64_t owe = (uint64_t)-bal;
         now = alnair_now_ns();
         int64_t avail = alnair_tokens_available(now);
-        if (avail > (int64_t)ALNAIR_TOKEN_BURST_NS) {
+        if (avail > (int64_t)ALNAIR_TOKEN_BURST_NS && alnair_grant_line_trusted()) {
             forfeit_excess(s, avail, now);
             avail = alnair_tokens_available(now);
         }
-        if (avail >= (int64_t)need) {
+        if (avail > 0) {
             uint64_t grab = owe + CHUNK_NS;
             if ((uint64_t)avail < grab)
-                grab = (uint64_t)avail > owe ? (uint64_t)avail : owe;
+                grab = (uint64_t)avail;
             RADD(s->tokens_taken, grab);
-            atomic_fetch_add(&g_balance, (int64_t)grab);
-            break;
+            if (atomic_fetch_add(&g_balance, (int64_t)grab) + (int64_t)grab >= 0)
+                break;
+            /* partly paid: sleep until more has come */
         }
         if (t0 == 0)
             t0 = now;
+        /* Every waiting process naps the same time (a quarter of the time the line takes to grow a chunk), whatever
+         * it owes: the one with the largest debt polls as often as the one with the smallest, so the tokens are
+         * shared about evenly among them instead of going to whoever checks most often. */
         uint64_t rate = alnair_token_rate();
-        uint64_t deficit = (uint64_t)((int64_t)need - avail);
-        uint64_t nap = rate ? (uint64_t)((unsigned __int128)deficit * 1000000000u / rate) : 1000000u;
+        uint64_t nap = rate ? (uint64_t)((unsigned __int128)CHUNK_NS * 1000000000u / rate / 4) : 1000000u;
         alnair_sleep_ns(nap < 20000u ? 20000u : nap > 1000000u ? 1000000u : nap);
     }
     if (t0 != 0)
@@ -199,7 +336,7 @@ static inline void take_tokens(uint64_t cost)
     int64_t left = atomic_fetch_sub_explicit(&g_balance, (int64_t)cost, memory_order_relaxed) - (int64_t)cost;
     if (LIKELY(left >= 0))
         return;
-    refill((uint64_t)-left < cost ? (uint64_t)-left : cost);
+    refill();
 }
 
 /* ---- events of our own --------------------------------------------------------------------------------------- */
@@ -237,7 +374,15 @@ static int ensure_ctx(void)
 
 static int get_event(CUevent *ev)
 {
-    return *ev != NULL ? 0 : alnair_aux.cuEventCreate(ev, CU_EVENT_DEFAULT) == CUDA_SUCCESS ? 0 : -1;
+    if (*ev != NULL)
+        return 0;
+    if (!T.exit_hook) {
+        pthread_once(&exit_key_once, make_exit_key);
+        if (!exit_key_ok || pthread_setspecific(exit_key, &T) != 0)
+            return -1; /* an event this thread could not give back at exit: make none */
+        T.exit_hook = 1;
+    }
+    return alnair_aux.cuEventCreate(ev, CU_EVENT_DEFAULT) == CUDA_SUCCESS ? 0 : -1;
 }
 
 static int record(CUevent ev, CUstream s, int pt)
@@ -264,21 +409,25 @@ static void true_up(uint64_t actual, uint64_t charged)
     }
 }
 
-static inline int capture_under_way(void)
+/* A fence interval (prev, mine] holding a launch whose guess a sample already corrected is not trued up again. */
+static int corrected_in(uint64_t prev, uint64_t mine)
 {
-    return atomic_load_explicit(&g_captures, memory_order_relaxed) != 0;
+    for (unsigned i = 0; i < T.ncorr && i < NCORR; i++)
+        if (T.corr[i] > prev && T.corr[i] <= mine)
+            return 1;
+    return 0;
 }
 
 static void poll_fences(void)
 {
-    while (T.fcount > 0 && !capture_under_way()) { /* no event query may break another thread's capture */
+    while (T.fcount > 0 && queries_ok()) {
         struct fence *f = &T.f[T.fhead];
         CUresult q = alnair_aux.cuEventQuery(f->ev);
         if (q == CUDA_ERROR_NOT_READY)
             break;
         if (q == CUDA_SUCCESS) {
             if (f->backed && T.prev_valid && T.prev_stream == f->stream && f->has_seq && T.prev_has_seq &&
-                f->seq - T.prev_seq == f->mine - T.prev_mine) {
+                f->seq - T.prev_seq == f->mine - T.prev_mine && !corrected_in(T.prev_mine, f->mine)) {
                 uint64_t actual = elapsed_ns(T.f[T.prev_idx].ev, f->ev);
                 if (actual != UINT64_MAX)
                     true_up(actual, f->charged - T.prev_charged);
@@ -304,8 +453,7 @@ static void wait_inflight(uint64_t max_ns, unsigned max_fences)
 {
     uint64_t t0 = 0, nap = 20000, progress = T.completed_charged, since = 0;
     poll_fences();
-    while (T.fcount > 0 && (T.charged - T.completed_charged > max_ns || T.fcount >= max_fences) &&
-           !capture_under_way()) {
+    while (T.fcount > 0 && (T.charged - T.completed_charged > max_ns || T.fcount >= max_fences) && queries_ok()) {
         uint64_t now = alnair_now_ns();
         if (t0 == 0)
             t0 = since = now;
@@ -332,7 +480,7 @@ static void record_fence(CUstream s, int pt, struct stream_ctr *sc)
     if (ensure_ctx() != 0)
         return;
     wait_inflight(UINT64_MAX, NFENCE);
-    if (T.fcount >= NFENCE)
+    if (T.fcount >= NFENCE || !queries_ok())
         return; /* a capture began while we waited: record nothing now */
     unsigned idx = (T.fhead + T.fcount) % NFENCE;
     if (T.prev_valid && T.prev_idx == idx)
@@ -358,9 +506,12 @@ static void record_fence(CUstream s, int pt, struct stream_ctr *sc)
     T.since_fence = 0;
 }
 
+/* The sample in flight, if its end event has completed: the estimate of its (function, size class) moves towards
+ * it; when the launch was charged a guess, the difference is taken (or credited) now. A sample is never abandoned
+ * because it is slow: a 300 ms kernel is measured when it ends, however long that is. */
 static void poll_sample(void)
 {
-    if (capture_under_way())
+    if (!T.s_busy || !queries_ok())
         return;
     CUresult q = alnair_aux.cuEventQuery(T.s_end);
     if (q == CUDA_ERROR_NOT_READY)
@@ -369,13 +520,30 @@ static void poll_sample(void)
     if (q != CUDA_SUCCESS)
         return;
     uint64_t ns = elapsed_ns(T.s_start, T.s_end);
-    struct est *e = est_find(T.s_key);
-    if (ns == UINT64_MAX || e == NULL)
+    if (ns == UINT64_MAX)
         return;
     if (ns < MIN_COST_NS)
         ns = MIN_COST_NS;
+    uint64_t g = atomic_load_explicit(&g_guess_ns, memory_order_relaxed);
+    atomic_store_explicit(&g_guess_ns, (7 * g + ns) / 8, memory_order_relaxed);
+    if (T.s_guess) {
+        true_up(ns, T.s_cost);
+        T.corr[T.ncorr++ % NCORR] = T.s_idx;
+    }
+    for (unsigned i = 0; i < T.npend;) { /* launches of the same kernel and size that ran on a guess meanwhile */
+        if (T.pend[i].key != T.s_key) {
+            i++;
+            continue;
+        }
+        true_up(ns, T.pend[i].cost);
+        T.corr[T.ncorr++ % NCORR] = T.pend[i].idx;
+        T.pend[i] = T.pend[--T.npend];
+    }
+    struct est *e = est_insert(T.s_key);
+    if (e == NULL)
+        return;
     uint64_t old = atomic_load_explicit(&e->ns, memory_order_relaxed);
-    atomic_store_explicit(&e->ns, old ? (3 * old + ns) / 4 : ns, memory_order_relaxed);
+    atomic_store_explicit(&e->ns, old && !T.s_guess ? (3 * old + ns) / 4 : ns, memory_order_relaxed);
 }
 
 static void wait_sample(void)
@@ -383,12 +551,11 @@ static void wait_sample(void)
     uint64_t t0 = alnair_now_ns(), nap = 10000;
     poll_sample();
     /* bounded: work queued ahead of the sample may wait on something this thread has yet to do */
-    while (T.s_busy && alnair_now_ns() - t0 < WAIT_GIVE_UP_NS / 10 && !capture_under_way()) {
+    while (T.s_busy && alnair_now_ns() - t0 < SAMPLE_WAIT_NS && queries_ok()) {
         alnair_sleep_ns(nap);
         nap = nap * 2 > 1000000 ? 1000000 : nap * 2;
         poll_sample();
     }
-    T.s_busy = 0; /* measured, or given up on: that sample is abandoned */
     struct alnair_region_slot *s = alnair_slot();
     if (s != NULL)
         RADD(s->wait_ns, alnair_now_ns() - t0);
@@ -396,10 +563,10 @@ static void wait_sample(void)
 
 /* ---- the metered path ------------------------------------------------------------------------------------------ */
 struct pre {
-    uintptr_t key;
+    uint64_t key;
     uint64_t cost;
     CUstream stream;
-    int pt, sampled, skip;
+    int pt, sampled, skip, guess;
 };
 
 static int capturing(CUstream s, int pt)
@@ -414,33 +581,47 @@ static int capturing(CUstream s, int pt)
     return st != CU_STREAM_CAPTURE_STATUS_NONE;
 }
 
-static __attribute__((noinline)) void pre_launch(struct pre *p, uintptr_t key, CUstream s, int pt)
+/* 0: go on; -1: refused (this process has no region slot: its launches would be invisible to the container). */
+static __attribute__((noinline)) int pre_launch(struct pre *p, uintptr_t fn, uint64_t blocks, CUstream s, int pt)
 {
     unsigned gen = atomic_load_explicit(&alnair_fork_gen, memory_order_relaxed);
     if (UNLIKELY(T.gen != gen)) {
         memset(&T, 0, sizeof T);
         T.gen = gen;
     }
-    p->key = key;
+    if (UNLIKELY(alnair_slot() == NULL || (alnair_slotless() && (alnair_slot_retry(), alnair_slotless()))))
+        return -1; /* no slot yet: a slot that has freed up since is claimed here */
+    unsigned cls = grid_class(blocks);
+    p->key = est_key(fn, cls);
     p->stream = s;
     p->pt = pt;
     p->sampled = 0;
+    p->guess = 0;
     p->skip = capturing(s, pt);
     if (p->skip)
-        return;
-    struct est *e = est_find(key);
-    uint64_t est = e ? atomic_load_explicit(&e->ns, memory_order_relaxed) : 0;
-    p->cost = est ? est : DEFAULT_COST_NS;
+        return 0;
+    struct est *e = est_lookup(p->key);
+    uint64_t est = e ? atomic_load_explicit(&e->ns, memory_order_relaxed) : 0, near = 0;
+    if (est == 0) {
+        p->guess = 1;
+        near = est_neighbour(fn, cls);
+        if (e == NULL)
+            est_insert(p->key);
+    }
+    p->cost = est ? est : near ? near : atomic_load_explicit(&g_guess_ns, memory_order_relaxed);
     take_tokens(p->cost);
-    int quiet = atomic_load_explicit(&g_captures, memory_order_relaxed) == 0;
+    int quiet = queries_ok();
     if (quiet && T.fcount > 0 && T.charged - T.completed_charged > INFLIGHT_MAX_NS)
         wait_inflight(INFLIGHT_MAX_NS, NFENCE);
     T.launches++;
-    if (quiet && est == 0 && T.s_busy && e != NULL)
-        wait_sample(); /* an unmeasured kernel is never queued twice on a guess: measure it first */
-    if (quiet && !T.s_busy && e != NULL && (est == 0 || T.launches % SAMPLE_EVERY == 0) && ensure_ctx() == 0 &&
+    if (quiet && T.s_busy && est == 0)
+        poll_sample(); /* a new size class wants the sampler: is the sample in flight done? */
+    if (quiet && est == 0 && near == 0 && T.s_busy)
+        wait_sample(); /* nothing known about this kernel: measure the one in flight before guessing again */
+    if (quiet && !T.s_busy && (est == 0 || T.launches % SAMPLE_EVERY == 0) && ensure_ctx() == 0 &&
         get_event(&T.s_start) == 0 && get_event(&T.s_end) == 0 && record(T.s_start, s, pt) == 0)
         p->sampled = 1;
+    return 0;
 }
 
 static __attribute__((noinline)) void post_launch(struct pre *p, CUresult rc)
@@ -459,10 +640,21 @@ static __attribute__((noinline)) void post_launch(struct pre *p, CUresult rc)
     if (p->sampled && record(T.s_end, p->stream, p->pt) == 0) {
         T.s_busy = 1;
         T.s_key = p->key;
+        T.s_cost = p->cost;
+        T.s_guess = p->guess;
+        T.s_idx = T.done;
+    } else if (p->guess) {
+        if (T.npend == NPEND) /* full: the oldest is left to the fences' true-up */
+            memmove(&T.pend[0], &T.pend[1], (NPEND - 1) * sizeof T.pend[0]);
+        else
+            T.npend++;
+        T.pend[T.npend - 1].key = p->key;
+        T.pend[T.npend - 1].cost = p->cost;
+        T.pend[T.npend - 1].idx = T.done;
     }
     T.charged += p->cost;
     T.since_fence++;
-    if (atomic_load_explicit(&g_captures, memory_order_relaxed) != 0)
+    if (!queries_ok())
         return;
     if (T.since_fence >= FENCE_EVERY || T.charged - T.last_fence_charged >= FENCE_EVERY_NS)
         record_fence(p->stream, p->pt, sc);
@@ -470,19 +662,22 @@ static __attribute__((noinline)) void post_launch(struct pre *p, CUresult rc)
         poll_sample();
 }
 
-#define LAUNCH_BODY(name, key, stream, pt, call)      \
-    do {                                              \
-        REAL_OR_FAIL(fn, name);                       \
-        if (LIKELY(!metered())) {                     \
-            count_launch();                           \
-            return call;                              \
-        }                                             \
-        struct pre p_;                                \
-        pre_launch(&p_, (uintptr_t)(key), (stream), (pt)); \
-        CUresult rc_ = call;                          \
-        post_launch(&p_, rc_);                        \
-        return rc_;                                   \
+#define LAUNCH_BODY(name, key, blocks, stream, pt, call)                  \
+    do {                                                                  \
+        REAL_OR_FAIL(fn, name);                                           \
+        if (LIKELY(!metered())) {                                         \
+            count_launch();                                               \
+            return call;                                                  \
+        }                                                                 \
+        struct pre p_;                                                    \
+        if (pre_launch(&p_, (uintptr_t)(key), (blocks), (stream), (pt)) != 0) \
+            return CUDA_ERROR_OUT_OF_MEMORY;                              \
+        CUresult rc_ = call;                                              \
+        post_launch(&p_, rc_);                                            \
+        return rc_;                                                       \
     } while (0)
+
+#define BLOCKS(x, y, z) ((uint64_t)(x) * (uint64_t)(y) * (uint64_t)(z))
 
 #define KARGS f, gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, blockDimZ, sharedMemBytes, hStream
 #define KPARAMS                                                                                                \
@@ -491,85 +686,178 @@ static __attribute__((noinline)) void post_launch(struct pre *p, CUresult rc)
 
 ALNAIR_API CUresult cuLaunchKernel(KPARAMS, void **kernelParams, void **extra)
 {
-    LAUNCH_BODY(cuLaunchKernel, f, hStream, 0, fn(KARGS, kernelParams, extra));
+    LAUNCH_BODY(cuLaunchKernel, f, BLOCKS(gridDimX, gridDimY, gridDimZ), hStream, 0, fn(KARGS, kernelParams, extra));
 }
 
 ALNAIR_API CUresult cuLaunchKernel_ptsz(KPARAMS, void **kernelParams, void **extra)
 {
-    LAUNCH_BODY(cuLaunchKernel_ptsz, f, hStream, 1, fn(KARGS, kernelParams, extra));
+    LAUNCH_BODY(cuLaunchKernel_ptsz, f, BLOCKS(gridDimX, gridDimY, gridDimZ), hStream, 1, fn(KARGS, kernelParams, extra));
 }
 
 ALNAIR_API CUresult cuLaunchCooperativeKernel(KPARAMS, void **kernelParams)
 {
-    LAUNCH_BODY(cuLaunchCooperativeKernel, f, hStream, 0, fn(KARGS, kernelParams));
+    LAUNCH_BODY(cuLaunchCooperativeKernel, f, BLOCKS(gridDimX, gridDimY, gridDimZ), hStream, 0, fn(KARGS, kernelParams));
 }
 
 ALNAIR_API CUresult cuLaunchCooperativeKernel_ptsz(KPARAMS, void **kernelParams)
 {
-    LAUNCH_BODY(cuLaunchCooperativeKernel_ptsz, f, hStream, 1, fn(KARGS, kernelParams));
+    LAUNCH_BODY(cuLaunchCooperativeKernel_ptsz, f, BLOCKS(gridDimX, gridDimY, gridDimZ), hStream, 1, fn(KARGS, kernelParams));
 }
 
 ALNAIR_API CUresult cuLaunchKernelEx(const CUlaunchConfig *config, CUfunction f, void **kernelParams, void **extra)
 {
-    LAUNCH_BODY(cuLaunchKernelEx, f, config ? config->hStream : NULL, 0, fn(config, f, kernelParams, extra));
+    LAUNCH_BODY(cuLaunchKernelEx, f, config ? BLOCKS(config->gridDimX, config->gridDimY, config->gridDimZ) : 0,
+                config ? config->hStream : NULL, 0, fn(config, f, kernelParams, extra));
 }
 
 ALNAIR_API CUresult cuLaunchKernelEx_ptsz(const CUlaunchConfig *config, CUfunction f, void **kernelParams,
                                           void **extra)
 {
-    LAUNCH_BODY(cuLaunchKernelEx_ptsz, f, config ? config->hStream : NULL, 1, fn(config, f, kernelParams, extra));
+    LAUNCH_BODY(cuLaunchKernelEx_ptsz, f, config ? BLOCKS(config->gridDimX, config->gridDimY, config->gridDimZ) : 0,
+                config ? config->hStream : NULL, 1, fn(config, f, kernelParams, extra));
+}
+
+/* A graph launch may make the driver reserve graph memory (memory nodes): charged after it (memory.c), and a
+ * launch while graph memory has taken the container past its limit is refused. */
+static CUresult graph_launch(CUgraphExec hGraphExec, CUstream hStream)
+{
+    LAUNCH_BODY(cuGraphLaunch, hGraphExec, 0, hStream, 0, fn(hGraphExec, hStream));
+}
+
+static CUresult graph_launch_ptsz(CUgraphExec hGraphExec, CUstream hStream)
+{
+    LAUNCH_BODY(cuGraphLaunch_ptsz, hGraphExec, 0, hStream, 1, fn(hGraphExec, hStream));
 }
 
 ALNAIR_API CUresult cuGraphLaunch(CUgraphExec hGraphExec, CUstream hStream)
 {
-    LAUNCH_BODY(cuGraphLaunch, hGraphExec, hStream, 0, fn(hGraphExec, hStream));
+    if (UNLIKELY(alnair_graph_mem_over()))
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    CUresult rc = graph_launch(hGraphExec, hStream);
+    if (rc == CUDA_SUCCESS)
+        alnair_graph_mem_sync();
+    return rc;
 }
 
 ALNAIR_API CUresult cuGraphLaunch_ptsz(CUgraphExec hGraphExec, CUstream hStream)
 {
-    LAUNCH_BODY(cuGraphLaunch_ptsz, hGraphExec, hStream, 1, fn(hGraphExec, hStream));
+    if (UNLIKELY(alnair_graph_mem_over()))
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    CUresult rc = graph_launch_ptsz(hGraphExec, hStream);
+    if (rc == CUDA_SUCCESS)
+        alnair_graph_mem_sync();
+    return rc;
+}
+
+/* The pre-CUDA 4 launches (grid from cuFuncSetBlockShape, legacy stream) and the multi-device cooperative launch
+ * (charged as its first device's launch: the container's share is of one GPU). */
+ALNAIR_API CUresult cuLaunch(CUfunction f)
+{
+    LAUNCH_BODY(cuLaunch, f, 1, NULL, 0, fn(f));
+}
+
+ALNAIR_API CUresult cuLaunchGrid(CUfunction f, int grid_width, int grid_height)
+{
+    LAUNCH_BODY(cuLaunchGrid, f, BLOCKS(grid_width > 0 ? grid_width : 1, grid_height > 0 ? grid_height : 1, 1), NULL,
+                0, fn(f, grid_width, grid_height));
+}
+
+ALNAIR_API CUresult cuLaunchGridAsync(CUfunction f, int grid_width, int grid_height, CUstream hStream)
+{
+    LAUNCH_BODY(cuLaunchGridAsync, f, BLOCKS(grid_width > 0 ? grid_width : 1, grid_height > 0 ? grid_height : 1, 1),
+                hStream, 0, fn(f, grid_width, grid_height, hStream));
+}
+
+ALNAIR_API CUresult cuLaunchCooperativeKernelMultiDevice(CUDA_LAUNCH_PARAMS *launchParamsList, unsigned int numDevices,
+                                                         unsigned int flags)
+{
+    const CUDA_LAUNCH_PARAMS *l = launchParamsList != NULL && numDevices > 0 ? &launchParamsList[0] : NULL;
+    LAUNCH_BODY(cuLaunchCooperativeKernelMultiDevice, l ? l->function : NULL,
+                l ? BLOCKS(l->gridDimX, l->gridDimY, l->gridDimZ) : 0, l ? l->hStream : NULL, 0,
+                fn(launchParamsList, numDevices, flags));
 }
 
 /* ---- stream capture bookkeeping -------------------------------------------------------------------------- */
-static CUresult began(CUresult rc)
+int alnair_captures_under_way(void)
 {
-    if (rc == CUDA_SUCCESS)
-        atomic_fetch_add(&g_captures, 1);
+    return atomic_load_explicit(&g_captures, memory_order_relaxed) != 0;
+}
+
+static inline uintptr_t cap_key(CUstream s, int pt)
+{
+    return (((uintptr_t)s << 1) | (uintptr_t)(pt != 0)) + 1;
+}
+
+static void cap_count(int mode, int d)
+{
+    atomic_fetch_add(&g_captures, d);
+    if (mode == CAPTURE_MODE_GLOBAL)
+        atomic_fetch_add(&g_global_captures, d);
+    if (mode != CAPTURE_MODE_RELAXED)
+        T.strict_captures += d;
+}
+
+static CUresult began(CUresult rc, CUstream s, int pt, CUstreamCaptureMode mode)
+{
+    if (rc != CUDA_SUCCESS || alnair_region == NULL)
+        return rc;
+    uintptr_t key = cap_key(s, pt);
+    for (unsigned i = 0; i < CAP_SLOTS; i++) {
+        uintptr_t zero = 0;
+        if (atomic_compare_exchange_strong(&g_caps[i].key, &zero, key)) {
+            g_caps[i].mode = mode;
+            break;
+        }
+    }
+    /* a full table (64 captures at once) still counts: the capture is then forgotten only with its end below */
+    cap_count(mode, 1);
     return rc;
 }
 
-static CUresult ended(CUresult rc)
+static CUresult ended(CUresult rc, CUstream s, int pt)
 {
-    if (rc == CUDA_SUCCESS || rc == CUDA_ERROR_STREAM_CAPTURE_INVALIDATED) {
-        int c = atomic_load(&g_captures);
-        while (c > 0 && !atomic_compare_exchange_weak(&g_captures, &c, c - 1)) {
+    if (alnair_region == NULL || atomic_load(&g_captures) == 0)
+        return rc;
+    CUresult (*is)(CUstream, CUstreamCaptureStatus *) =
+        pt ? alnair_aux.cuStreamIsCapturing_ptsz : alnair_aux.cuStreamIsCapturing;
+    CUstreamCaptureStatus st = CU_STREAM_CAPTURE_STATUS_NONE;
+    if (is != NULL && is(s, &st) == CUDA_SUCCESS && st != CU_STREAM_CAPTURE_STATUS_NONE)
+        return rc; /* still capturing (e.g. ended from the wrong thread): nothing changes */
+    uintptr_t key = cap_key(s, pt);
+    for (unsigned i = 0; i < CAP_SLOTS; i++) {
+        uintptr_t k = key;
+        if (atomic_load_explicit(&g_caps[i].key, memory_order_relaxed) == key) {
+            int mode = g_caps[i].mode;
+            if (atomic_compare_exchange_strong(&g_caps[i].key, &k, 0))
+                cap_count(mode, -1);
+            return rc;
         }
     }
-    return rc;
+    return rc; /* not a capture we saw begin */
 }
 
 ALNAIR_API CUresult cuStreamBeginCapture(CUstream hStream)
 {
     REAL_OR_FAIL(fn, cuStreamBeginCapture);
-    return began(fn(hStream));
+    return began(fn(hStream), hStream, 0, CAPTURE_MODE_GLOBAL);
 }
 
 ALNAIR_API CUresult cuStreamBeginCapture_ptsz(CUstream hStream)
 {
     REAL_OR_FAIL(fn, cuStreamBeginCapture_ptsz);
-    return began(fn(hStream));
+    return began(fn(hStream), hStream, 1, CAPTURE_MODE_GLOBAL);
 }
 
 ALNAIR_API CUresult cuStreamBeginCapture_v2(CUstream hStream, CUstreamCaptureMode mode)
 {
     REAL_OR_FAIL(fn, cuStreamBeginCapture_v2);
-    return began(fn(hStream, mode));
+    return began(fn(hStream, mode), hStream, 0, mode);
 }
 
 ALNAIR_API CUresult cuStreamBeginCapture_v2_ptsz(CUstream hStream, CUstreamCaptureMode mode)
 {
     REAL_OR_FAIL(fn, cuStreamBeginCapture_v2_ptsz);
-    return began(fn(hStream, mode));
+    return began(fn(hStream, mode), hStream, 1, mode);
 }
 
 ALNAIR_API CUresult cuStreamBeginCaptureToGraph(CUstream hStream, CUgraph hGraph, const CUgraphNode *dependencies,
@@ -577,7 +865,7 @@ ALNAIR_API CUresult cuStreamBeginCaptureToGraph(CUstream hStream, CUgraph hGraph
                                                 CUstreamCaptureMode mode)
 {
     REAL_OR_FAIL(fn, cuStreamBeginCaptureToGraph);
-    return began(fn(hStream, hGraph, dependencies, dependencyData, numDependencies, mode));
+    return began(fn(hStream, hGraph, dependencies, dependencyData, numDependencies, mode), hStream, 0, mode);
 }
 
 ALNAIR_API CUresult cuStreamBeginCaptureToGraph_ptsz(CUstream hStream, CUgraph hGraph,
@@ -586,17 +874,17 @@ ALNAIR_API CUresult cuStreamBeginCaptureToGraph_ptsz(CUstream hStream, CUgraph h
                                                      CUstreamCaptureMode mode)
 {
     REAL_OR_FAIL(fn, cuStreamBeginCaptureToGraph_ptsz);
-    return began(fn(hStream, hGraph, dependencies, dependencyData, numDependencies, mode));
+    return began(fn(hStream, hGraph, dependencies, dependencyData, numDependencies, mode), hStream, 1, mode);
 }
 
 ALNAIR_API CUresult cuStreamEndCapture(CUstream hStream, CUgraph *phGraph)
 {
     REAL_OR_FAIL(fn, cuStreamEndCapture);
-    return ended(fn(hStream, phGraph));
+    return ended(fn(hStream, phGraph), hStream, 0);
 }
 
 ALNAIR_API CUresult cuStreamEndCapture_ptsz(CUstream hStream, CUgraph *phGraph)
 {
     REAL_OR_FAIL(fn, cuStreamEndCapture_ptsz);
-    return ended(fn(hStream, phGraph));
+    return ended(fn(hStream, phGraph), hStream, 1);
 }

@@ -1,31 +1,47 @@
 /* Device memory: every allocation API reserves its bytes container-wide before calling the driver, every free
  * gives them back, and the memory-info calls (CUDA and NVML) report the limit.
  *
- * Reserve (optimistic, race-free against the limit): add the bytes to our own slot's memory_used, sum all slots;
- * over the limit: reclaim dead processes' slots and sum again; still over: take the bytes back out and fail with
- * CUDA_ERROR_OUT_OF_MEMORY without calling the driver. Two processes racing can both back out (a spurious
- * out-of-memory under contention), never both succeed past the limit. Sizes are remembered per pointer / handle
- * in a process-local table so the free gives back exactly what the allocation took; a failed driver call gives
- * its reservation back at once, so nothing leaks. Arithmetic saturates: a size that overflows is over any limit,
- * and memory_used never wraps below zero. */
+ * Reserve (optimistic, race-free against the limit): add the bytes to our own slot's memory_used, sum all slots
+ * (sequentially consistent on both sides); over the limit: reclaim dead processes' slots and sum again; still
+ * over: take the bytes back out and fail with CUDA_ERROR_OUT_OF_MEMORY without calling the driver. Two processes
+ * racing can both back out (a spurious out-of-memory under contention), never both succeed past the limit. Sizes
+ * are remembered per pointer / handle in a process-local table, with the context each allocation lives in, so a
+ * free gives back exactly what the allocation took and a destroyed or reset context gives back everything in it.
+ * A free takes its entry out of the table before the driver call (an address the driver hands straight back to
+ * another thread must not lose that thread's entry) and puts it back if the driver fails. A failed driver
+ * allocation gives its reservation back at once, so nothing leaks. Memory the driver keeps after a free (VMM
+ * handles still mapped, pool caches under their release threshold, graph memory) stays charged until the driver
+ * lets it go. Arithmetic saturates: a size that overflows is over any limit, and memory_used never wraps. */
 #define _GNU_SOURCE
 #include <stdlib.h>
 #include <string.h>
 
 #include "hook_protos.h"
 
-enum { K_DEV = 1, K_HANDLE, K_ARRAY, K_MIPMAP, K_CTX, K_PCTX };
+enum { K_DEV = 1, K_HANDLE, K_ARRAY, K_MIPMAP, K_CTX, K_PCTX, K_MAP, K_POOL };
 
 struct entry {
     uint64_t key;
-    uint64_t size;
+    uint64_t size; /* bytes charged for it (K_MAP: the mapping's length, not charged) */
+    uint64_t ctx;  /* the context it lives in (0: none; VMM handles outlive contexts); K_PCTX: the primary context */
+    uint64_t aux;  /* K_HANDLE: live mappings; K_MAP: the handle mapped there; K_DEV: its pool (stream-ordered
+                      allocations, 0: none known); K_POOL: the release threshold */
     uint32_t kind; /* 0: empty, UINT32_MAX: deleted */
-    uint32_t refs; /* primary contexts: retains */
+    uint32_t refs; /* K_PCTX: retains; K_HANDLE: 1 until cuMemRelease, then 0 (kept while mapped) */
 };
 
 static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
 static struct entry *table;
 static size_t cap, live, tomb;
+
+/* The calling thread's context (0 when none or unknown), to give an allocation back when its context dies. */
+static uint64_t current_ctx(void)
+{
+    CUcontext c = NULL;
+    if (alnair_aux.cuCtxGetCurrent == NULL || alnair_aux.cuCtxGetCurrent(&c) != CUDA_SUCCESS)
+        return 0;
+    return (uint64_t)(uintptr_t)c;
+}
 
 static size_t hash(uint64_t key, uint32_t kind)
 {
@@ -81,7 +97,25 @@ static struct entry *insert(uint64_t key, uint32_t kind, uint64_t size)
     if (table[i].kind == 0 || table[i].kind == UINT32_MAX)
         live++;
     table[i] = (struct entry){.key = key, .size = size, .kind = kind, .refs = 1};
+    if (kind == K_DEV || kind == K_ARRAY || kind == K_MIPMAP)
+        table[i].ctx = current_ctx();
     return &table[i];
+}
+
+/* Remove every entry of `ctx` (its allocations died with it); returns the bytes they were charged. mu held. */
+static uint64_t erase_ctx(uint64_t ctx)
+{
+    uint64_t give = 0;
+    for (size_t i = 0; ctx != 0 && i < cap; i++) {
+        struct entry *e = &table[i];
+        if (e->kind != 0 && e->kind != UINT32_MAX && e->kind != K_PCTX && e->kind != K_CTX && e->ctx == ctx) {
+            give = give + e->size < give ? UINT64_MAX : give + e->size;
+            e->kind = UINT32_MAX;
+            live--;
+            tomb++;
+        }
+    }
+    return give;
 }
 
 static void erase(struct entry *e)
@@ -91,9 +125,12 @@ static void erase(struct entry *e)
     tomb++;
 }
 
+static uint64_t g_graph_charged[64]; /* per device: graph memory charged so far; under mu */
+
 void alnair_memory_after_fork_child(void)
 {
     pthread_mutex_init(&mu, NULL);
+    memset(g_graph_charged, 0, sizeof g_graph_charged); /* the parent's graph memory is not the child's */
     if (table != NULL)
         memset(table, 0, cap * sizeof *table); /* the parent's allocations are not the child's */
     live = tomb = 0;
@@ -111,7 +148,19 @@ static void unreserve(uint64_t size)
     while (!__atomic_compare_exchange_n(&s->memory_used, &old, nv, 1, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE));
 }
 
-/* 0: reserved (or no region); -1: over the limit, nothing reserved. */
+/* Count bytes the driver already holds (no limit check: they exist whatever we say). */
+static void charge(uint64_t size)
+{
+    struct alnair_region_slot *s = alnair_region ? alnair_slot() : NULL;
+    if (s == NULL || size == 0)
+        return;
+    uint64_t old = RLOAD(s->memory_used), nv;
+    do
+        nv = __builtin_add_overflow(old, size, &nv) ? UINT64_MAX : old + size;
+    while (!__atomic_compare_exchange_n(&s->memory_used, &old, nv, 1, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST));
+}
+
+/* 0: reserved (or no region); -1: over the limit (or this process has no slot), nothing reserved. */
 static int reserve(uint64_t size)
 {
     struct alnair_region *r = alnair_region;
@@ -120,14 +169,18 @@ static int reserve(uint64_t size)
     struct alnair_region_slot *s = alnair_slot();
     if (s == NULL)
         return 0;
+    if (UNLIKELY(alnair_slotless()) && (s = alnair_slot_retry(), alnair_slotless()))
+        return -1; /* invisible to the container's other processes: refused, never ignored */
     uint64_t limit = RLOAD(r->agent.memory_limit);
     if (limit != 0 && size > limit)
         return -1;
+    /* seq_cst add, then seq_cst loads of every slot (alnair_memory_used_all): store -> load ordering, which
+     * acquire/release alone does not give on Arm */
     uint64_t old = RLOAD(s->memory_used), nv;
     do
         if (__builtin_add_overflow(old, size, &nv))
             return -1;
-    while (!__atomic_compare_exchange_n(&s->memory_used, &old, nv, 1, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE));
+    while (!__atomic_compare_exchange_n(&s->memory_used, &old, nv, 1, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST));
     if (limit == 0 || alnair_memory_used_all() <= limit)
         return 0;
     if (alnair_reclaim_dead_slots() > 0 && alnair_memory_used_all() <= limit)
@@ -143,6 +196,9 @@ static void track(uint32_t kind, uint64_t key, uint64_t size)
     if (e != NULL) { /* the driver handed out a key we still hold: the old one was freed behind our back */
         uint64_t stale = e->size;
         e->size = size;
+        e->ctx = (kind == K_DEV || kind == K_ARRAY || kind == K_MIPMAP) ? current_ctx() : 0;
+        e->aux = 0;
+        e->refs = 1;
         pthread_mutex_unlock(&mu);
         unreserve(stale);
         return;
@@ -155,17 +211,36 @@ static void track(uint32_t kind, uint64_t key, uint64_t size)
     pthread_mutex_unlock(&mu);
 }
 
-static void untrack(uint32_t kind, uint64_t key)
+/* A free takes the entry out of the table BEFORE the driver frees it: once the driver has freed an address another
+ * thread may get it back at once, and its new entry must not be the one this free removes. */
+static int detach(uint32_t kind, uint64_t key, struct entry *out)
 {
     pthread_mutex_lock(&mu);
     struct entry *e = find(key, kind);
-    uint64_t size = 0;
     if (e != NULL) {
-        size = e->size;
+        *out = *e;
         erase(e);
     }
     pthread_mutex_unlock(&mu);
-    unreserve(size);
+    return e != NULL;
+}
+
+/* After the driver call: on success the bytes go back; on failure the entry is put back as it was. */
+static void settle(int had, const struct entry *saved, CUresult rc)
+{
+    if (!had)
+        return;
+    if (rc == CUDA_SUCCESS) {
+        unreserve(saved->size);
+        return;
+    }
+    pthread_mutex_lock(&mu);
+    struct entry *e = find(saved->key, saved->kind) == NULL ? insert(saved->key, saved->kind, saved->size) : NULL;
+    if (e != NULL)
+        *e = *saved;
+    pthread_mutex_unlock(&mu);
+    if (e == NULL)
+        unreserve(saved->size);
 }
 
 static inline uint64_t mul_sat(uint64_t a, uint64_t b)
@@ -192,9 +267,12 @@ static inline uint64_t mul_sat(uint64_t a, uint64_t b)
 
 #define FREE_BODY(kind, key, call)                       \
     do {                                                 \
+        if (alnair_region == NULL)                       \
+            return (call);                               \
+        struct entry saved_;                             \
+        int had_ = detach((kind), (uint64_t)(key), &saved_); \
         CUresult rc_ = (call);                           \
-        if (rc_ == CUDA_SUCCESS && alnair_region != NULL) \
-            untrack((kind), (uint64_t)(key));            \
+        settle(had_, &saved_, rc_);                      \
         return rc_;                                      \
     } while (0)
 
@@ -230,9 +308,17 @@ ALNAIR_API CUresult cuMemAllocPitch_v2(CUdeviceptr *dptr, size_t *pPitch, size_t
     uint64_t real = mul_sat(*pPitch, Height);
     if (real < most) {
         unreserve(most - real);
-        most = real;
+    } else if (real > most && reserve(real - most) != 0) {
+        /* the driver padded rows wider than assumed and the difference does not fit: give it back, refuse */
+        __typeof__(&cuMemFree_v2) free_fn = REAL(cuMemFree_v2);
+        CUresult frc = free_fn ? free_fn(*dptr) : CUDA_ERROR_NOT_FOUND;
+        unreserve(most);
+        if (frc != CUDA_SUCCESS)
+            track(K_DEV, *dptr, 0); /* cannot free it: at least never count it twice */
+        *dptr = 0;
+        return CUDA_ERROR_OUT_OF_MEMORY;
     }
-    track(K_DEV, *dptr, most);
+    track(K_DEV, *dptr, real);
     return rc;
 }
 
@@ -242,41 +328,262 @@ ALNAIR_API CUresult cuMemFree_v2(CUdeviceptr dptr)
     FREE_BODY(K_DEV, dptr, fn(dptr));
 }
 
+/* ---- stream-ordered allocations and their pools -----------------------------------------------------------
+ * A pool keeps freed bytes (up to its release threshold) instead of giving them back to the device: the driver
+ * still holds them, so they stay charged, as the pool's cache (a K_POOL entry: size = cached bytes, aux = the
+ * threshold). The next allocation from that pool is served from the cache first, and cuMemPoolTrimTo, a lower
+ * threshold or cuMemPoolDestroy give the bytes back. An allocation made into a capturing stream is not memory
+ * yet: it becomes graph memory, charged when a graph launch makes the driver reserve it (below). */
+#define CU_MEMPOOL_ATTR_RELEASE_THRESHOLD 4
+#define CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT 2
+static _Atomic int g_pools; /* some pool keeps freed bytes: async allocations look their pool up */
+static _Atomic int g_graph_mem; /* graph memory may exist: allocations were captured, or nodes added */
+
+static uint64_t current_pool(void)
+{
+    CUdevice dev = 0;
+    CUmemoryPool pool = NULL;
+    if (alnair_aux.cuCtxGetDevice == NULL || alnair_aux.cuDeviceGetMemPool == NULL ||
+        alnair_aux.cuCtxGetDevice(&dev) != CUDA_SUCCESS || alnair_aux.cuDeviceGetMemPool(&pool, dev) != CUDA_SUCCESS)
+        return 0;
+    return (uint64_t)(uintptr_t)pool;
+}
+
+/* Take up to `size` bytes out of the pool's cache (their charge moves to the new allocation). */
+static uint64_t pool_take(uint64_t pool, uint64_t size)
+{
+    if (pool == 0)
+        return 0;
+    pthread_mutex_lock(&mu);
+    struct entry *e = find(pool, K_POOL);
+    uint64_t take = 0;
+    if (e != NULL) {
+        take = e->size < size ? e->size : size;
+        e->size -= take;
+    }
+    pthread_mutex_unlock(&mu);
+    return take;
+}
+
+/* `size` freed bytes go back to the pool: what fits under its threshold stays cached (and charged); returns the
+ * bytes no longer held by the driver. */
+static uint64_t pool_give(uint64_t pool, uint64_t size)
+{
+    if (pool == 0)
+        return size;
+    pthread_mutex_lock(&mu);
+    struct entry *e = find(pool, K_POOL);
+    uint64_t keep = 0;
+    if (e != NULL && e->aux > e->size) {
+        keep = e->aux - e->size < size ? e->aux - e->size : size;
+        e->size += keep;
+    }
+    pthread_mutex_unlock(&mu);
+    return size - keep;
+}
+
+static int stream_capturing(CUstream s, int pt)
+{
+    if (!alnair_captures_under_way())
+        return 0;
+    CUresult (*fn)(CUstream, CUstreamCaptureStatus *) =
+        pt ? alnair_aux.cuStreamIsCapturing_ptsz : alnair_aux.cuStreamIsCapturing;
+    CUstreamCaptureStatus st = CU_STREAM_CAPTURE_STATUS_NONE;
+    return fn != NULL && fn(s, &st) == CUDA_SUCCESS && st != CU_STREAM_CAPTURE_STATUS_NONE;
+}
+
+#define ASYNC_ALLOC_BODY(poolexpr, stream, pt, call)                         \
+    do {                                                                     \
+        if (alnair_region == NULL)                                           \
+            return (call);                                                   \
+        if (stream_capturing((stream), (pt))) {                              \
+            atomic_store(&g_graph_mem, 1); /* graph memory: charged at launch */ \
+            return (call);                                                   \
+        }                                                                    \
+        uint64_t pool_ = atomic_load_explicit(&g_pools, memory_order_relaxed) ? (poolexpr) : 0; \
+        uint64_t cached_ = pool_take(pool_, bytesize);                       \
+        uint64_t rest_ = bytesize - cached_;                                 \
+        if (reserve(rest_) != 0) {                                           \
+            unreserve(pool_give(pool_, cached_));                            \
+            return CUDA_ERROR_OUT_OF_MEMORY;                                 \
+        }                                                                    \
+        CUresult rc_ = (call);                                               \
+        if (rc_ != CUDA_SUCCESS) {                                           \
+            unreserve(rest_);                                                \
+            unreserve(pool_give(pool_, cached_));                            \
+            return rc_;                                                      \
+        }                                                                    \
+        track(K_DEV, *dptr, bytesize);                                       \
+        set_pool(*dptr, pool_);                                              \
+        return rc_;                                                          \
+    } while (0)
+
+static void set_pool(uint64_t ptr, uint64_t pool)
+{
+    if (pool == 0)
+        return;
+    pthread_mutex_lock(&mu);
+    struct entry *e = find(ptr, K_DEV);
+    if (e != NULL)
+        e->aux = pool;
+    pthread_mutex_unlock(&mu);
+}
+
 ALNAIR_API CUresult cuMemAllocAsync(CUdeviceptr *dptr, size_t bytesize, CUstream hStream)
 {
     REAL_OR_FAIL(fn, cuMemAllocAsync);
-    ALLOC_BODY(K_DEV, bytesize, fn(dptr, bytesize, hStream), *dptr);
+    ASYNC_ALLOC_BODY(current_pool(), hStream, 0, fn(dptr, bytesize, hStream));
 }
 
 ALNAIR_API CUresult cuMemAllocAsync_ptsz(CUdeviceptr *dptr, size_t bytesize, CUstream hStream)
 {
     REAL_OR_FAIL(fn, cuMemAllocAsync_ptsz);
-    ALLOC_BODY(K_DEV, bytesize, fn(dptr, bytesize, hStream), *dptr);
+    ASYNC_ALLOC_BODY(current_pool(), hStream, 1, fn(dptr, bytesize, hStream));
 }
 
 ALNAIR_API CUresult cuMemAllocFromPoolAsync(CUdeviceptr *dptr, size_t bytesize, CUmemoryPool pool, CUstream hStream)
 {
     REAL_OR_FAIL(fn, cuMemAllocFromPoolAsync);
-    ALLOC_BODY(K_DEV, bytesize, fn(dptr, bytesize, pool, hStream), *dptr);
+    ASYNC_ALLOC_BODY((uint64_t)(uintptr_t)pool, hStream, 0, fn(dptr, bytesize, pool, hStream));
 }
 
 ALNAIR_API CUresult cuMemAllocFromPoolAsync_ptsz(CUdeviceptr *dptr, size_t bytesize, CUmemoryPool pool,
                                                  CUstream hStream)
 {
     REAL_OR_FAIL(fn, cuMemAllocFromPoolAsync_ptsz);
-    ALLOC_BODY(K_DEV, bytesize, fn(dptr, bytesize, pool, hStream), *dptr);
+    ASYNC_ALLOC_BODY((uint64_t)(uintptr_t)pool, hStream, 1, fn(dptr, bytesize, pool, hStream));
 }
+
+#define ASYNC_FREE_BODY(call)                                                \
+    do {                                                                     \
+        if (alnair_region == NULL)                                           \
+            return (call);                                                   \
+        struct entry saved_;                                                 \
+        int had_ = detach(K_DEV, dptr, &saved_);                             \
+        CUresult rc_ = (call);                                               \
+        if (had_ && rc_ == CUDA_SUCCESS) {                                   \
+            saved_.size = pool_give(saved_.aux, saved_.size);                \
+        }                                                                    \
+        settle(had_, &saved_, rc_);                                          \
+        return rc_;                                                          \
+    } while (0)
 
 ALNAIR_API CUresult cuMemFreeAsync(CUdeviceptr dptr, CUstream hStream)
 {
     REAL_OR_FAIL(fn, cuMemFreeAsync);
-    FREE_BODY(K_DEV, dptr, fn(dptr, hStream));
+    ASYNC_FREE_BODY(fn(dptr, hStream));
 }
 
 ALNAIR_API CUresult cuMemFreeAsync_ptsz(CUdeviceptr dptr, CUstream hStream)
 {
     REAL_OR_FAIL(fn, cuMemFreeAsync_ptsz);
-    FREE_BODY(K_DEV, dptr, fn(dptr, hStream));
+    ASYNC_FREE_BODY(fn(dptr, hStream));
+}
+
+ALNAIR_API CUresult cuMemPoolSetAttribute(CUmemoryPool pool, CUmemPool_attribute attr, void *value)
+{
+    REAL_OR_FAIL(fn, cuMemPoolSetAttribute);
+    CUresult rc = fn(pool, attr, value);
+    if (rc != CUDA_SUCCESS || alnair_region == NULL || attr != CU_MEMPOOL_ATTR_RELEASE_THRESHOLD || value == NULL)
+        return rc;
+    uint64_t threshold = *(const cuuint64_t *)value, give = 0;
+    pthread_mutex_lock(&mu);
+    struct entry *e = find((uintptr_t)pool, K_POOL);
+    if (e == NULL && threshold > 0 && (e = insert((uintptr_t)pool, K_POOL, 0)) != NULL)
+        e->refs = 0;
+    if (e != NULL) {
+        e->aux = threshold;
+        if (e->size > threshold) { /* the driver releases what is above the new threshold */
+            give = e->size - threshold;
+            e->size = threshold;
+        }
+    }
+    pthread_mutex_unlock(&mu);
+    if (threshold > 0)
+        atomic_store(&g_pools, 1);
+    unreserve(give);
+    return rc;
+}
+
+ALNAIR_API CUresult cuMemPoolTrimTo(CUmemoryPool pool, size_t minBytesToKeep)
+{
+    REAL_OR_FAIL(fn, cuMemPoolTrimTo);
+    CUresult rc = fn(pool, minBytesToKeep);
+    if (rc != CUDA_SUCCESS || alnair_region == NULL)
+        return rc;
+    uint64_t give = 0;
+    pthread_mutex_lock(&mu);
+    struct entry *e = find((uintptr_t)pool, K_POOL);
+    if (e != NULL && e->size > minBytesToKeep) {
+        give = e->size - minBytesToKeep;
+        e->size = minBytesToKeep;
+    }
+    pthread_mutex_unlock(&mu);
+    unreserve(give);
+    return rc;
+}
+
+ALNAIR_API CUresult cuMemPoolDestroy(CUmemoryPool pool)
+{
+    REAL_OR_FAIL(fn, cuMemPoolDestroy);
+    if (alnair_region == NULL)
+        return fn(pool);
+    struct entry saved;
+    int had = detach((uintptr_t)pool, K_POOL, &saved);
+    CUresult rc = fn(pool);
+    settle(had, &saved, rc);
+    return rc;
+}
+
+/* ---- graph memory: what the device's graph pool has reserved (cuDeviceGetGraphMemAttribute) is charged after
+ * each graph launch and each trim; a graph launch while the container is already over its limit is refused. */
+void alnair_graph_mem_sync(void)
+{
+    if (!atomic_load_explicit(&g_graph_mem, memory_order_relaxed) || alnair_region == NULL)
+        return;
+    CUdevice dev = 0;
+    cuuint64_t reserved = 0;
+    if (alnair_aux.cuCtxGetDevice == NULL || alnair_aux.cuDeviceGetGraphMemAttribute == NULL ||
+        alnair_aux.cuCtxGetDevice(&dev) != CUDA_SUCCESS || dev < 0 || dev >= 64 ||
+        alnair_aux.cuDeviceGetGraphMemAttribute(dev, CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT, &reserved) !=
+            CUDA_SUCCESS)
+        return;
+    pthread_mutex_lock(&mu);
+    uint64_t old = g_graph_charged[dev];
+    g_graph_charged[dev] = reserved;
+    pthread_mutex_unlock(&mu);
+    if (reserved > old)
+        charge(reserved - old); /* already the driver's: counted, so everything else is refused past the limit */
+    else
+        unreserve(old - reserved);
+}
+
+int alnair_graph_mem_over(void)
+{
+    struct alnair_region *r = alnair_region;
+    if (LIKELY(!atomic_load_explicit(&g_graph_mem, memory_order_relaxed)) || r == NULL)
+        return 0;
+    uint64_t limit = RLOAD(r->agent.memory_limit);
+    return limit != 0 && alnair_memory_used_all() > limit;
+}
+
+ALNAIR_API CUresult cuGraphAddMemAllocNode(CUgraphNode *phGraphNode, CUgraph hGraph, const CUgraphNode *dependencies,
+                                           size_t numDependencies, CUDA_MEM_ALLOC_NODE_PARAMS *nodeParams)
+{
+    REAL_OR_FAIL(fn, cuGraphAddMemAllocNode);
+    CUresult rc = fn(phGraphNode, hGraph, dependencies, numDependencies, nodeParams);
+    if (rc == CUDA_SUCCESS && alnair_region != NULL)
+        atomic_store(&g_graph_mem, 1);
+    return rc;
+}
+
+ALNAIR_API CUresult cuDeviceGraphMemTrim(CUdevice device)
+{
+    REAL_OR_FAIL(fn, cuDeviceGraphMemTrim);
+    CUresult rc = fn(device);
+    if (rc == CUDA_SUCCESS)
+        alnair_graph_mem_sync();
+    return rc;
 }
 
 /* ---- virtual memory management: the physical allocation is what counts --------------------------------- */
@@ -287,10 +594,88 @@ ALNAIR_API CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t siz
     ALLOC_BODY(K_HANDLE, size, fn(handle, size, prop, flags), *handle);
 }
 
+/* cuMemCreate -> cuMemMap -> cuMemRelease is the documented idiom: the physical memory lives until its last mapping
+ * is unmapped. A released handle with live mappings stays charged (refs 0, aux = mappings); the unmap of its last
+ * mapping gives the bytes back. */
 ALNAIR_API CUresult cuMemRelease(CUmemGenericAllocationHandle handle)
 {
     REAL_OR_FAIL(fn, cuMemRelease);
-    FREE_BODY(K_HANDLE, handle, fn(handle));
+    if (alnair_region == NULL)
+        return fn(handle);
+    struct entry saved;
+    int had = 0, marked = 0;
+    pthread_mutex_lock(&mu);
+    struct entry *e = find(handle, K_HANDLE);
+    if (e != NULL && e->aux > 0 && e->refs > 0) {
+        e->refs = 0; /* still mapped: keep the charge until the last unmap */
+        marked = 1;
+    } else if (e != NULL && e->aux == 0) {
+        saved = *e;
+        erase(e);
+        had = 1;
+    }
+    pthread_mutex_unlock(&mu);
+    CUresult rc = fn(handle);
+    if (marked && rc != CUDA_SUCCESS) {
+        pthread_mutex_lock(&mu);
+        if ((e = find(handle, K_HANDLE)) != NULL)
+            e->refs = 1;
+        pthread_mutex_unlock(&mu);
+    }
+    settle(had, &saved, rc);
+    return rc;
+}
+
+ALNAIR_API CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmemGenericAllocationHandle handle,
+                             unsigned long long flags)
+{
+    REAL_OR_FAIL(fn, cuMemMap);
+    CUresult rc = fn(ptr, size, offset, handle, flags);
+    if (rc != CUDA_SUCCESS || alnair_region == NULL)
+        return rc;
+    pthread_mutex_lock(&mu);
+    struct entry *h = find(handle, K_HANDLE);
+    if (h != NULL) {
+        struct entry *m = find(ptr, K_MAP);
+        if (m != NULL) { /* a stale mapping record at this address (unmapped behind our back): drop its count */
+            struct entry *old = find(m->aux, K_HANDLE);
+            if (old != NULL && old->aux > 0)
+                old->aux--;
+        }
+        m = insert(ptr, K_MAP, size);
+        h = find(handle, K_HANDLE); /* insert may have grown the table */
+        if (m != NULL && h != NULL) {
+            m->aux = handle;
+            h->aux++;
+        }
+    }
+    pthread_mutex_unlock(&mu);
+    return rc;
+}
+
+ALNAIR_API CUresult cuMemUnmap(CUdeviceptr ptr, size_t size)
+{
+    REAL_OR_FAIL(fn, cuMemUnmap);
+    CUresult rc = fn(ptr, size);
+    if (rc != CUDA_SUCCESS || alnair_region == NULL)
+        return rc;
+    uint64_t give = 0, end = (uint64_t)ptr + size < (uint64_t)ptr ? UINT64_MAX : (uint64_t)ptr + size;
+    pthread_mutex_lock(&mu);
+    for (size_t i = 0; i < cap; i++) { /* every mapping in [ptr, ptr + size): an unmap may span several */
+        struct entry *m = &table[i];
+        if (m->kind != K_MAP || m->key < (uint64_t)ptr || m->key >= end)
+            continue;
+        uint64_t handle = m->aux;
+        erase(m);
+        struct entry *h = find(handle, K_HANDLE);
+        if (h != NULL && h->aux > 0 && --h->aux == 0 && h->refs == 0) {
+            give += h->size; /* released earlier, and this was its last mapping: the driver frees it now */
+            erase(h);
+        }
+    }
+    pthread_mutex_unlock(&mu);
+    unreserve(give);
+    return rc;
 }
 
 /* ---- arrays: bytes estimated from the descriptor (element size x channels x extent, mip levels summed) ----- */
@@ -384,10 +769,23 @@ ALNAIR_API CUresult cuCtxCreate_v4(CUcontext *pctx, CUctxCreateParams *ctxCreate
     ALLOC_BODY(K_CTX, alnair_context_bytes, fn(pctx, ctxCreateParams, flags, dev), (uintptr_t)*pctx);
 }
 
+/* Destroying a context frees everything allocated in it: its own charge and its allocations' go back. */
 ALNAIR_API CUresult cuCtxDestroy_v2(CUcontext ctx)
 {
     REAL_OR_FAIL(fn, cuCtxDestroy_v2);
-    FREE_BODY(K_CTX, (uintptr_t)ctx, fn(ctx));
+    if (alnair_region == NULL)
+        return fn(ctx);
+    struct entry saved;
+    int had = detach(K_CTX, (uintptr_t)ctx, &saved);
+    CUresult rc = fn(ctx);
+    settle(had, &saved, rc);
+    if (rc == CUDA_SUCCESS) {
+        pthread_mutex_lock(&mu);
+        uint64_t give = erase_ctx((uintptr_t)ctx);
+        pthread_mutex_unlock(&mu);
+        unreserve(give);
+    }
+    return rc;
 }
 
 /* The primary context is charged on its first retain in this process and given back when our retains drop to 0
@@ -411,8 +809,10 @@ ALNAIR_API CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev)
     if (rc == CUDA_SUCCESS) {
         if (e != NULL)
             e->refs++; /* a later retain, or another thread's first retain won the race */
-        else if (insert((uint64_t)(uint32_t)dev, K_PCTX, bytes) != NULL)
+        else if ((e = insert((uint64_t)(uint32_t)dev, K_PCTX, bytes)) != NULL)
             kept = 1;
+        if (e != NULL && pctx != NULL)
+            e->ctx = (uint64_t)(uintptr_t)*pctx;
     }
     pthread_mutex_unlock(&mu);
     if (first && !kept)
@@ -426,8 +826,12 @@ static void primary_drop(CUdevice dev, int all)
     struct entry *e = find((uint64_t)(uint32_t)dev, K_PCTX);
     uint64_t give = 0;
     if (e != NULL && (all || --e->refs == 0)) {
+        /* reset, or the last release: the driver destroys the primary context and everything allocated in it */
+        uint64_t ctx = e->ctx;
         give = e->size;
         erase(e);
+        uint64_t more = erase_ctx(ctx);
+        give = give + more < give ? UINT64_MAX : give + more;
     }
     pthread_mutex_unlock(&mu);
     unreserve(give);

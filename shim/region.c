@@ -29,7 +29,7 @@ int alnair_region_shared;
 uint64_t alnair_context_bytes = ALNAIR_DEFAULT_CONTEXT_BYTES;
 struct alnair_region_slot *_Atomic alnair_my_slot;
 static pthread_mutex_t claim_mu = PTHREAD_MUTEX_INITIALIZER;
-static struct alnair_region_slot overflow_slot; /* when all slots are taken: counted by this process alone */
+struct alnair_region_slot alnair_overflow_slot; /* when every slot is held: this process is refused (see below) */
 static int overflow_warned;
 
 /* ---- environment ----------------------------------------------------------------------------------------- */
@@ -215,6 +215,23 @@ int alnair_reclaim_dead_slots(void)
     return n;
 }
 
+/* Claim a free slot for this process (reclaiming dead owners first). Called with claim_mu held. */
+static struct alnair_region_slot *claim_free_slot(struct alnair_region *r, int32_t me, uint64_t start)
+{
+    alnair_reclaim_dead_slots();
+    for (unsigned i = 0; i < ALNAIR_REGION_MAX_SLOTS; i++) {
+        struct alnair_region_slot *s = &r->slots[i];
+        int32_t zero = 0;
+        if (!__atomic_compare_exchange_n(&s->pid, &zero, -me, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST))
+            continue;
+        RSTORE(s->start_time, start);
+        RSTORE(s->memory_used, 0);
+        RSTORE(s->pid, me);
+        return s;
+    }
+    return NULL;
+}
+
 struct alnair_region_slot *alnair_slot_slow(void)
 {
     struct alnair_region *r = alnair_region;
@@ -235,29 +252,43 @@ struct alnair_region_slot *alnair_slot_slow(void)
                 if (pid == me || pid == -me)
                     reclaim(&r->slots[i], pid);
             }
-            alnair_reclaim_dead_slots();
-            for (unsigned i = 0; i < ALNAIR_REGION_MAX_SLOTS && mine == NULL; i++) {
-                struct alnair_region_slot *s = &r->slots[i];
-                int32_t zero = 0;
-                if (!__atomic_compare_exchange_n(&s->pid, &zero, -me, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
-                    continue;
-                RSTORE(s->start_time, start);
-                RSTORE(s->memory_used, 0);
-                RSTORE(s->pid, me);
-                mine = s;
-            }
+            mine = claim_free_slot(r, me, start);
             if (mine == NULL) {
+                /* Every slot is held by a live process. A process the others cannot see must not hold GPU memory
+                 * or take tokens (that would be a hole in the container's limits): it is refused both (no
+                 * context, no allocation, no metered launch) until a slot frees up; alnair_slot_retry claims it
+                 * then. One warning says so. */
                 if (!overflow_warned)
-                    alnair_warn("alnair: all %u region slots are taken; this process's memory is counted by it alone",
-                                ALNAIR_REGION_MAX_SLOTS);
+                    alnair_warn("alnair: all %u region slots of this container are held by live processes; process "
+                                "%d is refused GPU memory and contexts until one exits",
+                                ALNAIR_REGION_MAX_SLOTS, (int)me);
                 overflow_warned = 1;
-                mine = &overflow_slot;
+                mine = &alnair_overflow_slot;
             }
         }
         atomic_store(&alnair_my_slot, mine);
     }
     pthread_mutex_unlock(&claim_mu);
     return mine;
+}
+
+struct alnair_region_slot *alnair_slot_retry(void)
+{
+    struct alnair_region_slot *s = alnair_slot();
+    if (s != &alnair_overflow_slot)
+        return s;
+    pthread_mutex_lock(&claim_mu);
+    s = atomic_load(&alnair_my_slot);
+    if (s == &alnair_overflow_slot) {
+        int32_t me = (int32_t)getpid();
+        struct alnair_region_slot *got = claim_free_slot(alnair_region, me, read_start_time(me, NULL));
+        if (got != NULL) {
+            atomic_store(&alnair_my_slot, got);
+            s = got;
+        }
+    }
+    pthread_mutex_unlock(&claim_mu);
+    return s;
 }
 
 void alnair_region_after_fork_child(void)
@@ -268,7 +299,7 @@ void alnair_region_after_fork_child(void)
     if (alnair_region != NULL && !alnair_region_shared && old != NULL) {
         old->memory_used = 0; /* private copy: the parent's device memory is not the child's */
     }
-    memset(&overflow_slot, 0, sizeof overflow_slot);
+    memset(&alnair_overflow_slot, 0, sizeof alnair_overflow_slot);
 }
 
 /* ---- sums and the grant line ------------------------------------------------------------------------------ */
@@ -284,10 +315,11 @@ uint64_t alnair_memory_used_all(void)
     uint64_t sum = 0;
     if (r == NULL)
         return 0;
+    /* sequentially consistent: a reserve() adds to its own slot then reads everyone's (store -> load). With
+     * acquire loads alone two processes on a weakly ordered CPU (Arm) could each miss the other's add and both
+     * pass the limit; seq_cst on both sides makes at least one of them see the other. */
     for (unsigned i = 0; i < ALNAIR_REGION_MAX_SLOTS; i++)
-        sum = sat_add(sum, RLOAD(r->slots[i].memory_used));
-    if (atomic_load_explicit(&alnair_my_slot, memory_order_relaxed) == &overflow_slot)
-        sum = sat_add(sum, RLOAD(overflow_slot.memory_used));
+        sum = sat_add(sum, __atomic_load_n(&r->slots[i].memory_used, __ATOMIC_SEQ_CST));
     return sum;
 }
 
@@ -297,21 +329,37 @@ uint64_t alnair_token_rate(void)
     return r ? RLOAD(r->agent.token_rate) : 0;
 }
 
-/* The sequence value an agent left odd when it died mid-write (0: none seen). */
+/* The sequence value an agent left odd when it died (or stalled) mid-write (0: none seen). */
 static _Atomic uint32_t stuck_seq;
+/* This thread's last consistent reading of the grant line: used while the line is stuck half-written, so a torn
+ * line (say a new tokens_granted with an old granted_at_ns) is never taken at its word. */
+static __thread struct {
+    uint64_t tokens, at, rate;
+    int valid, trusted;
+} line __attribute__((tls_model("initial-exec")));
+
+int alnair_grant_line_trusted(void)
+{
+    return line.trusted;
+}
 
 int64_t alnair_tokens_available(uint64_t now)
 {
     struct alnair_region *r = alnair_region;
     uint64_t tokens, at, rate, t0 = 0;
+    int torn = 0;
     for (unsigned spins = 0;; spins++) {
         uint32_t s1 = RLOAD(r->agent.grant_seq);
         tokens = RLOAD(r->agent.tokens_granted);
         at = RLOAD(r->agent.granted_at_ns);
         rate = RLOAD(r->agent.token_rate);
         uint32_t s2 = RLOAD(r->agent.grant_seq);
-        if (s1 == s2 && (!(s1 & 1) || s1 == atomic_load_explicit(&stuck_seq, memory_order_relaxed)))
+        if (s1 == s2 && !(s1 & 1))
             break;
+        if (s1 == s2 && s1 == atomic_load_explicit(&stuck_seq, memory_order_relaxed)) {
+            torn = 1;
+            break;
+        }
         if (spins < 64)
             continue;
         alnair_sleep_ns(1000); /* the agent is mid-write (or died there): never spin a core */
@@ -319,10 +367,25 @@ int64_t alnair_tokens_available(uint64_t now)
         if (t0 == 0)
             t0 = t;
         else if (t - t0 > 2000000 && s1 == s2) {
-            /* odd for 2 ms and unchanged: the writer died mid-write. Use the line as it stands, never stall. */
+            /* odd for 2 ms and unchanged: the writer died or stalled mid-write. Never stall on it. */
             atomic_store_explicit(&stuck_seq, s1, memory_order_relaxed);
+            torn = 1;
             break;
         }
+    }
+    if (!torn) {
+        line.tokens = tokens;
+        line.at = at;
+        line.rate = rate;
+        line.valid = 1;
+        line.trusted = 1;
+    } else if (line.valid) {
+        tokens = line.tokens; /* keep following the last consistent line: the cap neither lapses nor jumps */
+        at = line.at;
+        rate = line.rate;
+        line.trusted = 0;
+    } else {
+        line.trusted = 0; /* nothing better: use it as it stands, but forfeit nothing on its word */
     }
     unsigned __int128 grown = now > at ? (unsigned __int128)rate * (now - at) / 1000000000u : 0;
     unsigned __int128 granted = (unsigned __int128)tokens + grown;

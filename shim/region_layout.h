@@ -66,7 +66,7 @@ struct alnair_region_slot {
     uint64_t tokens_taken; /* counter: tokens (GPU ns) taken before launching */
     uint64_t tokens_forfeited; /* counter: unclaimed tokens over TOKEN_BURST_NS given up */
     uint64_t wait_ns; /* counter: ns spent waiting for tokens */
-    uint8_t _pad56[8];
+    uint64_t copy_bytes; /* counter: bytes moved by the owner's memory copies (host<->device, device<->device) */
 };
 _Static_assert(sizeof(struct alnair_region_slot) == 64, "alnair_region_slot size");
 _Static_assert(offsetof(struct alnair_region_slot, pid) == 0, "alnair_region_slot.pid");
@@ -77,6 +77,7 @@ _Static_assert(offsetof(struct alnair_region_slot, launches) == 24, "alnair_regi
 _Static_assert(offsetof(struct alnair_region_slot, tokens_taken) == 32, "alnair_region_slot.tokens_taken");
 _Static_assert(offsetof(struct alnair_region_slot, tokens_forfeited) == 40, "alnair_region_slot.tokens_forfeited");
 _Static_assert(offsetof(struct alnair_region_slot, wait_ns) == 48, "alnair_region_slot.wait_ns");
+_Static_assert(offsetof(struct alnair_region_slot, copy_bytes) == 56, "alnair_region_slot.copy_bytes");
 
 struct alnair_region {
     struct alnair_region_header header;

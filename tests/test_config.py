@@ -91,7 +91,7 @@ def test_service_link_variables_are_not_settings():
     # kubelet adds these to every container in a namespace with a Service named "alnair-metrics".
     env = {**BASE, "ALNAIR_METRICS_SERVICE_HOST": "10.0.0.7", "ALNAIR_METRICS_SERVICE_PORT": "9400",
            "ALNAIR_METRICS_PORT_9400_TCP": "tcp://10.0.0.7:9400", "ALNAIR_METRICS_PORT_9400_TCP_ADDR": "10.0.0.7"}
-    assert Settings.from_env(env).metrics_port == 9400
+    assert Settings.from_env(env).metrics_port == 9475  # the default, not dcgm-exporter's 9400
 
 
 def test_readme_variable_table_is_generated_from_the_declaration():

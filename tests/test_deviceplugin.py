@@ -282,3 +282,90 @@ async def test_container_cannot_hurt_the_agent_through_its_folder(root, kubelet,
         assert victim.read_bytes() == b"precious"
         assert not running.task.done()
         assert len(running.agent.allocator.allocations) == 3
+
+
+async def test_preferred_allocation_always_includes_what_kubelet_must_include(root, kubelet, api, k8s):
+    """v1beta1: GetPreferredAllocation's answer contains must_include_deviceIDs (kubelet already gave them to the
+    container: here an init container's devices handed on to an app container that asks for more)."""
+    pod = make_pod("grow", node=NODE, restart_policy="Never",
+                   init_containers=[{"name": "prepare", "memory": 2}], containers=[{"name": "main", "memory": 5}])
+    api.add_pod(pod)
+    async with running_agent(node_settings(root), k8s()):
+        await registered(kubelet)
+        await kubelet.admit("default", "grow", "prepare", {MEM: 2})
+        await kubelet.admit("default", "grow", "main", {MEM: 5}, reuse_from="prepare")
+        keys = {k.container: k for k in kubelet.assigned}
+        main, prepare = kubelet.assigned[keys["main"]][MEM], kubelet.assigned[keys["prepare"]][MEM]
+        assert set(prepare) <= set(main) and len(main) == 5  # kubelet checks the answer holds them, too
+        assert len({i.split("::")[0] for i in main}) == 1
+
+
+async def test_an_admission_nobody_can_identify_stalls_no_other(root, kubelet, api, k8s):
+    """An Allocate for a pod the agent cannot find waits briefly for the pod watch, without holding up the
+    admissions the agent can serve meanwhile."""
+    async with running_agent(node_settings(root), k8s()) as running:
+        await registered(kubelet)
+        running.agent.allocator.pod_wait_s = 1.5
+        ghost = asyncio.create_task(kubelet.admit("default", "ghost", "main", {MEM: 3}))  # no such pod
+        await asyncio.sleep(0.05)
+        started = time.monotonic()
+        await admit_pod(api, kubelet, "real", memory=2, compute=10)
+        assert time.monotonic() - started < 1.0
+        with pytest.raises(AdmissionError) as err:
+            await ghost
+        assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION
+        assert "cannot tell which pod kubelet is admitting" in err.value.details
+
+
+async def test_api_outage_holds_no_reconcile_pass_and_loses_no_final_figures(root, kubelet, api, k8s):
+    from alnair_agent.node.reconcile import FINAL_FLUSH_S
+
+    async with running_agent(node_settings(root, resync_interval_s=60.0), k8s()) as running:
+        await registered(kubelet)
+        folders = []
+        for n in range(3):
+            answers = await admit_pod(api, kubelet, f"job-{n}", memory=1, compute=5, restart_policy="Never")
+            folders.append(Path(next(m.host_path for m in answers[MEM].mounts if m.container_path == "/run/alnair")))
+        await running.agent.reconciler.once()
+        api.fail_next("patch_pod", status=503, times=10_000)  # the API server is down for pods
+        for n in range(3):
+            api.set_container_terminated("default", f"job-{n}", "main", exit_code=0)
+            kubelet.remove_pod("default", f"job-{n}")
+        await asyncio.sleep(0.3)  # the watch sees the ends
+        started = time.monotonic()
+        await running.agent.reconciler.once()
+        assert time.monotonic() - started < FINAL_FLUSH_S + 1.0  # one bounded wait, not one per container
+        assert all(f.is_dir() for f in folders)  # kept until their last figures are written
+        api.clear_failures()
+        deadline = time.monotonic() + 20
+        while any(f.exists() for f in folders) and time.monotonic() < deadline:
+            await running.agent.reconciler.once()
+            await asyncio.sleep(0.1)
+        assert not any(f.exists() for f in folders)
+        for n in range(3):
+            entry = json.loads(api.pod_annotations("default", f"job-{n}")[USAGE_ANNOTATION])["main"]
+            assert entry["state"] == "ended"
+
+
+async def test_kubelets_record_corrects_an_allocations_identity(root, kubelet, api, k8s):
+    """pod-resources is the truth about who holds what: a record whose devices kubelet reports for another
+    container is rewritten to that container, and its folder is kept while kubelet reports it."""
+    from alnair_agent.kubelet.emulator import ContainerKey
+
+    async with running_agent(node_settings(root), k8s()) as running:
+        await registered(kubelet)
+        await admit_pod(api, kubelet, "recorded", memory=2, compute=10)
+        truth = api.add_pod(make_pod("truth", node=NODE, containers=[{"name": "worker", "memory": 2, "compute": 10}]))
+        key = next(k for k in kubelet.assigned if k.pod == "recorded")
+        kubelet.assigned[ContainerKey("default", "truth", "worker")] = kubelet.assigned.pop(key)
+        await running.agent.reconciler.once()
+        [alloc] = running.agent.allocator.allocations.values()
+        assert (alloc.pod_name, alloc.container, alloc.pod_uid) == ("truth", "worker", truth["metadata"]["uid"])
+        api.delete_pod("default", "recorded")  # the pod the record first named is gone: nothing of truth's goes
+        for _ in range(3):
+            await running.agent.reconciler.once()
+        assert [a.pod_name for a in running.agent.allocator.allocations.values()] == ["truth"]
+
+
+def test_simulated_gpus_of_two_nodes_never_share_a_uuid():
+    assert {sim_uuid(i, "node-a") for i in range(4)}.isdisjoint({sim_uuid(i, "node-b") for i in range(4)})

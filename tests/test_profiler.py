@@ -8,6 +8,7 @@ import asyncio
 import json
 import os
 import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,7 +48,7 @@ class Build:
 @pytest.fixture(scope="module")
 def build(tmp_path_factory: pytest.TempPathFactory) -> Build:
     out = tmp_path_factory.mktemp("profbuild")
-    for args in (["make", "-s", "-C", str(ROOT / "shim"), f"BUILD={out / 'shim'}"],
+    for args in (["make", "-s", "-C", str(ROOT / "shim"), f"BUILD={out / 'shim'}", f"PYTHON={sys.executable}"],
                  ["make", "-s", "-C", str(ROOT / "tests/shim/simcuda"), f"BUILD={out / 'sim'}",
                   f"SHIM={ROOT / 'shim'}"]):
         subprocess.run(args, check=True, capture_output=True, text=True)
@@ -222,3 +223,25 @@ async def test_figures_continue_across_an_agent_restart(root, api, build, timeli
     assert after["allocation"] == before["allocation"] and after["first_seen"] == before["first_seen"]
     assert after["gpu_seconds"] > before["gpu_seconds"]  # resumed from what the pod said, not from zero
     assert abs(after["gpu_util_mean"] - 60) <= 5
+
+
+async def test_copy_engine_time_goes_to_the_container_that_copied(root, api, build, timelines):
+    """NVML puts copy-engine time on no process: the profiler splits the GPU's memory-copy time that kernels do
+    not explain by the bytes each container's copies moved (the shim counts them in the region)."""
+    settings = node_settings(root, sim_timeline_dir=timelines, profile_interval_s=0.1, annotate_interval_s=0.3)
+    api.add_pod(make_pod("copier", node=NODE, restart_policy="Never", containers=[{"name": "main", "memory": 1}]))
+    api.add_pod(make_pod("kernels", node=NODE, restart_policy="Never", containers=[{"name": "main", "memory": 1}]))
+    async with api.api_client() as client, running_agent(settings, kubernetes_for(client)), \
+            KubeletEmulator(settings.device_plugin_dir, settings.pod_resources_socket) as kubelet:
+        await registered(kubelet)
+        copier = await kubelet.admit("default", "copier", "main", {RESOURCE_MEMORY: 1})
+        kernels = await kubelet.admit("default", "kernels", "main", {RESOURCE_MEMORY: 1})
+        env_c, env_k = container_env(build, copier, timelines), container_env(build, kernels, timelines)
+        assert env_c[ENV_VISIBLE_DEVICES] == env_k[ENV_VISIBLE_DEVICES]  # binpack: one GPU
+        await asyncio.gather(run_app(build, ["init", "ctx", "copy:2000:2097152"], env_c),
+                             run_app(build, duty(30, 20, 40), env_k))
+        await wait_until(lambda: usage(api, "copier").get("main", {}).get("observed_seconds", 0) > 1.5, 5)
+        copied, computed = usage(api, "copier")["main"], usage(api, "kernels")["main"]
+    print("copier", copied, "kernels", computed)
+    assert copied["memcpy_util_mean"] > 10 and copied["gpu_util_mean"] < 3  # ~20 % here: sync copies wait
+    assert computed["memcpy_util_mean"] < 3 and computed["gpu_util_mean"] > 20

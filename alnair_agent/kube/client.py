@@ -2,7 +2,9 @@
 
 `api_client(settings)` picks the client by ALNAIR_KUBERNETES: `off` → None (no API server; the device plugin then
 allocates without pod identity); `auto` → in-cluster configuration when KUBERNETES_SERVICE_HOST is set, else the
-kubeconfig named by KUBECONFIG (or ~/.kube/config) when it exists, else None with one warning.
+kubeconfig named by KUBECONFIG (several files, ':'-separated, merged by kubernetes-asyncio's own loader as kubectl
+merges them: the first file to define a cluster, user or context wins; note that this loader, unlike kubectl, takes
+`current-context` from the last file that sets it) or ~/.kube/config when one exists, else None with one warning.
 """
 
 from __future__ import annotations
@@ -31,17 +33,15 @@ class KubeConfigError(RuntimeError):
     """The API server configuration was found but cannot be used (bad kubeconfig, missing service-account token)."""
 
 
-def _kubeconfig_path(env: Mapping[str, str]) -> Path | None:
-    # KUBECONFIG may list several files (':'-separated); the first existing one names the cluster.
+def _kubeconfig_paths(env: Mapping[str, str]) -> str | None:
+    """KUBECONFIG as kubectl reads it (':'-separated files, merged), else ~/.kube/config; None when no file exists.
+    The loader (kubernetes-asyncio's KubeConfigMerger) takes the same string and merges the files that exist."""
     candidates = [p for p in env.get("KUBECONFIG", "").split(os.pathsep) if p]
     home = env.get("HOME")
     if not candidates and home:
         candidates = [str(Path(home) / ".kube" / "config")]
-    for candidate in candidates:
-        path = Path(candidate).expanduser()
-        if path.is_file():
-            return path
-    return None
+    existing = [c for c in candidates if Path(c).expanduser().is_file()]
+    return os.pathsep.join(existing) if existing else None
 
 
 async def api_client(settings: Settings, env: Mapping[str, str] | None = None) -> ApiClient | None:
@@ -63,13 +63,14 @@ async def connect(mode: str, env: Mapping[str, str] | None = None) -> ApiClient 
             raise KubeConfigError(f"in-cluster Kubernetes configuration unusable: {e}") from None
         log.info("kubernetes_in_cluster", host=cfg.host)
         return ApiClient(cfg)
-    path = _kubeconfig_path(env)
+    path = _kubeconfig_paths(env)
     if path is not None:
         try:
-            await kube_config.load_kube_config(config_file=str(path), client_configuration=cfg)
+            # persist_config=False: never write refreshed credentials back into the user's files
+            await kube_config.load_kube_config(config_file=path, client_configuration=cfg, persist_config=False)
         except (ConfigException, OSError, ValueError) as e:
             raise KubeConfigError(f"kubeconfig {path} unusable: {e}") from None
-        log.info("kubernetes_kubeconfig", path=str(path), host=cfg.host)
+        log.info("kubernetes_kubeconfig", path=path, host=cfg.host)
         return ApiClient(cfg)
     log.warning("kubernetes_unavailable", message="running without an API server",
                 hint="set KUBECONFIG, run in a pod, or ALNAIR_KUBERNETES=off")

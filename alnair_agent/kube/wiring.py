@@ -27,11 +27,13 @@ async def connect_kubernetes(settings: Settings) -> AsyncIterator[Kubernetes]:
         yield Kubernetes()
         return
     from alnair_agent.kube.annotations import AnnotationWriter
+    from alnair_agent.kube.events import EventWriter
 
     try:
         watch = PodWatch(api, settings.node_name)
         writer = AnnotationWriter(api, settings.node_name)
         yield Kubernetes(pod_source=watch, pod_states=watch, annotations=writer,
+                         events=EventWriter(api, settings.node_name),
                          services=[("pod-watch", watch.run), ("annotations", writer.run)])
     finally:
         await api.close()

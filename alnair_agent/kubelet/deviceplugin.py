@@ -15,6 +15,7 @@ from pathlib import Path
 import grpc
 import structlog
 
+from alnair_agent.kube.events import EventSink
 from alnair_agent.node.allocator import AllocationError, Allocator
 from alnair_agent.constants import (
     DEVICE_PLUGIN_API_VERSION,
@@ -38,7 +39,9 @@ REGISTER_RETRY_MAX_S = 5.0
 class ResourceServicer(pb_grpc.DevicePluginServicer):
     """The DevicePlugin service for one resource."""
 
-    def __init__(self, resource: str, inventory: Inventory, allocator: Allocator, changes: "HealthBoard") -> None:
+    def __init__(self, resource: str, inventory: Inventory, allocator: Allocator, changes: "HealthBoard",
+                 events: EventSink | None = None) -> None:
+        self.events = events
         self.resource = resource
         self.inventory = inventory
         self.allocator = allocator
@@ -72,6 +75,8 @@ class ResourceServicer(pb_grpc.DevicePluginServicer):
             except AllocationError as e:
                 log.warning("preferred_allocation_refused", resource=self.resource, size=req.allocation_size,
                             reason=e.message)
+                if self.events is not None and e.pod is not None:
+                    self.events.pod_refused(e.pod.namespace, e.pod.name, e.pod.uid, e.message)
                 await context.abort(e.code, e.message)
             responses.append(pb.ContainerPreferredAllocationResponse(deviceIDs=ids))
         return pb.PreferredAllocationResponse(container_responses=responses)
@@ -83,6 +88,8 @@ class ResourceServicer(pb_grpc.DevicePluginServicer):
                 answer = await self.allocator.allocate(self.resource, list(req.devices_ids))
             except AllocationError as e:
                 log.warning("allocate_refused", resource=self.resource, devices=len(req.devices_ids), reason=e.message)
+                if self.events is not None and e.pod is not None:
+                    self.events.pod_refused(e.pod.namespace, e.pod.name, e.pod.uid, e.message)
                 await context.abort(e.code, e.message)
             responses.append(pb.ContainerAllocateResponse(
                 envs=answer.envs,
@@ -130,12 +137,13 @@ def _inode(path: Path) -> int | None:
 class DevicePluginService:
     """Serves both resources and keeps them registered with kubelet for as long as `run` runs."""
 
-    def __init__(self, plugin_dir: Path, inventory: Inventory, allocator: Allocator) -> None:
+    def __init__(self, plugin_dir: Path, inventory: Inventory, allocator: Allocator,
+                 events: EventSink | None = None) -> None:
         self.plugin_dir = plugin_dir
         self.inventory = inventory
         self.allocator = allocator
         self.board = HealthBoard()
-        self.servicers = {r: ResourceServicer(r, inventory, allocator, self.board) for r in RESOURCES}
+        self.servicers = {r: ResourceServicer(r, inventory, allocator, self.board, events) for r in RESOURCES}
         self._servers: dict[str, grpc.aio.Server] = {}
         self.registrations = 0  # successful Register calls, for /metrics and tests
         self.registered = asyncio.Event()

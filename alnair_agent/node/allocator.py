@@ -72,10 +72,11 @@ SCHEDULER_HINT = ("set spec.schedulerName to alnair-cost-saving or alnair-high-p
 class AllocationError(Exception):
     """Refusal to kubelet: a gRPC status code and a message naming what was wrong."""
 
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+    def __init__(self, code: grpc.StatusCode, message: str, pod: "PodInfo | None" = None) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
+        self.pod = pod  # the pod refused, when known (an Event goes on it)
 
 
 class PodSource(Protocol):
@@ -346,7 +347,8 @@ class Allocator:
             have = room.describe() if room is not None else f"GPU {target.gpu_uuid} is not available"
             raise AllocationError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                   f"pod {target.pod.namespace}/{target.pod.name} container {c.container!r} needs "
-                                  f"{memory} memory + {compute} compute units on GPU {target.gpu_uuid}; {have}")
+                                  f"{memory} memory + {compute} compute units on GPU {target.gpu_uuid}; {have}",
+                                  pod=target.pod)
 
     async def _target(self, resource: str, count: int) -> _Target:
         found = await self._identify(resource, count)
@@ -354,7 +356,11 @@ class Allocator:
             raise found
         pod, c = found
         existing = self._records_of(pod.uid).get(c.container)
-        return _Target(pod, c, self._gpu_for(pod, c, resource, existing), existing)
+        try:
+            return _Target(pod, c, self._gpu_for(pod, c, resource, existing), existing)
+        except AllocationError as e:
+            e.pod = e.pod or pod
+            raise
 
     # -- GetPreferredAllocation ------------------------------------------------------------------------------
     async def preferred(self, resource: str, available: list[str], must_include: list[str], size: int) -> list[str]:
@@ -411,10 +417,14 @@ class Allocator:
         self.remove(alloc.id)
 
     def _choose_unidentified(self, resource: str, size: int) -> str:
+        rooms = self.rooms()
         placed = fit.place([fit.Need("container", size if resource == RESOURCE_MEMORY else 0,
-                                     size if resource == RESOURCE_COMPUTE else 0)], self.rooms(), self.policy)
+                                     size if resource == RESOURCE_COMPUTE else 0)], rooms, self.policy)
         if not isinstance(placed, fit.Placement):
-            raise AllocationError(grpc.StatusCode.RESOURCE_EXHAUSTED, placed.reason)
+            free = "; ".join(r.describe() for r in rooms) or "no healthy GPU"
+            raise AllocationError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                  f"no healthy GPU has {size} {resource} units free for this container "
+                                  f"(largest GPU offers {max((g.units[resource] for g in self.inventory.gpus.values()), default=0)}); {free}")
         return placed.gpus["container"]
 
     def _check(self, device_ids: list[str], resource: str) -> None:

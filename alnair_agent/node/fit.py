@@ -150,17 +150,31 @@ def _largest_first(needs: tuple[Need, ...], mem_scale: int, comp_scale: int) -> 
 
 
 def _one_by_one(needs: Sequence[Need], rooms: Sequence[Room], policy: str) -> Placement | Need:
-    """Greedy, largest dominant share first; returns the first container that found no room on failure."""
+    """Greedy, largest dominant share first; returns the first container that found no room on failure. (Written
+    out flat: filter runs it on thousands of nodes for a pod that no single GPU holds whole.)"""
     mem_scale = max((r.memory_total for r in rooms), default=0) or 1
     comp_scale = max((r.compute_total for r in rooms), default=0) or 1
-    free = {r.uuid: r for r in rooms}
+    free_m = [r.memory_free for r in rooms]
+    free_c = [r.compute_free for r in rooms]
+    sign = 1 if policy == PACK else -1
     placed: dict[str, str] = {}
     for need in _largest_first(tuple(needs), mem_scale, comp_scale):
-        room = _choose(free.values(), need, policy)
-        if room is None:
+        m, c = need.memory, need.compute
+        best, best_key = -1, (0.0, 0)
+        for i, r in enumerate(rooms):
+            fm, fc = free_m[i], free_c[i]
+            if fm >= m and fc >= c:
+                mt, ct = r.memory_total, r.compute_total
+                share = (((fm - m) / mt + (fc - c) / ct) / 2 if mt > 0 and ct > 0 else (fm - m) / mt if mt > 0
+                         else (fc - c) / ct if ct > 0 else 0.0)  # Room.free_share, inline
+                key = (sign * share, r.index)
+                if best < 0 or key < best_key:
+                    best, best_key = i, key
+        if best < 0:
             return need
-        free[room.uuid] = room.less(need.memory, need.compute)
-        placed[need.name] = room.uuid
+        free_m[best] -= m
+        free_c[best] -= c
+        placed[need.name] = rooms[best].uuid
     return Placement(placed)
 
 
@@ -325,10 +339,11 @@ def score_fast(shape: Shape, rooms: Sequence[Room], free: FreeSummary, policy: s
 
 def score_of(shape: Shape, free: FreeSummary, policy: str) -> int:
     """The score on a node the pod fits."""
-    return _score_of((shape.steady_memory, shape.steady_compute), free, policy)
+    return score_added((shape.steady_memory, shape.steady_compute), free, policy)
 
 
-def _score_of(added: tuple[int, int], free: FreeSummary, policy: str) -> int:
+def score_added(added: tuple[int, int], free: FreeSummary, policy: str) -> int:
+    """The score of a node the pod fits, once `added` (memory, compute) more units are in use there."""
     b, d = free.memory_total, free.compute_total
     a = min(free.memory_used + added[0], b)
     c = min(free.compute_used + added[1], d)

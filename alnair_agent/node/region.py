@@ -46,7 +46,8 @@ def _slot_struct() -> tuple[struct.Struct, tuple[int, ...]]:
         pos = f.offset + L.CTYPES[f.ctype][1]
         names.append(f.name)
     fmt += "x" * (L.SLOT_SIZE - pos)
-    wanted = ("pid", "start_time", "memory_used", "launches", "tokens_taken", "tokens_forfeited", "wait_ns")
+    wanted = ("pid", "start_time", "memory_used", "launches", "tokens_taken", "tokens_forfeited", "wait_ns",
+              "copy_bytes")
     return struct.Struct(fmt), tuple(names.index(n) for n in wanted)
 
 
@@ -65,6 +66,7 @@ class SlotReading:
     tokens_taken: int
     tokens_forfeited: int
     wait_ns: int
+    copy_bytes: int = 0
 
 
 def monotonic_ns() -> int:

@@ -86,6 +86,8 @@ SLOT_FIELDS = (
     Field("tokens_taken", "uint64_t", 32, "counter: tokens (GPU ns) taken before launching"),
     Field("tokens_forfeited", "uint64_t", 40, "counter: unclaimed tokens over TOKEN_BURST_NS given up"),
     Field("wait_ns", "uint64_t", 48, "counter: ns spent waiting for tokens"),
+    Field("copy_bytes", "uint64_t", 56, "counter: bytes moved by the owner's memory copies (host<->device, "
+          "device<->device)"),
 )
 
 BLOCKS = (

@@ -50,6 +50,7 @@ class _Collected:
     places: dict[int, str]  # host pid -> allocation id
     unattributed: dict[str, int]  # GPU uuid -> processes placed on no allocation
     waits: dict[str, list[tuple[tuple[int, int, int], int]]]  # allocation -> slots' wait counters
+    copies: dict[str, list[tuple[tuple[int, int, int], int]]]  # allocation -> slots' copy_bytes counters
     region_memory: dict[str, int]  # allocation -> bytes its slots claim (fallback when NVML says nothing)
     at: float = 0.0  # monotonic s the sample was taken (the end of its window), for the dispatcher
 
@@ -137,18 +138,26 @@ class Profiler:
             alloc_id = collected.places.get(p.pid)
             if alloc_id is not None:
                 per_alloc.setdefault(alloc_id, []).append(p)
+        copied: dict[str, int] = {}
+        for alloc_id in snap.alloc_ids:
+            alloc = self.allocator.allocations.get(alloc_id)
+            if alloc is not None:
+                copied[alloc_id] = self._entry(alloc).add_copies(collected.copies.get(alloc_id, []))
+        dma = self._copy_shares(collected.samples, copied)
         for alloc_id in snap.alloc_ids:
             alloc = self.allocator.allocations.get(alloc_id)
             if alloc is None:
                 continue
             u = self._entry(alloc)
             u.add_waits(collected.waits.get(alloc_id, []))
-            procs = per_alloc.get(alloc_id)
-            if procs and dt > 0:
+            procs = per_alloc.get(alloc_id, [])
+            share = dma.get(alloc_id, 0.0)
+            if (procs or share) and dt > 0:
                 memory = sum(p.used_memory_bytes or 0 for p in procs)
                 if not memory:
                     memory = collected.region_memory.get(alloc_id, 0)
-                u.add(now, dt, sum(p.sm_util or 0.0 for p in procs), sum(p.mem_util or 0.0 for p in procs), memory)
+                u.add(now, dt, sum(p.sm_util or 0.0 for p in procs), sum(p.mem_util or 0.0 for p in procs) + share,
+                      memory)
             else:
                 u.idle()
         if dt > 0:
@@ -159,6 +168,29 @@ class Profiler:
         self._publish_due(now_mono)
 
     # -- internals ---------------------------------------------------------------------------------------------
+    def _copy_shares(self, samples: Samples, copied: dict[str, int]) -> dict[str, float]:
+        """Per allocation, its part of its GPU's memory-copy utilization that no process's own (kernel) memory
+        utilization explains: copy-engine transfers, which NVML attributes to no process. Split by the bytes each
+        container's copies moved this tick (counted by the shim in the region); nothing where nobody copied."""
+        explained: dict[str, float] = {}
+        for p in samples.processes:
+            explained[p.gpu_uuid] = explained.get(p.gpu_uuid, 0.0) + (p.mem_util or 0.0)
+        by_gpu: dict[str, list[tuple[str, int]]] = {}
+        for alloc_id, n in copied.items():
+            alloc = self.allocator.allocations.get(alloc_id)
+            if alloc is not None and n > 0:
+                by_gpu.setdefault(alloc.gpu_uuid, []).append((alloc_id, n))
+        out: dict[str, float] = {}
+        for g in samples.gpus:
+            movers = by_gpu.get(g.uuid)
+            if not movers or g.memcpy_util is None:
+                continue
+            left = max(0.0, g.memcpy_util - explained.get(g.uuid, 0.0))
+            total = sum(n for _, n in movers)
+            for alloc_id, n in movers:
+                out[alloc_id] = left * n / total
+        return out
+
     def _entry(self, alloc: "Allocation") -> ContainerUsage:
         u = self.usage.get(alloc.id)
         if u is None:
@@ -212,6 +244,7 @@ class Profiler:
         at = time.monotonic()
         slots: list[SlotPid] = []
         waits: dict[str, list[tuple[tuple[int, int, int], int]]] = {}
+        copies: dict[str, list[tuple[tuple[int, int, int], int]]] = {}
         region_memory: dict[str, int] = {}
         for alloc_id in snap.alloc_ids:
             region = self._region(alloc_id)
@@ -225,6 +258,7 @@ class Profiler:
             for s in readings:
                 slots.append(SlotPid(alloc_id, s.pid, s.start_time, snap.pod_uids.get(alloc_id, "")))
             waits[alloc_id] = [((s.index, s.pid, s.start_time), s.wait_ns) for s in readings]
+            copies[alloc_id] = [((s.index, s.pid, s.start_time), s.copy_bytes) for s in readings]
         places: dict[int, str] = {}
         unattributed: dict[str, int] = {g.uuid: 0 for g in samples.gpus}
         for p in samples.processes:
@@ -235,7 +269,7 @@ class Profiler:
                 unattributed[p.gpu_uuid] = unattributed.get(p.gpu_uuid, 0) + 1
             else:
                 places[p.pid] = place.alloc_id
-        return _Collected(samples, places, unattributed, waits, region_memory, at)
+        return _Collected(samples, places, unattributed, waits, copies, region_memory, at)
 
     def _drop_gone_pods(self) -> None:
         if self.pods is None or not self.pods.synced:

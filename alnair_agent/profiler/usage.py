@@ -32,8 +32,9 @@ FIELDS: tuple[Field, ...] = (
     Field("gpu_util_mean", "% of the GPU", "Mean of the container's own GPU (SM) utilization while its processes "
           "were on the GPU."),
     Field("gpu_util_max", "% of the GPU", "Highest sampled GPU utilization of the container."),
-    Field("memcpy_util_mean", "% of the GPU", "Mean memory-copy (memory controller) utilization of the container's "
-          "processes while they were on the GPU."),
+    Field("memcpy_util_mean", "% of the GPU", "Mean memory-copy utilization of the container while its processes "
+          "were on the GPU: their kernels' memory traffic (NVML per process) plus its share, by bytes copied, of the "
+          "GPU's copy-engine time that no process's kernels explain."),
     Field("memcpy_util_max", "% of the GPU", "Highest sampled memory-copy utilization."),
     Field("memory_max_bytes", "bytes", "Most GPU memory its processes held at once (NVML, else the shim's count)."),
     Field("gpu_seconds", "s", "GPU time: the integral of its GPU utilization over time (1 s at 100 % = 1)."),
@@ -83,6 +84,8 @@ class ContainerUsage:
     # the latest sample, for /metrics
     gpu_util_now: float = 0.0
     memcpy_util_now: float = 0.0
+    copy_seen: dict[tuple[int, int, int], int] = field(default_factory=dict)
+    copy_seen_any: bool = False  # the first read only sets the baseline: bytes copied before it are not this tick's
     memory_now_bytes: int = 0
     resumed: bool = False  # figures of an earlier agent run looked for (see resume)
 
@@ -112,6 +115,19 @@ class ContainerUsage:
                 self.throttled_s += (wait_ns - before) / 1e9
             live[key] = max(wait_ns, before)
         self.wait_seen = live
+
+    def add_copies(self, slots: list[tuple[tuple[int, int, int], int]]) -> int:
+        """Region slots' copy_bytes counters ((index, pid, start_time), bytes): the bytes copied since last read."""
+        grown, live = 0, {}
+        for key, copied in slots:
+            before = self.copy_seen.get(key)
+            if before is not None and copied > before:
+                grown += copied - before
+            elif before is None and self.copy_seen_any:
+                grown += copied  # a process that started (and copied) since the last read
+            live[key] = copied if before is None else max(copied, before)
+        self.copy_seen, self.copy_seen_any = live, True
+        return grown
 
     @property
     def gpu_seconds(self) -> float:

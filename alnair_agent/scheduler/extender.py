@@ -178,14 +178,10 @@ def filter_nodes(args: Any, view: ClusterView, now: datetime | None = None) -> F
     assert result.node_names is not None
     now_ts = (now or utcnow()).timestamp()
     shape, policy, passed = fit.Shape.of(request.needs), request.policy, result.node_names
-    summary_at = view.summary_at
-    for name in names:
-        summary = summary_at(name, now_ts)
-        if summary.rooms is None or summary.free is None:
+    for name, summary, no_fit in view.fits_on(names, shape, policy, now_ts):
+        if summary is not None:  # the node takes no Alnair pods
             (result.unresolvable if not summary.resolvable else result.failed)[name] = summary.error
-            continue
-        no_fit = summary.verdict(shape, policy)
-        if no_fit is None:
+        elif no_fit is None:
             passed.append(name)
         else:
             (result.failed if no_fit.resolvable else result.unresolvable)[name] = no_fit.reason
@@ -208,6 +204,5 @@ def prioritize_nodes(args: Any, view: ClusterView, now: datetime | None = None) 
     if request.scheduler_name not in PROFILES or not request.wants_gpu:
         return PrioritizeResult([HostPriority(n, NEUTRAL_SCORE) for n in names], "", request.ref)
     now_ts = (now or utcnow()).timestamp()
-    shape, policy, summary_at = fit.Shape.of(request.needs), request.policy, view.summary_at
-    hosts = [HostPriority(name, summary_at(name, now_ts).score(shape, policy)) for name in names]
+    hosts = [HostPriority(n, s) for n, s in view.scores_on(names, fit.Shape.of(request.needs), request.policy, now_ts)]
     return PrioritizeResult(hosts, "", request.ref)

@@ -7,7 +7,11 @@ Options come from the command line, with the environment as the default:
   --kubernetes (ALNAIR_KUBERNETES, auto | off: the API server from in-cluster config or KUBECONFIG; without one
     the extender knows no nodes and cannot bind),
   --bind-wait-s (ALNAIR_BIND_WAIT_S, 20: how long a bind waits for the node's lock),
-  --log-format (ALNAIR_LOG_FORMAT, json | console), --log-level (ALNAIR_LOG_LEVEL, debug | info | warning | error).
+  --log-format (ALNAIR_LOG_FORMAT, json | console), --log-level (ALNAIR_LOG_LEVEL, debug | info | warning | error),
+  --webhook-port (ALNAIR_WEBHOOK_PORT, 0 = off: the mutating admission webhook, POST /mutate over HTTPS, see
+    webhook.py), --tls-dir (tls.crt and tls.key of a kubernetes.io/tls Secret; without them a self-signed
+    certificate for --webhook-dns is made and published as the webhook configuration's caBundle),
+  --default-profile (ALNAIR_DEFAULT_PROFILE, alnair-cost-saving: where the webhook routes pods naming none).
 Run exactly one instance (one replica, Recreate strategy): it alone decides placements and node locks.
 Exit codes: 0 after a requested stop; 1 when the server cannot listen or a service fails; 2 for a bad option.
 """
@@ -78,9 +82,21 @@ def parse_args(argv: list[str] | None, env: Mapping[str, str]) -> argparse.Names
                         help="json or console (default $ALNAIR_LOG_FORMAT or json)")
     parser.add_argument("--log-level", choices=LOG_LEVELS, default=None,
                         help="default $ALNAIR_LOG_LEVEL or info")
+    parser.add_argument("--webhook-port", type=_port, default=None,
+                        help="HTTPS port of the admission webhook, POST /mutate "
+                             "(default $ALNAIR_WEBHOOK_PORT or 0: off)")
+    parser.add_argument("--tls-dir", default=None,
+                        help="folder with tls.crt and tls.key for the webhook (default: a self-signed certificate, "
+                             "published as the caBundle of MutatingWebhookConfiguration alnair-scheduler)")
+    parser.add_argument("--webhook-dns", default="alnair-webhook.kube-system.svc",
+                        help="DNS name of the webhook's Service, for the self-signed certificate")
+    parser.add_argument("--default-profile", choices=tuple(PROFILES), default=None,
+                        help="profile the webhook gives pods that name none (default $ALNAIR_DEFAULT_PROFILE or "
+                             "alnair-cost-saving)")
     args = parser.parse_args(argv)
     for option, variable, convert, default in (
             ("port", "ALNAIR_SCHEDULER_PORT", _port, str(DEFAULT_PORT)),
+            ("webhook_port", "ALNAIR_WEBHOOK_PORT", _port, "0"),
             ("health_port", "ALNAIR_SCHEDULER_HEALTH_PORT", _port, str(DEFAULT_HEALTH_PORT)),
             ("bind_wait_s", "ALNAIR_BIND_WAIT_S", _seconds, f"{BIND_WAIT_S:g}")):
         if getattr(args, option) is None:
@@ -90,7 +106,9 @@ def parse_args(argv: list[str] | None, env: Mapping[str, str]) -> argparse.Names
                 parser.error(f"{variable}: {e}")
     for option, variable, allowed, default in (("log_format", "ALNAIR_LOG_FORMAT", LOG_FORMATS, "json"),
                                                ("log_level", "ALNAIR_LOG_LEVEL", LOG_LEVELS, "info"),
-                                               ("kubernetes", "ALNAIR_KUBERNETES", ("auto", "off"), "auto")):
+                                               ("kubernetes", "ALNAIR_KUBERNETES", ("auto", "off"), "auto"),
+                                               ("default_profile", "ALNAIR_DEFAULT_PROFILE", tuple(PROFILES),
+                                                "alnair-cost-saving")):
         if getattr(args, option) is None:
             value = env.get(variable, default)
             if value not in allowed:
@@ -156,12 +174,30 @@ async def run(args: argparse.Namespace, stop: asyncio.Event | None = None) -> No
             services += [(w.name, w.run()) for w in watches] + [("view-sync", mark_synced())]
         else:
             view.synced = True
+        if args.webhook_port:
+            services += webhook_services(args, api)[0]
         # The server runs until cancelled (run_services stops it in order); it never ends on its own.
         services.append(("http", serve(args.host, args.port, asyncio.Event(), view, binder, args.health_port)))
         await run_services(services, stop)
     finally:
         if api is not None:
             await api.close()
+
+
+def webhook_services(args: argparse.Namespace, api: Any) -> tuple[list[tuple[str, Any]], bytes]:
+    """The webhook's HTTPS server and (self-signed, with an API server) the caBundle publisher; the certificate."""
+    from pathlib import Path
+
+    from alnair_agent.scheduler.webhook import keep_ca_bundle_published, serve_webhook, tls_context
+
+    folder = Path(args.tls_dir) if args.tls_dir else None
+    given = folder is not None and (folder / "tls.crt").is_file() and (folder / "tls.key").is_file()
+    ctx, pem = tls_context(folder / "tls.crt" if given else None, folder / "tls.key" if given else None,
+                           [args.webhook_dns, args.webhook_dns.split(".svc")[0]])
+    out: list[tuple[str, Any]] = [("webhook", serve_webhook("0.0.0.0", args.webhook_port, ctx, args.default_profile))]
+    if not given and api is not None:
+        out.append(("webhook-ca-bundle", keep_ca_bundle_published(api, pem)))
+    return out, pem
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
@@ -104,11 +105,16 @@ class ClusterView:
     synced: bool = False
     _on_node: dict[str, set[str]] = field(default_factory=dict)  # node -> uids placed there (pods, reservations)
     _cache: dict[str, Summary] = field(default_factory=dict)
+    # Per question (a pod shape, and for scores a profile): node -> (answer, valid until). A burst of replicas asks
+    # the same question of thousands of nodes of which one changed since: answers are dropped per node on change.
+    _answers: OrderedDict[tuple[Any, ...], dict[str, tuple[Any, float]]] = field(default_factory=OrderedDict)
     _changed: asyncio.Condition | None = None
 
     # -- feeding -----------------------------------------------------------------------------------------------
     def _bump(self, node: str) -> None:
         self._cache.pop(node, None)
+        for answers in self._answers.values():
+            answers.pop(node, None)
 
     def _notify(self) -> None:
         cond = self._changed
@@ -277,6 +283,59 @@ class ClusterView:
         ordered = tuple(sorted(rooms.values(), key=lambda r: r.index))
         return Summary(ordered, "", True, locked_by, expires, valid, fit.FreeSummary.of(ordered))
 
+    def _answers_for(self, key: tuple[Any, ...]) -> dict[str, tuple[Any, float]]:
+        answers = self._answers.get(key)
+        if answers is None:
+            answers = self._answers[key] = {}
+            while len(self._answers) > MAX_QUESTIONS:
+                self._answers.popitem(last=False)
+        else:
+            self._answers.move_to_end(key)
+        return answers
+
+    def fits_on(self, names: Sequence[str], shape: fit.Shape, policy: str, now_ts: float
+                ) -> list[tuple[str, Summary | None, fit.NoFit | None]]:
+        """(node, summary or None when cached, why not) for each name; `why not` None = fits. A node that takes no
+        pods comes with its summary (its error says why)."""
+        answers = self._answers_for(("fits", shape.key))
+        out = []
+        for name in names:
+            hit = answers.get(name)
+            if hit is not None and now_ts < hit[1]:
+                out.append((name, None, hit[0]))
+                continue
+            summary = self.summary_at(name, now_ts)
+            if summary.rooms is None or summary.free is None:
+                out.append((name, summary, None))
+                continue
+            no_fit = summary.verdict(shape, policy)
+            answers[name] = (no_fit, summary.valid_until)
+            out.append((name, None, no_fit))
+        return out
+
+    def scores_on(self, names: Sequence[str], shape: fit.Shape, policy: str, now_ts: float) -> list[tuple[str, int]]:
+        """(node, score) for each name (0 where the pod does not fit or the node takes no pods)."""
+        answers = self._answers_for(("score", shape.key, policy))
+        fits = self._answers.get(("fits", shape.key), {})  # filter's answers, usually there for these very nodes
+        added = (shape.steady_memory, shape.steady_compute)
+        out = []
+        for name in names:
+            hit = answers.get(name)
+            if hit is not None and now_ts < hit[1]:
+                out.append((name, hit[0]))
+                continue
+            summary = self.summary_at(name, now_ts)
+            free = summary.free
+            if free is None:
+                value = 0
+            else:
+                known = fits.get(name)
+                no_fit = known[0] if known is not None and now_ts < known[1] else summary.verdict(shape, policy)
+                value = 0 if no_fit is not None else fit.score_added(added, free, policy)
+            answers[name] = (value, summary.valid_until)
+            out.append((name, value))
+        return out
+
     def warm(self) -> None:
         """Summarize every node now (after the first LIST), so the first requests find them cached."""
         now = utcnow()
@@ -308,6 +367,9 @@ class ClusterView:
                     await asyncio.wait_for(cond.wait(), max(0.001, min(remaining, until_expiry)))
                 except TimeoutError:
                     pass
+
+
+MAX_QUESTIONS = 32  # pod shapes (and profiles) whose per-node answers are kept
 
 
 def _name_of(obj: Any) -> str:

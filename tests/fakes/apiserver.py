@@ -233,6 +233,7 @@ class FakeApiServer:
         self._failures: dict[str, list[int]] = {}
         self.patches: list[Patch] = []
         self.bindings: list[tuple[str, str, str]] = []  # (namespace, pod, node) of every Binding accepted
+        self.kube_events: list[dict[str, Any]] = []  # every core/v1 Event created
         self.on_pod_change: list[Callable[[dict[str, Any] | None, dict[str, Any] | None], None]] = []
         self.requests: list[tuple[str, str]] = []  # (method, path?query) of every request
         self.watch_connections = 0
@@ -250,9 +251,17 @@ class FakeApiServer:
         app.router.add_get("/api/v1/nodes", self._list_or_watch_nodes)
         app.router.add_get("/api/v1/nodes/{name}", self._get_node)
         app.router.add_patch("/api/v1/nodes/{name}", self._patch_node)
+        app.router.add_post("/api/v1/namespaces/{ns}/events", self._create_event)
         self._server = TestServer(app, host="127.0.0.1")
         await self._server.start_server()
         return self
+
+    async def _create_event(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        if body.get("kind") != "Event" or body["metadata"]["namespace"] != request.match_info["ns"]:
+            return web.json_response(status(400, "BadRequest", "not an Event of this namespace"), status=400)
+        self.kube_events.append(body)
+        return web.json_response(body, status=201)
 
     async def close(self) -> None:
         for w in self._watchers:  # end open streams first, or the server would wait for them on shutdown

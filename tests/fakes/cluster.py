@@ -168,6 +168,7 @@ class KubeletDriver:
     node: str
     rng: random.Random
     max_delay_s: float = 0.02  # kubelet's watch trails or leads the agent's by up to this much
+    order: str = "fifo"  # how a batch of pods waiting together is admitted: fifo, reverse or random
     queue: asyncio.Queue[tuple[str, str, str]] = field(default_factory=asyncio.Queue)
     admitted: dict[str, Admission] = field(default_factory=dict)  # uid -> what its containers got
     refused: dict[str, str] = field(default_factory=dict)  # uid -> why
@@ -187,16 +188,23 @@ class KubeletDriver:
 
     async def run(self) -> None:
         while True:
-            namespace, name, uid = await self.queue.get()
+            batch = [await self.queue.get()]
             await asyncio.sleep(self.rng.uniform(0, self.max_delay_s))
             await self.paused.wait()
-            try:
-                pod = self.api.pod(namespace, name)
-            except KeyError:
-                continue  # deleted before kubelet got to it
-            if pod["metadata"]["uid"] != uid or pod["status"].get("phase") in ("Succeeded", "Failed"):
-                continue
-            await self._admit(pod)
+            while not self.queue.empty():  # every pod that arrived meanwhile is admitted in this batch's order
+                batch.append(self.queue.get_nowait())
+            if self.order == "reverse":
+                batch.reverse()
+            elif self.order == "random":
+                self.rng.shuffle(batch)
+            for namespace, name, uid in batch:
+                try:
+                    pod = self.api.pod(namespace, name)
+                except KeyError:
+                    continue  # deleted before kubelet got to it
+                if pod["metadata"]["uid"] != uid or pod["status"].get("phase") in ("Succeeded", "Failed"):
+                    continue
+                await self._admit(pod)
 
     async def _admit(self, pod: dict[str, Any]) -> None:
         meta = pod["metadata"]
@@ -210,13 +218,13 @@ class KubeletDriver:
                     answers[c["name"]] = await self.kubelet.admit(meta["namespace"], meta["name"], c["name"],
                                                                   dict(requests))
         except AdmissionError as e:
-            self.refused[meta["uid"]] = str(e)
+            message = self.refused[meta["uid"]] = str(e)
             self.kubelet.remove_pod(meta["namespace"], meta["name"])
             with contextlib.suppress(KeyError):
                 def failed(p: dict[str, Any]) -> None:
                     p["status"]["phase"] = "Failed"
                     p["status"]["reason"] = "UnexpectedAdmissionError"
-                    p["status"]["message"] = str(e)
+                    p["status"]["message"] = message
                 self.api.modify_pod(meta["namespace"], meta["name"], failed)
             return
         self.admitted[meta["uid"]] = Admission(meta["name"], meta["namespace"], answers, time.monotonic())
@@ -344,7 +352,7 @@ class Cluster:
 
 @contextlib.asynccontextmanager
 async def cluster(root: Path, nodes: Mapping[str, str], seed: int, backoff_initial_s: float = 1.0,
-                  **settings: Any) -> AsyncIterator[Cluster]:
+                  admission_order: str = "fifo", **settings: Any) -> AsyncIterator[Cluster]:
     """`nodes`: name -> ALNAIR_SIM_GPUS spec. Everything started; everything stopped on exit."""
     from alnair_agent.config import parse_sim_gpus
 
@@ -361,7 +369,7 @@ async def cluster(root: Path, nodes: Mapping[str, str], seed: int, backoff_initi
                 api.add_node(name)
                 kubelet = KubeletEmulator(s.device_plugin_dir, s.pod_resources_socket)
                 await kubelet.start()
-                driver = KubeletDriver(api, kubelet, name, random.Random(rng.random()))
+                driver = KubeletDriver(api, kubelet, name, random.Random(rng.random()), order=admission_order)
                 api.on_pod_change.append(driver.on_pod_change)
                 c.nodes[name] = Node(name, s, kubelet, driver, api.api_client())
                 c._tasks.append(asyncio.create_task(driver.run(), name=f"kubelet-{name}"))

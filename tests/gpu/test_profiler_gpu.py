@@ -1,8 +1,9 @@
 """The profiler on a real GPU: the agent (NVML backend) with the kubelet emulator and the API server stand-in;
 three tenants started the way their containers would be (the Allocate answer's env and folder, the shim
 preloaded): bf16 matmuls under caps of 30 % and 60 %, and host<->device copies. Each container's figures on its
-pod are checked against what the tenant did, measured independently: its matmul count times the duration of one
-matmul (timed with CUDA events in an uncapped process alone on the GPU first). Both are kept after the pods end.
+pod are checked against what the tenant did, measured independently of NVML's per-process attribution: the
+device's busy time while the tenants ran, split by the work each did (its matmul count times the duration of one
+matmul, timed with CUDA events in an uncapped process alone on the GPU first). Both are kept after the pods end.
 
 Needs a GPU, torch, pynvml, structlog, kubernetes-asyncio, aiohttp, prometheus-client, the generated protos, and the
 shim (ALNAIR_SHIM, else the installed one). Results (JSON) go to $ALNAIR_GPU_RESULTS/profiler_gpu.json if set.
@@ -130,7 +131,7 @@ def usage(api: FakeApiServer, pod: str) -> dict:
 async def scenario(root: Path) -> dict:
     settings = Settings(node_name=NODE, device_plugin_dir=root / "dp", pod_resources_socket=root / "pr" / "k.sock",
                         workspace=root / "ws", shim_dir=SHIM.parent, gpu_backend="nvml", metrics_port=0,
-                        resync_interval_s=0.5, annotate_interval_s=5.0,
+                        resync_interval_s=0.5, annotate_interval_s=5.0, place_unscheduled=True,
                         profile_interval_s=0.5)  # finer than the default 1 s: a tenant's first and last tick weigh less
     tenants = {"mm30": {RESOURCE_MEMORY: 8, RESOURCE_COMPUTE: 30}, "mm60": {RESOURCE_MEMORY: 8, RESOURCE_COMPUTE: 60},
                "copy": {RESOURCE_MEMORY: 8}}
@@ -184,6 +185,7 @@ async def scenario(root: Path) -> dict:
                 running = {name: usage(api, name).get("main") for name in tenants}
                 for name in tenants:
                     api.set_container_terminated("default", name, "main")
+                    kubelet.remove_pod("default", name)  # kubelet's pod-resources lists active pods only
                 deadline = time.monotonic() + 30
                 while agent.allocator.allocations and time.monotonic() < deadline:
                     await asyncio.sleep(0.2)
@@ -195,9 +197,18 @@ async def scenario(root: Path) -> dict:
             finally:
                 stop.set()
                 await asyncio.wait_for(task, 15)
-    did = {name: 100.0 * r["matmuls"] * calib["matmul_s"] / r["life_s"] for name, r in (("mm30", mm30),
-                                                                                          ("mm60", mm60))}
+    solo = {name: 100.0 * r["matmuls"] * calib["matmul_s"] / r["life_s"] for name, r in (("mm30", mm30),
+                                                                                           ("mm60", mm60))}
+    # Two tenants time-slice the GPU, and a matmul then takes longer than alone: the count times the solo duration
+    # says how much work each did, not how much GPU time. What each did of the GPU's time: the device's own busy
+    # time while the tenants were on it (NVML device utilization, which knows nothing of processes; the ticks where
+    # NVML lists the tenants' processes), split by the work each did.
+    busy_ticks = [tick["gpus"][0][0] for tick in trace
+                  if tick["t"] <= work_s and tick["gpus"] and len(tick["processes"]) >= 2]
+    busy = sum(busy_ticks) / len(busy_ticks) if busy_ticks else 0.0
+    did = {name: busy * solo[name] / sum(solo.values()) for name in solo}
     return {"calibration": calib, "tenants": {"mm30": mm30, "mm60": mm60, "copy": copy}, "did_percent": did,
+            "solo_percent": solo, "device_busy_percent": busy,
             "work_s": work_s, "running": running, "ended": ended, "allocations_left": left, "trace": trace,
             "gpu": [(g.name, g.uuid) for g in agent.gpus]}
 

@@ -8,7 +8,7 @@ import pytest
 
 from alnair_agent.node.region import Region, monotonic_ns, rate_for_percent
 
-KINDS = ["launch", "launchex", "coop", "graph"]
+KINDS = ["launch", "launchex", "coop", "graph", "legacy", "grid", "gridasync", "multidev"]
 
 
 def share(res) -> tuple[float, float]:

@@ -17,6 +17,10 @@
 /* prototypes of the simulated driver's exports this program links against */
 #define KP CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, CUstream
 CUresult cuInit(unsigned);
+CUresult cuMemcpyHtoD_v2(CUdeviceptr, const void *, size_t);
+CUresult cuMemcpyHtoD_v2_ptds(CUdeviceptr, const void *, size_t);
+CUresult cuMemcpyAsync(CUdeviceptr, CUdeviceptr, size_t, CUstream);
+CUresult cuMemcpyAsync_ptsz(CUdeviceptr, CUdeviceptr, size_t, CUstream);
 CUresult cuGetProcAddress_v2(const char *, void **, int, cuuint64_t, CUdriverProcAddressQueryResult *);
 CUresult cuDevicePrimaryCtxRetain(CUcontext *, CUdevice);
 CUresult cuDevicePrimaryCtxRelease_v2(CUdevice);
@@ -59,6 +63,18 @@ CUresult cuGraphInstantiateWithFlags(CUgraphExec *, CUgraph, unsigned long long)
 CUresult cuStreamSynchronize(CUstream);
 CUresult cuStreamSynchronize_ptsz(CUstream);
 CUresult cuStreamCreate(CUstream *, unsigned);
+CUresult cuMemMap(CUdeviceptr, size_t, size_t, CUmemGenericAllocationHandle, unsigned long long);
+CUresult cuMemUnmap(CUdeviceptr, size_t);
+CUresult cuMemAddressReserve(CUdeviceptr *, size_t, size_t, CUdeviceptr, unsigned long long);
+CUresult cuDevicePrimaryCtxReset_v2(CUdevice);
+CUresult cuLaunch(CUfunction);
+CUresult cuDeviceGetMemPool(CUmemoryPool *, CUdevice);
+CUresult cuMemPoolSetAttribute(CUmemoryPool, CUmemPool_attribute, void *);
+CUresult cuMemPoolTrimTo(CUmemoryPool, size_t);
+CUresult cuDeviceGraphMemTrim(CUdevice);
+CUresult cuLaunchGrid(CUfunction, int, int);
+CUresult cuLaunchGridAsync(CUfunction, int, int, CUstream);
+CUresult cuLaunchCooperativeKernelMultiDevice(CUDA_LAUNCH_PARAMS *, unsigned, unsigned);
 
 /* X(field, type, plain symbol, per-thread symbol, base name for cuGetProcAddress) */
 #define APIS(X)                                                                                                  \
@@ -111,7 +127,30 @@ CUresult cuStreamCreate(CUstream *, unsigned);
     X(Instantiate, CUresult (*)(CUgraphExec *, CUgraph, unsigned long long), cuGraphInstantiateWithFlags,       \
       cuGraphInstantiateWithFlags, "cuGraphInstantiateWithFlags")                                                \
     X(StreamSync, CUresult (*)(CUstream), cuStreamSynchronize, cuStreamSynchronize_ptsz, "cuStreamSynchronize") \
-    X(StreamCreate, CUresult (*)(CUstream *, unsigned), cuStreamCreate, cuStreamCreate, "cuStreamCreate")
+    X(StreamCreate, CUresult (*)(CUstream *, unsigned), cuStreamCreate, cuStreamCreate, "cuStreamCreate")      \
+    X(MemMap, CUresult (*)(CUdeviceptr, size_t, size_t, CUmemGenericAllocationHandle, unsigned long long),      \
+      cuMemMap, cuMemMap, "cuMemMap")                                                                            \
+    X(MemUnmap, CUresult (*)(CUdeviceptr, size_t), cuMemUnmap, cuMemUnmap, "cuMemUnmap")                        \
+    X(AddrReserve, CUresult (*)(CUdeviceptr *, size_t, size_t, CUdeviceptr, unsigned long long),                \
+      cuMemAddressReserve, cuMemAddressReserve, "cuMemAddressReserve")                                           \
+    X(PrimaryReset, CUresult (*)(CUdevice), cuDevicePrimaryCtxReset_v2, cuDevicePrimaryCtxReset_v2,             \
+      "cuDevicePrimaryCtxReset")                                                                                 \
+    X(Launch0, CUresult (*)(CUfunction), cuLaunch, cuLaunch, "cuLaunch")                                        \
+    X(GetMemPool, CUresult (*)(CUmemoryPool *, CUdevice), cuDeviceGetMemPool, cuDeviceGetMemPool,               \
+      "cuDeviceGetMemPool")                                                                                      \
+    X(PoolSetAttr, CUresult (*)(CUmemoryPool, CUmemPool_attribute, void *), cuMemPoolSetAttribute,              \
+      cuMemPoolSetAttribute, "cuMemPoolSetAttribute")                                                            \
+    X(PoolTrim, CUresult (*)(CUmemoryPool, size_t), cuMemPoolTrimTo, cuMemPoolTrimTo, "cuMemPoolTrimTo")        \
+    X(GraphMemTrim, CUresult (*)(CUdevice), cuDeviceGraphMemTrim, cuDeviceGraphMemTrim, "cuDeviceGraphMemTrim") \
+    X(LaunchGrid, CUresult (*)(CUfunction, int, int), cuLaunchGrid, cuLaunchGrid, "cuLaunchGrid")               \
+    X(LaunchGridAsync, CUresult (*)(CUfunction, int, int, CUstream), cuLaunchGridAsync, cuLaunchGridAsync,      \
+      "cuLaunchGridAsync")                                                                                       \
+    X(LaunchMulti, CUresult (*)(CUDA_LAUNCH_PARAMS *, unsigned, unsigned), cuLaunchCooperativeKernelMultiDevice, \
+      cuLaunchCooperativeKernelMultiDevice, "cuLaunchCooperativeKernelMultiDevice")                            \
+    X(CopyHtoD, CUresult (*)(CUdeviceptr, const void *, size_t), cuMemcpyHtoD_v2, cuMemcpyHtoD_v2_ptds,          \
+      "cuMemcpyHtoD")                                                                                            \
+    X(CopyAsync, CUresult (*)(CUdeviceptr, CUdeviceptr, size_t, CUstream), cuMemcpyAsync, cuMemcpyAsync_ptsz,    \
+      "cuMemcpyAsync")
 
 static struct {
 #define FIELD(f, t, plain, ptv, base) __typeof__(t) f;
@@ -119,7 +158,7 @@ static struct {
 #undef FIELD
 } api;
 
-static int route_dlsym, route_gpa, per_thread, version = 12000;
+static int route_dlsym, route_dlvsym, route_gpa, per_thread, version = 12000;
 
 /* ver=N applies to the functions under test; the rest (init, contexts, ...) are looked up as a CUDA 12 program */
 static int versioned(const char *field)
@@ -136,7 +175,7 @@ static void *resolve(const char *field, const char *plain, const char *ptv, cons
                      void *direct_pt)
 {
     static void *h;
-    if (!route_dlsym && !route_gpa)
+    if (!route_dlsym && !route_gpa && !route_dlvsym)
         return per_thread ? direct_pt : direct_plain;
     if (h == NULL)
         h = dlopen("libcuda.so.1", RTLD_NOW);
@@ -146,6 +185,8 @@ static void *resolve(const char *field, const char *plain, const char *ptv, cons
     }
     if (route_dlsym)
         return dlsym(h, per_thread ? ptv : plain);
+    if (route_dlvsym)
+        return dlvsym(h, per_thread ? ptv : plain, "SIMCUDA_1.0");
     static CUresult (*gpa)(const char *, void **, int, cuuint64_t, CUdriverProcAddressQueryResult *);
     if (gpa == NULL)
         gpa = (__typeof__(gpa))dlsym(h, "cuGetProcAddress_v2");
@@ -168,15 +209,15 @@ static uint64_t cpu(void)
     return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
 }
 
-enum kind { DEV, ASYNC, HANDLE, ARRAY, MIP, CTX };
-struct held { enum kind k; uint64_t v; };
+enum kind { DEV, ASYNC, HANDLE, ARRAY, MIP, CTX, MAPPED };
+struct held { enum kind k; uint64_t v, n; };
 static struct held held[4096];
 static int nheld;
 static CUfunction kfn;
 static CUcontext primary;
 static CUcontext ctx;
 
-static void hold(enum kind k, uint64_t v) { if (nheld < 4096) held[nheld++] = (struct held){k, v}; }
+static void hold(enum kind k, uint64_t v) { if (nheld < 4096) held[nheld++] = (struct held){k, v, 0}; }
 
 static CUresult release(struct held h)
 {
@@ -187,13 +228,40 @@ static CUresult release(struct held h)
     case ARRAY: return api.ArrayDestroy((CUarray)(uintptr_t)h.v);
     case MIP: return api.MipDestroy((CUmipmappedArray)(uintptr_t)h.v);
     case CTX: return api.CtxDestroy((CUcontext)(uintptr_t)h.v);
+    case MAPPED: return api.MemUnmap(h.v, h.n);
     }
     return -1;
+}
+
+static CUfunction named_fn(const char *prefix, uint64_t dur)
+{
+    char name[32];
+    CUfunction f = NULL;
+    snprintf(name, sizeof name, "%s:%llu", prefix, (unsigned long long)dur);
+    api.GetFunction(&f, (void *)1, name);
+    return f;
 }
 
 static CUresult launch(const char *how, uint64_t dur, CUstream s)
 {
     void *params[] = {&dur};
+    static CUfunction legacy_fn;
+    static uint64_t legacy_dur;
+    if (!strcmp(how, "legacy") || !strcmp(how, "grid") || !strcmp(how, "gridasync")) {
+        if (legacy_fn == NULL || legacy_dur != dur) { /* these take no parameters: the duration is in the name */
+            legacy_fn = named_fn("legacy", dur);
+            legacy_dur = dur;
+        }
+        if (!strcmp(how, "legacy"))
+            return api.Launch0(legacy_fn);
+        if (!strcmp(how, "grid"))
+            return api.LaunchGrid(legacy_fn, 1, 1);
+        return api.LaunchGridAsync(legacy_fn, 1, 1, s);
+    }
+    if (!strcmp(how, "multidev")) {
+        CUDA_LAUNCH_PARAMS l = {kfn, 1, 1, 1, 1, 1, 1, 0, s, params};
+        return api.LaunchMulti(&l, 1, 0);
+    }
     if (!strcmp(how, "launch"))
         return api.Launch(kfn, 1, 1, 1, 1, 1, 1, 0, s, params, NULL);
     if (!strcmp(how, "coop"))
@@ -217,6 +285,55 @@ static void do_init(void)
 
 static void run_ops(int argc, char **argv, int start);
 
+static CUstream capstream;
+static pthread_t capth;
+static int capmode, capstate, capbegin_rc, capend_rc;
+static void *capmain(void *arg)
+{
+    (void)arg;
+    CUstream s;
+    CUgraph g = NULL;
+    api.SetCurrent(primary);
+    api.StreamCreate(&s, 0);
+    capbegin_rc = api.BeginCapture(s, (CUstreamCaptureMode)capmode);
+    __atomic_store_n(&capstate, 1, __ATOMIC_SEQ_CST);
+    while (__atomic_load_n(&capstate, __ATOMIC_SEQ_CST) != 2)
+        usleep(1000);
+    capend_rc = api.EndCapture(s, &g);
+    return NULL;
+}
+
+static void *launch_n(void *arg)
+{
+    unsigned long long n = *(unsigned long long *)arg;
+    api.SetCurrent(primary);
+    for (unsigned long long k = 0; k < n; k++)
+        launch("launch", 1000, NULL);
+    return NULL;
+}
+
+struct churn { unsigned long long n, size, held; int bad; };
+static void *churn_main(void *arg)
+{
+    struct churn *c = arg;
+    CUdeviceptr ring[8] = {0};
+    api.SetCurrent(primary);
+    for (unsigned long long k = 0; k < c->n; k++) {
+        CUdeviceptr p = 0, *slot = &ring[k % 8];
+        if (*slot != 0 && api.MemFree(*slot) != CUDA_SUCCESS)
+            __atomic_fetch_add(&c->bad, 1, __ATOMIC_RELAXED);
+        *slot = 0;
+        if (api.MemAlloc(&p, c->size) == CUDA_SUCCESS)
+            *slot = p;
+        else
+            __atomic_fetch_add(&c->bad, 1, __ATOMIC_RELAXED);
+    }
+    for (int i = 0; i < 8; i++) /* the last eight stay allocated */
+        if (ring[i] != 0)
+            __atomic_fetch_add(&c->held, c->size, __ATOMIC_RELAXED);
+    return NULL;
+}
+
 struct tjob {
     unsigned long long ms, dur;
     unsigned long long launched;
@@ -235,7 +352,7 @@ static void *tmain(void *arg)
 
 static void run_op(const char *op, int argc, char **argv, int i)
 {
-    unsigned long long a = 0, b = 0, c = 0;
+    unsigned long long a = 0, b = 0, c = 0, d = 0;
     CUresult rc;
     if (!strcmp(op, "init")) {
         do_init();
@@ -288,6 +405,66 @@ static void run_op(const char *op, int argc, char **argv, int i)
         if (rc == CUDA_SUCCESS)
             hold(HANDLE, h);
         printf("vmm %llu rc=%d\n", a, rc);
+    } else if (sscanf(op, "vmmmap:%llu", &a) == 1) {
+        /* the documented VMM idiom: create, reserve a range, map, release the handle (the mapping keeps it) */
+        CUmemGenericAllocationHandle h = 0;
+        CUdeviceptr va = 0;
+        CUresult r1 = api.MemCreate(&h, a, NULL, 0), r2 = -1, r3 = -1, r4 = -1;
+        if (r1 == CUDA_SUCCESS && (r2 = api.AddrReserve(&va, a, 0, 0, 0)) == CUDA_SUCCESS &&
+            (r3 = api.MemMap(va, a, 0, h, 0)) == CUDA_SUCCESS && (r4 = api.MemRelease(h)) == CUDA_SUCCESS &&
+            nheld < 4096)
+            held[nheld++] = (struct held){MAPPED, va, a};
+        printf("vmmmap %llu rc=%d map=%d release=%d\n", a, r1, r3, r4);
+        (void)r2;
+    } else if (sscanf(op, "poolthreshold:%llu", &a) == 1) {
+        /* the current (default) pool keeps up to this many freed bytes */
+        CUmemoryPool pl = NULL;
+        cuuint64_t v = a;
+        CUresult r1 = api.GetMemPool(&pl, 0);
+        printf("poolthreshold rc=%d,%d\n", r1, r1 == CUDA_SUCCESS ? api.PoolSetAttr(pl, 4, &v) : -1);
+    } else if (sscanf(op, "trim:%llu", &a) == 1) {
+        CUmemoryPool pl = NULL;
+        CUresult r1 = api.GetMemPool(&pl, 0);
+        printf("trim rc=%d,%d\n", r1, r1 == CUDA_SUCCESS ? api.PoolTrim(pl, a) : -1);
+    } else if (sscanf(op, "memgraph:%llu", &a) == 1) {
+        /* a graph captured with an allocation in it (cudaMallocAsync in a captured region, kept): launched once */
+        CUstream s;
+        CUgraph g = NULL;
+        CUgraphExec e = NULL;
+        CUdeviceptr p = 0;
+        api.StreamCreate(&s, 0);
+        CUresult r1 = api.BeginCapture(s, 2);
+        CUresult r2 = api.AllocAsync(&p, a, s);
+        CUresult r3 = api.EndCapture(s, &g);
+        CUresult r4 = api.Instantiate(&e, g, 0);
+        CUresult r5 = api.GraphLaunch(e, NULL);
+        CUresult r6 = api.GraphLaunch(e, NULL);
+        printf("memgraph %llu rc=%d,%d,%d,%d launch=%d again=%d\n", a, r1, r2, r3, r4, r5, r6);
+    } else if (!strcmp(op, "graphtrim")) {
+        printf("graphtrim rc=%d\n", api.GraphMemTrim(0));
+    } else if (!strcmp(op, "reset")) {
+        rc = api.PrimaryReset(0);
+        CUcontext c = NULL;
+        CUresult r2 = api.PrimaryRetain(&c, 0); /* as the runtime does on its next call */
+        if (r2 == CUDA_SUCCESS)
+            api.SetCurrent(c);
+        nheld = 0; /* everything allocated in the primary context died with it */
+        printf("reset rc=%d retain=%d\n", rc, r2);
+    } else if (!strcmp(op, "ctxdestroy")) {
+        rc = api.CtxDestroy(ctx);
+        api.SetCurrent(primary);
+        nheld = 0;
+        printf("ctxdestroy rc=%d\n", rc);
+    } else if (sscanf(op, "churn:%llu:%llu:%llu", &c, &a, &b) == 3) {
+        /* churn:T:N:SIZE  T threads each allocate SIZE bytes N times at once, freeing their allocation of eight
+         * rounds before; the last eight of each stay allocated (held= their bytes) */
+        pthread_t th[64];
+        struct churn job = {a, b, 0, 0};
+        for (unsigned long long k = 0; k < c && k < 64; k++)
+            pthread_create(&th[k], NULL, churn_main, &job);
+        for (unsigned long long k = 0; k < c && k < 64; k++)
+            pthread_join(th[k], NULL);
+        printf("churn held=%llu bad=%d\n", job.held, job.bad);
     } else if (sscanf(op, "array:%llu:%llu", &a, &b) == 2) {
         CUDA_ARRAY_DESCRIPTOR d = {a, b, 0x20, 4};
         CUarray x = NULL;
@@ -404,6 +581,132 @@ static void run_op(const char *op, int argc, char **argv, int i)
         api.StreamSync(NULL);
         printf("burst launches=%llu bad=%llu gpu_ns=%llu enqueue_ns=%llu wall_ns=%llu\n", a, (unsigned long long)bad,
                a * b, (unsigned long long)enq, (unsigned long long)(mono() - t0));
+    } else if (sscanf(op, "distinct:%llu:%llu:%llu", &a, &c, &b) == 3) {
+        /* distinct:MS:N:DUR  N distinct kernels of DUR ns, round robin, for MS ms of wall time */
+        CUfunction *fs = calloc(c ? c : 1, sizeof *fs);
+        for (unsigned long long k = 0; k < c; k++) {
+            char name[32];
+            snprintf(name, sizeof name, "d%llu:%llu", k, b);
+            api.GetFunction(&fs[k], (void *)1, name);
+        }
+        uint64_t t0 = mono(), n = 0, bad = 0;
+        while (mono() - t0 < a * 1000000ull) {
+            bad += api.Launch(fs[n % c], 1, 1, 1, 1, 1, 1, 0, NULL, NULL, NULL) != CUDA_SUCCESS;
+            n++;
+        }
+        api.StreamSync(NULL);
+        uint64_t wall = mono() - t0;
+        printf("run launches=%llu bad=%llu gpu_ns=%llu wall_ns=%llu cpu_ns=0\n", (unsigned long long)n,
+               (unsigned long long)bad, (unsigned long long)(n * b), (unsigned long long)wall);
+    } else if (sscanf(op, "warm:%llu", &a) == 1) {
+        /* warm:N  launch N distinct 1 us kernels once each (a program that has seen many kernels) */
+        int bad = 0;
+        for (unsigned long long k = 0; k < a; k++) {
+            char name[32];
+            CUfunction f = NULL;
+            snprintf(name, sizeof name, "w%llu:1000", k);
+            api.GetFunction(&f, (void *)1, name);
+            bad += api.Launch(f, 1, 1, 1, 1, 1, 1, 0, NULL, NULL, NULL) != CUDA_SUCCESS;
+        }
+        api.StreamSync(NULL);
+        printf("warm %llu bad=%d\n", a, bad);
+    } else if (sscanf(op, "fresh:%llu:%llu", &a, &b) == 2) {
+        /* fresh:MS:DUR  a never-seen kernel of DUR ns at every launch, for MS ms */
+        uint64_t t0 = mono(), n = 0, bad = 0;
+        while (mono() - t0 < a * 1000000ull) {
+            char name[32];
+            CUfunction f = NULL;
+            snprintf(name, sizeof name, "f%llu:%llu", (unsigned long long)n, b);
+            api.GetFunction(&f, (void *)1, name);
+            bad += api.Launch(f, 1, 1, 1, 1, 1, 1, 0, NULL, NULL, NULL) != CUDA_SUCCESS;
+            n++;
+        }
+        api.StreamSync(NULL);
+        uint64_t wall = mono() - t0;
+        printf("run launches=%llu bad=%llu gpu_ns=%llu wall_ns=%llu cpu_ns=0\n", (unsigned long long)n,
+               (unsigned long long)bad, (unsigned long long)(n * b), (unsigned long long)wall);
+    } else if (sscanf(op, "mix:%llu:%llu:%llu:%llu", &a, &b, &c, &d) == 4) {
+        /* mix:MS:DUR:WAVES:EVERY  one kernel, DUR ns per wave: every EVERY-th launch has a WAVES-wave grid
+         * (128 blocks a wave), the others one wave; for MS ms. The big launch comes first. */
+        CUfunction f = named_fn("mix", b);
+        uint64_t t0 = mono(), n = 0, bad = 0, gpu = 0;
+        while (mono() - t0 < a * 1000000ull) {
+            unsigned waves = n % d == 0 ? (unsigned)c : 1;
+            bad += api.Launch(f, 128 * waves, 1, 1, 1, 1, 1, 0, NULL, NULL, NULL) != CUDA_SUCCESS;
+            gpu += b * waves;
+            n++;
+        }
+        api.StreamSync(NULL);
+        uint64_t wall = mono() - t0;
+        printf("run launches=%llu bad=%llu gpu_ns=%llu wall_ns=%llu cpu_ns=0\n", (unsigned long long)n,
+               (unsigned long long)bad, (unsigned long long)gpu, (unsigned long long)wall);
+    } else if (sscanf(op, "capbegin:%llu", &a) == 1) {
+        /* capbegin:MODE  begin capturing a new stream in this thread (0 global, 1 thread-local, 2 relaxed) */
+        api.StreamCreate(&capstream, 0);
+        printf("capbegin rc=%d\n", api.BeginCapture(capstream, (CUstreamCaptureMode)a));
+    } else if (!strcmp(op, "capend")) {
+        CUgraph g = NULL;
+        printf("capend rc=%d\n", api.EndCapture(capstream, &g));
+    } else if (sscanf(op, "capthread:%llu", &a) == 1) {
+        /* capthread:MODE  another thread begins a capture and keeps it open until capjoin */
+        capmode = (int)a;
+        __atomic_store_n(&capstate, 0, __ATOMIC_SEQ_CST);
+        pthread_create(&capth, NULL, capmain, NULL);
+        while (__atomic_load_n(&capstate, __ATOMIC_SEQ_CST) == 0)
+            usleep(100);
+        printf("capthread rc=%d\n", capbegin_rc);
+    } else if (!strcmp(op, "capjoin")) {
+        __atomic_store_n(&capstate, 2, __ATOMIC_SEQ_CST);
+        pthread_join(capth, NULL);
+        printf("capjoin rc=%d\n", capend_rc);
+    } else if (sscanf(op, "spawnthreads:%llu:%llu", &a, &b) == 2) {
+        /* spawnthreads:N:L  N threads, eight at a time, each makes L launches of 1 us and exits */
+        unsigned long long done = 0;
+        while (done < a) {
+            pthread_t th[8];
+            unsigned k = 0;
+            for (; k < 8 && done < a; k++, done++)
+                pthread_create(&th[k], NULL, launch_n, &b);
+            for (unsigned q = 0; q < k; q++)
+                pthread_join(th[q], NULL);
+        }
+        api.StreamSync(NULL);
+        printf("spawnthreads %llu\n", a);
+    } else if (!strcmp(op, "nvmlprocs")) {
+        void *h = dlopen("libnvidia-ml.so.1", RTLD_NOW);
+        typedef struct { unsigned pid; unsigned long long used; unsigned gi, ci; } pinfo;
+        nvmlReturn_t (*procs)(nvmlDevice_t, unsigned *, pinfo *) =
+            h ? dlsym(h, "nvmlDeviceGetComputeRunningProcesses_v3") : NULL;
+        typedef struct { unsigned pid; unsigned long long ts; unsigned sm, mem, enc, dec; } usample;
+        nvmlReturn_t (*util)(nvmlDevice_t, usample *, unsigned *, unsigned long long) =
+            h ? dlsym(h, "nvmlDeviceGetProcessUtilization") : NULL;
+        pinfo p[16];
+        usample u[16];
+        unsigned n = 16, m = 16;
+        int r1 = procs ? procs((nvmlDevice_t)0x10, &n, p) : -1, r2 = util ? util((nvmlDevice_t)0x10, u, &m, 0) : -1;
+        unsigned need = 0, small = 1;
+        pinfo one[1];
+        int rq = procs ? procs((nvmlDevice_t)0x10, &need, NULL) : -1;
+        int rs = procs ? procs((nvmlDevice_t)0x10, &small, one) : -1;
+        printf("nvmlprocs rq=%d need=%u rs=%d small=%u rc=%d n=%u pids=", rq, need, rs, small, r1, r1 == 0 ? n : 0);
+        for (unsigned k = 0; r1 == 0 && k < n; k++)
+            printf("%s%u", k ? "," : "", p[k].pid);
+        printf(" urc=%d un=%u upids=", r2, r2 == 0 ? m : 0);
+        for (unsigned k = 0; r2 == 0 && k < m; k++)
+            printf("%s%u", k ? "," : "", u[k].pid);
+        printf("\n");
+    } else if (sscanf(op, "copy:%llu:%llu", &a, &b) == 2) {
+        /* copy:MS:BYTES copies BYTES host->device (synchronously) back to back for MS ms; prints copies and bytes */
+        unsigned long long n = 0;
+        char host[1];
+        uint64_t t0 = mono();
+        while (mono() - t0 < a * 1000000ull)
+            if (api.CopyHtoD(0x1000, host, (size_t)b) == CUDA_SUCCESS)
+                n++;
+        printf("copy copies=%llu bytes=%llu\n", n, n * b);
+    } else if (sscanf(op, "copyasync:%llu", &a) == 1) {
+        rc = api.CopyAsync(0x1000, 0x2000, (size_t)a, NULL);
+        printf("copyasync rc=%d\n", rc);
     } else if (sscanf(op, "sleep:%llu", &a) == 1) {
         usleep((useconds_t)(a * 1000));
     } else if (!strcmp(op, "hold")) {
@@ -447,6 +750,9 @@ static void run_op(const char *op, int argc, char **argv, int i)
             printf("hook %s real=%d exported=%d dlsym_is_hook=%d\n", name(k), real(k) != NULL,
                    dlsym(RTLD_DEFAULT, name(k)) == addr(k), viadl == addr(k));
         }
+    } else if (!strcmp(op, "nextprobe")) {
+        const char *(*probe)(void) = (const char *(*)(void))dlsym(RTLD_DEFAULT, "next_probe");
+        printf("nextprobe %s\n", probe ? probe() : "missing");
     } else if (!strcmp(op, "pid")) {
         printf("pid %d\n", getpid());
     } else {
@@ -468,6 +774,8 @@ int main(int argc, char **argv)
     for (; i < argc && strchr(argv[i], '='); i++) {
         if (!strcmp(argv[i], "route=dlsym"))
             route_dlsym = 1;
+        else if (!strcmp(argv[i], "route=dlvsym"))
+            route_dlvsym = 1;
         else if (!strcmp(argv[i], "route=gpa"))
             route_gpa = 1;
         else if (!strcmp(argv[i], "pt=1"))
