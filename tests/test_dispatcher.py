@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import os
 import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,7 +49,7 @@ class Build:
 @pytest.fixture(scope="module")
 def build(tmp_path_factory: pytest.TempPathFactory) -> Build:
     out = tmp_path_factory.mktemp("dispbuild")
-    for args in (["make", "-s", "-C", str(ROOT / "shim"), f"BUILD={out / 'shim'}"],
+    for args in (["make", "-s", "-C", str(ROOT / "shim"), f"BUILD={out / 'shim'}", f"PYTHON={sys.executable}"],
                  ["make", "-s", "-C", str(ROOT / "tests/shim/simcuda"), f"BUILD={out / 'sim'}",
                   f"SHIM={ROOT / 'shim'}"]):
         subprocess.run(args, check=True, capture_output=True, text=True)
