@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import structlog
+import structlog.testing
 from agent_harness import NODE, kubernetes_for, node_settings, registered, running_agent
 from fakes.apiserver import make_pod
 
@@ -310,17 +312,20 @@ async def test_bad_neighbours_disturb_nobody(root, api, build, timelines):
         assert running.agent.dispatcher.ticks > 50
 
 
-async def test_policy_annotation_is_validated(root, api, build, timelines, capsys):
+async def test_policy_annotation_is_validated(root, api, build, timelines):
     settings = settings_for(root, timelines)
-    async with api.api_client() as client, running_agent(settings, kubernetes_for(client)) as running, \
-            KubeletEmulator(settings.device_plugin_dir, settings.pod_resources_socket) as kubelet:
-        await registered(kubelet)
-        await admit(api, kubelet, build, timelines, "ok", 30, policy="elastic")
-        await admit(api, kubelet, build, timelines, "bad", 30, policy="greedy")
-        await admit(api, kubelet, build, timelines, "none", 30)
-        d = running.agent.dispatcher
-        await asyncio.sleep(0.3)
-        by_pod = {running.agent.allocator.allocations[k].pod_name: c.policy for k, c in d.state.items()}
-        assert by_pod == {"ok": "elastic", "bad": "strict", "none": "strict"}
-    out = capsys.readouterr().out
-    assert "compute_policy_invalid" in out and "greedy" in out and COMPUTE_POLICY_ANNOTATION in out
+    with structlog.testing.capture_logs() as logs:
+        async with api.api_client() as client, running_agent(settings, kubernetes_for(client)) as running, \
+                KubeletEmulator(settings.device_plugin_dir, settings.pod_resources_socket) as kubelet:
+            await registered(kubelet)
+            await admit(api, kubelet, build, timelines, "ok", 30, policy="elastic")
+            await admit(api, kubelet, build, timelines, "bad", 30, policy="greedy")
+            await admit(api, kubelet, build, timelines, "none", 30)
+            d = running.agent.dispatcher
+            await asyncio.sleep(0.3)
+            by_pod = {running.agent.allocator.allocations[k].pod_name: c.policy for k, c in d.state.items()}
+    assert by_pod == {"ok": "elastic", "bad": "strict", "none": "strict"}
+    bad = [e for e in logs if e["event"] == "compute_policy_invalid"]
+    assert len(bad) == 1  # once, not every tick
+    assert bad[0]["value"] == "greedy" and bad[0]["annotation"] == COMPUTE_POLICY_ANNOTATION
+    assert bad[0]["using"] == "strict" and bad[0]["allowed"] == ["strict", "elastic"]
