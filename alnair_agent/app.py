@@ -10,6 +10,8 @@ import structlog
 
 from alnair_agent.node.allocator import Allocator, PodSource
 from alnair_agent.config import MAX_UNITS_PER_GPU, ConfigError, Settings
+from alnair_agent.dispatcher.control import Gains
+from alnair_agent.dispatcher.service import Dispatcher
 from alnair_agent.kube.events import EventSink
 from alnair_agent.kubelet.deviceplugin import DevicePluginService
 from alnair_agent.gpu.backend import GpuBackend, GpuInfo
@@ -51,6 +53,7 @@ class Agent:
         self.plugin: DevicePluginService | None = None
         self.reconciler: Reconciler | None = None
         self.profiler: Profiler | None = None
+        self.dispatcher: Dispatcher | None = None
         self.ready = asyncio.Event()
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -94,6 +97,12 @@ class Agent:
                 ("heartbeat", self.reconciler.run_heartbeat()),
                 ("profiler", self.profiler.run()),
             ]
+            if s.dispatcher == "on":
+                self.dispatcher = Dispatcher(self.allocator, workspace, self.profiler, self.kubernetes.pod_states,
+                                             s.dispatch_interval_s, s.compute_policy,
+                                             Gains(s.dispatch_gain, s.dispatch_fast_gain, s.dispatch_max_factor,
+                                                   s.dispatch_idle_s))
+                services.append(("dispatcher", self.dispatcher.run()))
             services += [(name, factory()) for name, factory in self.kubernetes.services]  # type: ignore[operator]
             if s.metrics_port:
                 services.append(("http", MetricsServer(self, s.metrics_port).run()))

@@ -200,6 +200,26 @@ VARIABLES: tuple[Variable, ...] = (
     Variable("ALNAIR_ANNOTATE_INTERVAL_S", "annotate_interval_s", _float_range(0.0, 3600.0), "30.0",
              "Least seconds between two writes of a pod's ai.centaurus.io/usage annotation (plus a final write "
              "when a container ends)."),
+    Variable("ALNAIR_DISPATCHER", "dispatcher", _choice("on", "off"), "on",
+             "on: the dispatcher moves each capped container's grant line so its measured share converges to its "
+             "cap; off: each grant line stays at the plain cap rate (the shim alone)."),
+    Variable("ALNAIR_COMPUTE_POLICY", "compute_policy", _choice("strict", "elastic"), "strict",
+             "strict: a compute cap is a ceiling; elastic: a container may use GPU time no other container on its "
+             "GPU wants, and is back at its cap within 200 ms once one does. A pod overrides it with the "
+             "annotation ai.centaurus.io/compute-policy (same values)."),
+    Variable("ALNAIR_DISPATCH_INTERVAL_S", "dispatch_interval_s", _float_range(0.01, 1.0), "0.05",
+             "Seconds between two dispatcher ticks (region counters read, targets recomputed, grant lines moved)."),
+    Variable("ALNAIR_DISPATCH_GAIN", "dispatch_gain", _float_range(0.05, 1.0), "0.5",
+             "Integral gain of the dispatcher, per profiler window, on the log of a container's share error."),
+    Variable("ALNAIR_DISPATCH_FAST_GAIN", "dispatch_fast_gain", _float_range(0.05, 1.0), "0.9",
+             "The same gain for the first windows after a container starts or the set of active containers on "
+             "its GPU changes (the fast ramp)."),
+    Variable("ALNAIR_DISPATCH_MAX_FACTOR", "dispatch_max_factor", _float_range(1.0, 50.0), "8.0",
+             "Anti-windup bound: the most tokens per GPU ns a container may be granted (the shim's estimates count "
+             "time queued behind other processes, so a container under contention needs more than its cap)."),
+    Variable("ALNAIR_DISPATCH_IDLE_S", "dispatch_idle_s", _float_range(0.02, 10.0), "0.15",
+             "Seconds without launches or waits after which a container counts as idle (elastic: its share may be "
+             "lent; its first launch after that takes it back)."),
     Variable("ALNAIR_SIM_TIMELINE_DIR", "sim_timeline_dir", _opt_abs_path, "off",
              "Test and demo only: folder of the simulated driver's per-GPU timelines (its SIMCUDA_TIMELINE_DIR), "
              "read by the simulated backend for per-process utilization."),
@@ -234,6 +254,13 @@ class Settings:
     annotate_interval_s: float = 30.0
     sim_timeline_dir: Path | None = None
     sim_faults_file: Path | None = None
+    dispatcher: str = "on"
+    compute_policy: str = "strict"
+    dispatch_interval_s: float = 0.05
+    dispatch_gain: float = 0.5
+    dispatch_fast_gain: float = 0.9
+    dispatch_max_factor: float = 8.0
+    dispatch_idle_s: float = 0.15
 
     @property
     def memory_unit_bytes(self) -> int:

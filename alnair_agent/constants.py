@@ -46,6 +46,9 @@ NODE_GPU_DEVICES = ANNOTATION_PREFIX + "gpu-devices"  # JSON: GPU inventory and 
 # The profiler's figures of every Alnair container of a pod: one JSON object keyed by container name
 # (schema: alnair_agent.profiler.usage.FIELDS). It stays on the pod after its containers end.
 USAGE_ANNOTATION = ANNOTATION_PREFIX + "usage"
+# A pod's compute policy for all its containers: "strict" (the cap is a ceiling) or "elastic" (may borrow GPU time
+# no other container on the GPU wants); absent: ALNAIR_COMPUTE_POLICY. A bad value: logged, the default applies.
+COMPUTE_POLICY_ANNOTATION = ANNOTATION_PREFIX + "compute-policy"
 
 # NVML Xid errors caused by the application, not the GPU: they do not make a device unhealthy.
 APPLICATION_XIDS = frozenset({13, 31, 43, 45, 68, 109})

@@ -140,8 +140,20 @@ class AgentCollector(Collector):
         throttled = CounterMetricFamily("alnair_container_throttled_seconds",
                                         "Time the container's processes waited for compute tokens",
                                         labels=CONTAINER_LABELS)
+        grant = GaugeMetricFamily("alnair_container_grant_rate_ratio",
+                                  "Dispatcher: the container's token grant rate, GPU-seconds (as the shim charges) per "
+                                  "second", labels=CONTAINER_LABELS)
+        share = GaugeMetricFamily("alnair_container_dispatch_share_ratio",
+                                  "Dispatcher: the container's measured share of its GPU, last profiler window",
+                                  labels=CONTAINER_LABELS)
+        d = getattr(a, "dispatcher", None)
         for alloc in a.allocator.allocations.values():
             labels = [index.get(alloc.gpu_uuid, ""), alloc.gpu_uuid, alloc.namespace, alloc.pod_name, alloc.container]
+            c = d.state.get(alloc.id) if d is not None else None
+            if c is not None:
+                grant.add_metric(labels, c.rate / 1e9)
+                if c.measured is not None:
+                    share.add_metric(labels, c.measured / 100)
             limit.add_metric(labels, alloc.memory_limit)
             cap.add_metric(labels, alloc.compute_limit / 100)
             u = p.usage.get(alloc.id) if p is not None else None
@@ -152,7 +164,7 @@ class AgentCollector(Collector):
             used.add_metric(labels, u.memory_now_bytes)
             gpu_s.add_metric(labels, u.gpu_seconds)
             throttled.add_metric(labels, u.throttled_s)
-        yield from (util, memcpy, used, limit, cap, gpu_s, throttled)
+        yield from (util, memcpy, used, limit, cap, gpu_s, throttled, grant, share)
 
 
 class MetricsServer:

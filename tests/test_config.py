@@ -57,6 +57,13 @@ BAD_VALUES = [
     ("ALNAIR_ANNOTATE_INTERVAL_S", "-1", "0.0..3600.0"),
     ("ALNAIR_SIM_TIMELINE_DIR", "timelines", "absolute path"),
     ("ALNAIR_SIM_FAULTS_FILE", "faults.json", "absolute path"),
+    ("ALNAIR_DISPATCHER", "yes", "on"),
+    ("ALNAIR_COMPUTE_POLICY", "greedy", "strict"),
+    ("ALNAIR_DISPATCH_INTERVAL_S", "0.001", "0.01..1.0"),
+    ("ALNAIR_DISPATCH_GAIN", "2", "0.05..1.0"),
+    ("ALNAIR_DISPATCH_FAST_GAIN", "nan", "0.05..1.0"),
+    ("ALNAIR_DISPATCH_MAX_FACTOR", "0.5", "1.0..50.0"),
+    ("ALNAIR_DISPATCH_IDLE_S", "0", "0.02..10.0"),
 ]
 
 

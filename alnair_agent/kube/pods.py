@@ -18,7 +18,8 @@ from typing import Any
 
 import structlog
 
-from alnair_agent.constants import RESOURCE_COMPUTE, RESOURCE_MEMORY, RESOURCES, USAGE_ANNOTATION
+from alnair_agent.constants import (COMPUTE_POLICY_ANNOTATION, RESOURCE_COMPUTE, RESOURCE_MEMORY, RESOURCES,
+                                     USAGE_ANNOTATION)
 from alnair_agent.node.decision import (
     ALLOCATED_ANNOTATION,
     PLACEMENT_ANNOTATION,
@@ -116,6 +117,7 @@ class PodInfo:
     # from status: the profiler maps a process's cgroup to its container by these.
     container_ids: tuple[tuple[str, str], ...] = ()
     usage: str = ""  # the pod's ai.centaurus.io/usage annotation as found (the profiler merges into it)
+    compute_policy: str = ""  # its ai.centaurus.io/compute-policy annotation as found (the dispatcher validates it)
 
     @property
     def finished(self) -> bool:
@@ -317,4 +319,5 @@ def parse_pod(obj: Mapping[str, Any]) -> PodInfo:
         created_at=parse_time(meta.get("creationTimestamp")) or EPOCH,
         container_ids=_container_ids(status),
         usage=usage if isinstance(usage := _dict(meta.get("annotations")).get(USAGE_ANNOTATION), str) else "",
+        compute_policy=cp if isinstance(cp := annotations.get(COMPUTE_POLICY_ANNOTATION), str) else "",
     )

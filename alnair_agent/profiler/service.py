@@ -52,6 +52,7 @@ class _Collected:
     waits: dict[str, list[tuple[tuple[int, int, int], int]]]  # allocation -> slots' wait counters
     copies: dict[str, list[tuple[tuple[int, int, int], int]]]  # allocation -> slots' copy_bytes counters
     region_memory: dict[str, int]  # allocation -> bytes its slots claim (fallback when NVML says nothing)
+    at: float = 0.0  # monotonic s the sample was taken (the end of its window), for the dispatcher
 
 
 class Profiler:
@@ -73,6 +74,10 @@ class Profiler:
         self._ended: dict[PodKey, dict[str, dict[str, object]]] = {}  # entries of ended containers, per pod
         self._ended_uid: dict[PodKey, str] = {}  # the UID of the pod those entries belong to ("" if unknown)
         self._published: dict[PodKey, float] = {}  # monotonic time of the pod's last write
+        # for the dispatcher: samples taken, seconds of window they covered, when the newest was taken
+        self.samples = 0
+        self.sampled_s = 0.0
+        self.sample_at = 0.0
 
     # -- what the reconciler calls -----------------------------------------------------------------------------
     def seen(self, alloc: "Allocation") -> None:
@@ -163,6 +168,10 @@ class Profiler:
                       memory)
             else:
                 u.idle()
+        if dt > 0:
+            self.sampled_s += dt
+            self.sample_at = collected.at
+            self.samples += 1
         self._drop_gone_pods()
         self._publish_due(now_mono)
 
@@ -240,6 +249,7 @@ class Profiler:
     def _collect(self, snap: _Snapshot) -> _Collected:
         """In a worker thread: sample the GPUs, read the region slots, place every process."""
         samples = self.backend.sample()
+        at = time.monotonic()
         slots: list[SlotPid] = []
         waits: dict[str, list[tuple[tuple[int, int, int], int]]] = {}
         copies: dict[str, list[tuple[tuple[int, int, int], int]]] = {}
@@ -267,7 +277,7 @@ class Profiler:
                 unattributed[p.gpu_uuid] = unattributed.get(p.gpu_uuid, 0) + 1
             else:
                 places[p.pid] = place.alloc_id
-        return _Collected(samples, places, unattributed, waits, copies, region_memory)
+        return _Collected(samples, places, unattributed, waits, copies, region_memory, at)
 
     def _drop_gone_pods(self) -> None:
         if self.pods is None or not self.pods.synced:

@@ -12,6 +12,7 @@
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 
 #define HDR_WORDS 8u
@@ -91,15 +92,35 @@ static void bucket_add(uint64_t *b, uint64_t k, uint64_t ns)
     }
 }
 
-static void book(uint64_t *buckets, uint64_t start, uint64_t end)
+/* Book `ns` of work spread evenly over [start, end) into the buckets it covers. */
+static void book(uint64_t *buckets, uint64_t start, uint64_t end, uint64_t ns)
 {
+    uint64_t span = end - start, done = 0;
     for (uint64_t k = start / SIMTL_BUCKET_NS, n = 0; k * SIMTL_BUCKET_NS < end && n < SIMTL_BUCKETS; k++, n++) {
         uint64_t lo = k * SIMTL_BUCKET_NS, hi = lo + SIMTL_BUCKET_NS;
         uint64_t a = start > lo ? start : lo, z = end < hi ? end : hi;
-        bucket_add(&buckets[k % SIMTL_BUCKETS], k, z - a);
+        uint64_t part = z >= end ? ns - done : (uint64_t)((unsigned __int128)(z - a) * ns / span);
+        done += part;
+        bucket_add(&buckets[k % SIMTL_BUCKETS], k, part);
     }
 }
 
+static uint64_t bucket_get(const uint64_t *b, uint64_t k)
+{
+    uint64_t v = LOAD(b);
+    return (v >> 32) == (k & 0xffffffffull) ? (v & 0xffffffffull) : 0;
+}
+
+/* Time-slicing, as a GPU without MPS does it, on a timeline booked in advance. A kernel runs at speed
+ *     max(1 / n, 1 - U)
+ * where n counts the processes with work on the GPU now (itself included) and U is the share of the GPU the
+ * other processes used over the last RECENT buckets: processes that all want the whole GPU split it equally
+ * (1/n each), and one that wants less leaves the rest to the others (a process at 30 % beside a greedy one: the
+ * greedy one runs at 0.7, the other at 0.5 for 60 % of the time). A kernel at speed s ends dur / s after its start
+ * and its dur ns of GPU time are booked evenly over that span, so the events around it see the stretched time a
+ * time-sliced kernel shows. A process's own kernels run one after another (its lane_end). Speeds are fixed when a
+ * kernel is booked, so a change in who is busy is felt within one in-flight horizon. */
+#define RECENT 5u
 uint64_t simtl_book(uint64_t earliest, uint64_t dur, uint64_t mem_bytes, enum simtl_kind kind)
 {
     pid_t me = getpid();
@@ -117,16 +138,45 @@ uint64_t simtl_book(uint64_t earliest, uint64_t dur, uint64_t mem_bytes, enum si
     }
     if (tl == NULL || dur == 0)
         return earliest;
-    uint64_t busy = LOAD(&tl[4]), start;
-    do
-        start = earliest > busy ? earliest : busy;
-    while (!CAS(&tl[4], &busy, start + dur));
-    uint64_t *gpu = tl + HDR_WORDS + (kind == SIMTL_COPY ? SIMTL_BUCKETS : 0);
-    book(gpu, start, start + dur);
+    uint64_t start = earliest, n = 1, others = 0;
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    uint64_t now = (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec, kn = now / SIMTL_BUCKET_NS;
+    if (myslot != NULL) {
+        uint64_t lane = LOAD(&myslot[3]);
+        if (lane > start)
+            start = lane;
+    }
+    for (unsigned i = 0; i < SIMTL_SLOTS; i++) {
+        uint64_t *s = slot_at(i);
+        if (s == myslot || LOAD(&s[0]) == 0)
+            continue;
+        if (LOAD(&s[3]) > now)
+            n++;
+        for (uint64_t k = kn - RECENT; k < kn; k++)
+            others += bucket_get(&s[SLOT_HDR_WORDS + k % SIMTL_BUCKETS], k);
+    }
+    if (myslot == NULL) /* no slot of its own (all taken): it still shares the GPU */
+        n++;
+    double speed = 1.0 - (double)others / (double)(RECENT * SIMTL_BUCKET_NS);
+    if (speed < 1.0 / (double)n)
+        speed = 1.0 / (double)n;
+    uint64_t end = start + (uint64_t)((double)dur / speed);
+    if (myslot != NULL) {
+        uint64_t lane = LOAD(&myslot[3]);
+        while (lane < end && !CAS(&myslot[3], &lane, end))
+            ;
+    }
+    uint64_t busy = LOAD(&tl[4]);
+    while (busy < end && !CAS(&tl[4], &busy, end))
+        ;
+    book(tl + HDR_WORDS + (kind == SIMTL_COPY ? SIMTL_BUCKETS : 0), start, end, dur);
     if (myslot != NULL) {
         STORE(&myslot[1], mem_bytes);
         __atomic_fetch_add(&myslot[2], dur, __ATOMIC_RELAXED);
-        book(myslot + SLOT_HDR_WORDS + (kind == SIMTL_COPY ? SIMTL_BUCKETS : 0), start, start + dur);
+        book(myslot + SLOT_HDR_WORDS + (kind == SIMTL_COPY ? SIMTL_BUCKETS : 0), start, end, dur);
     }
-    return start;
+    /* the caller ends the kernel at the returned start + dur: it appears to start late, as a time-sliced one
+     * does to the events around it */
+    return end - dur;
 }

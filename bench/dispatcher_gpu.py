@@ -1,0 +1,334 @@
+"""The dispatcher on a real GPU (issue 9's benchmarks): the agent in-process with the NVML backend and the kubelet
+emulator; tenants are PyTorch processes started the way their containers would be (the Allocate answer's env and
+region, the shim preloaded, CUDA_VISIBLE_DEVICES for NVIDIA_VISIBLE_DEVICES).
+
+Scenarios (--only, comma-separated; default all):
+  caps     20/30/50/70 % alone, one after another: share from the tenant's own matmul completions (CUDA events)
+           and NVML GPU utilization (sampled every 100 ms); settling = first time after which every 250 ms window
+           stays within +-3 points of the cap.
+  pair     30 % and 70 % together: throughput ratio (goal 3:7 = 0.4286 within +-10 %).
+  three    20/30/50 % together: each one's share (goal +-3 points).
+  elastic  ALNAIR_COMPUTE_POLICY=elastic: a lone tenant at 30 % (goal >= 95 %), then one at 70 % starts: the
+           lender's share per 50 ms and the time until it is back at its cap (goal <= 200 ms).
+  packing  small-batch training and inference jobs, two and three, one after another (no shim) vs together under
+           Alnair with memory limits and elastic compute: makespan (goal: together >= 40 % shorter).
+A share is matmuls completed x the duration of one matmul (timed alone, uncapped, first) / wall time.
+
+  python3 bench/dispatcher_gpu.py --shim /tmp/shim/libalnair.so --json $OUT/dispatcher_gpu.json
+Prints one table per scenario and writes everything (per-window series included) as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+
+import pynvml  # noqa: E402
+
+from alnair_agent.app import Agent  # noqa: E402
+from alnair_agent.config import Settings  # noqa: E402
+from alnair_agent.constants import (ENV_COMPUTE_LIMIT, ENV_MEMORY_LIMIT, ENV_REGION, ENV_VISIBLE_DEVICES,  # noqa: E402
+                                    RESOURCE_COMPUTE, RESOURCE_MEMORY)
+from alnair_agent.gpu.nvml import NvmlBackend  # noqa: E402
+from alnair_agent.kube.wiring import pod_resources_lister  # noqa: E402
+from alnair_agent.kubelet.emulator import KubeletEmulator  # noqa: E402
+
+CALIBRATE = """
+import json, torch
+a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+for _ in range(50):
+    a @ a
+torch.cuda.synchronize()
+s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+s.record()
+for _ in range(500):
+    a @ a
+e.record()
+torch.cuda.synchronize()
+print(json.dumps({"matmul_s": s.elapsed_time(e) / 1000 / 500}), flush=True)
+"""
+
+# bf16 matmuls back to back for argv[1] s; an event every 4 matmuls gives when each batch completed on the GPU
+TENANT = """
+import json, sys, time, torch
+a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+torch.cuda.synchronize()
+t0 = torch.cuda.Event(enable_timing=True); t0.record(); torch.cuda.synchronize()
+wall0 = time.time()
+marks, n, end = [], 0, time.time() + float(sys.argv[1])
+while time.time() < end:
+    for _ in range(4):
+        b = a @ a
+    n += 4
+    e = torch.cuda.Event(enable_timing=True); e.record(); marks.append((e, n))
+torch.cuda.synchronize()
+print(json.dumps({"matmuls": n, "wall0": wall0, "life_s": time.time() - wall0,
+                  "marks": [[t0.elapsed_time(e) / 1000, k] for e, k in marks]}), flush=True)
+"""
+
+TRAIN = """
+import json, sys, time, torch
+torch.manual_seed(0)
+width, batch, steps = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+m = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.GELU()) for _ in range(6)]).cuda()
+opt = torch.optim.AdamW(m.parameters(), 1e-4)
+x, y = torch.randn(batch, width, device="cuda"), torch.randn(batch, width, device="cuda")
+torch.cuda.synchronize(); t = time.time()
+for _ in range(steps):
+    with torch.autocast("cuda", torch.bfloat16):
+        loss = torch.nn.functional.mse_loss(m(x), y)
+    opt.zero_grad(set_to_none=True); loss.backward(); opt.step()
+torch.cuda.synchronize()
+print(json.dumps({"seconds": time.time() - t, "steps": steps}), flush=True)
+"""
+
+INFER = """
+import json, sys, time, torch
+torch.manual_seed(0)
+d, batch, iters = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+layer = torch.nn.TransformerEncoderLayer(d, 16, 4 * d, batch_first=True)
+m = torch.nn.TransformerEncoder(layer, 6).cuda().eval().to(torch.bfloat16)
+x = torch.randn(batch, 128, d, device="cuda", dtype=torch.bfloat16)
+torch.cuda.synchronize(); t = time.time()
+with torch.no_grad():
+    for _ in range(iters):
+        m(x)
+torch.cuda.synchronize()
+print(json.dumps({"seconds": time.time() - t, "iters": iters}), flush=True)
+"""
+
+JOBS = {  # name: (script, args); sized for roughly 10 s each alone on an H200 (the run prints what they took)
+    "train-mlp": (TRAIN, ["2048", "32", "6000"]),
+    "infer-transformer": (INFER, ["1024", "4", "1500"]),
+    "train-mlp-wide": (TRAIN, ["4096", "16", "3000"]),
+}
+
+
+async def run_py(code: str, env: dict[str, str], *args: str, timeout: float = 600) -> dict:
+    p = await asyncio.create_subprocess_exec(sys.executable, "-c", code, *args, env=env,
+                                             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    out, err = await asyncio.wait_for(p.communicate(), timeout)
+    if p.returncode != 0:
+        raise RuntimeError(err.decode()[-3000:])
+    return json.loads(out.decode().strip().splitlines()[-1])
+
+
+class Node:
+    """A fresh agent (NVML backend) and kubelet emulator; admit() returns a tenant's environment."""
+
+    def __init__(self, shim: Path, policy: str, dispatcher: str) -> None:
+        self.shim, self.policy, self.dispatcher = shim, policy, dispatcher
+
+    async def __aenter__(self) -> "Node":
+        self.root = Path(tempfile.mkdtemp(prefix="aln-", dir="/tmp"))
+        r = self.root
+        self.settings = Settings(node_name="gpu-node", device_plugin_dir=r / "dp", pod_resources_socket=r / "pr" / "k.sock",
+                                 workspace=r / "ws", shim_dir=self.shim.parent, gpu_backend="nvml", kubernetes="off",
+                                 metrics_port=0, resync_interval_s=0.5, profile_interval_s=0.25,
+                                 compute_policy=self.policy, dispatcher=self.dispatcher)
+        self.kubelet = KubeletEmulator(self.settings.device_plugin_dir, self.settings.pod_resources_socket)
+        await self.kubelet.__aenter__()
+        self.lister = pod_resources_lister(self.settings)
+        list_held = await self.lister.__aenter__()
+        self.agent = Agent(self.settings, NvmlBackend(), list_held=list_held)
+        self.stop = asyncio.Event()
+        self.task = asyncio.create_task(self.agent.run(self.stop))
+        await self.kubelet.wait_for(lambda k: all(x in k.plugins and k.plugins[x].devices
+                                                  for x in (RESOURCE_MEMORY, RESOURCE_COMPUTE)), 60)
+        self.n = 0
+        return self
+
+    async def admit(self, compute: int, memory_gib: int = 16) -> dict[str, str]:
+        self.n += 1
+        req = {RESOURCE_MEMORY: memory_gib, **({RESOURCE_COMPUTE: compute} if compute else {})}
+        answers = await self.kubelet.admit("default", f"t{self.n}", "main", req)
+        env = {k: v for a in answers.values() for k, v in a.envs.items()}
+        run_dir = next(m.host_path for a in answers.values() for m in a.mounts if m.container_path == "/run/alnair")
+        index = next(g.index for g in self.agent.gpus if g.uuid == env[ENV_VISIBLE_DEVICES])
+        return {**os.environ, "LD_PRELOAD": str(self.shim), ENV_REGION: f"{run_dir}/region",
+                ENV_MEMORY_LIMIT: env.get(ENV_MEMORY_LIMIT, "0"), ENV_COMPUTE_LIMIT: env.get(ENV_COMPUTE_LIMIT, "0"),
+                "CUDA_VISIBLE_DEVICES": str(index)}
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.stop.set()
+        await asyncio.wait_for(self.task, 20)
+        await self.lister.__aexit__(None, None, None)
+        await self.kubelet.__aexit__(None, None, None)
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+class NvmlSampler:
+    """GPU utilization (NVML) every 100 ms: (wall time, percent)."""
+
+    def __init__(self, index: int) -> None:
+        self.index, self.samples, self.task = index, [], None
+
+    async def run(self) -> None:
+        h = pynvml.nvmlDeviceGetHandleByIndex(self.index)
+        while True:
+            self.samples.append((time.time(), pynvml.nvmlDeviceGetUtilizationRates(h).gpu))
+            await asyncio.sleep(0.1)
+
+    def __enter__(self) -> "NvmlSampler":
+        self.task = asyncio.create_task(self.run())
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.task.cancel()
+
+    def mean(self, t0: float, t1: float) -> float:
+        xs = [u for t, u in self.samples if t0 <= t <= t1]
+        return sum(xs) / len(xs) if xs else float("nan")
+
+
+def series(r: dict, matmul_s: float, t0: float, t1: float, step: float) -> list[float]:
+    """The tenant's share (%) per `step` s window over wall time [t0, t1], from its completion marks."""
+    out = []
+    marks = [(r["wall0"] + t, k) for t, k in r["marks"]]
+    done = lambda t: max([k for tt, k in marks if tt <= t], default=0)  # noqa: E731
+    t = t0
+    while t + step <= t1 + 1e-9:
+        out.append(100.0 * (done(t + step) - done(t)) * matmul_s / step)
+        t += step
+    return out
+
+
+def share(r: dict, matmul_s: float, t0: float, t1: float) -> float:
+    return series(r, matmul_s, t0, t1, t1 - t0)[0]
+
+
+def settle_s(xs: list[float], cap: float, step: float, tol: float = 3.0) -> float | None:
+    for i in range(len(xs)):
+        if all(abs(x - cap) <= tol for x in xs[i:]):
+            return i * step
+    return None
+
+
+async def caps(shim: Path, matmul_s: float, seconds: float) -> dict:
+    out = {}
+    for cap in (20, 30, 50, 70):
+        async with Node(shim, "strict", ARGS.dispatcher) as node:  # a fresh node each: one GPU holds 100 %
+            env = await node.admit(cap)
+            with NvmlSampler(int(env["CUDA_VISIBLE_DEVICES"])) as nv:
+                r = await run_py(TENANT, env, str(seconds))
+            t0, t1 = r["wall0"], r["wall0"] + r["life_s"]
+            xs = series(r, matmul_s, t0, t1, 0.25)
+            out[cap] = {"share": share(r, matmul_s, t0 + 1, t1), "nvml": nv.mean(t0 + 1, t1),
+                        "settle_s": settle_s(xs, cap, 0.25), "per_250ms": xs, "nvml_samples": nv.samples}
+    print("\ncaps alone (after the first second)   goal: NVML within +-3 points, settling <= 1 s")
+    print(f"{'cap':>4} {'share %':>8} {'NVML %':>7} {'settle s':>9}")
+    for cap, v in out.items():
+        print(f"{cap:>4} {v['share']:>8.1f} {v['nvml']:>7.1f} {v['settle_s'] if v['settle_s'] is not None else '-':>9}")
+    return out
+
+
+async def together(shim: Path, matmul_s: float, seconds: float, cap_list: tuple[int, ...]) -> dict:
+    async with Node(shim, "strict", ARGS.dispatcher) as node:
+        envs = [await node.admit(c) for c in cap_list]
+        rs = await asyncio.gather(*(run_py(TENANT, e, str(seconds)) for e in envs))
+    t0 = max(r["wall0"] for r in rs) + 1.0
+    t1 = min(r["wall0"] + r["life_s"] for r in rs)
+    shares = [share(r, matmul_s, t0, t1) for r in rs]
+    return {"caps": cap_list, "shares": shares, "matmuls": [r["matmuls"] for r in rs],
+            "per_s": [series(r, matmul_s, t0, t1, 1.0) for r in rs]}
+
+
+async def elastic(shim: Path, matmul_s: float) -> dict:
+    async with Node(shim, "elastic", ARGS.dispatcher) as node:
+        lender_env, other_env = await node.admit(30), await node.admit(70)
+        lender = asyncio.create_task(run_py(TENANT, lender_env, "12"))
+        await asyncio.sleep(6.0)
+        tb = time.time()
+        other = await run_py(TENANT, other_env, "4")
+        lr = await lender
+    xs = series(lr, matmul_s, tb, tb + 3.0, 0.05)
+    alone = share(lr, matmul_s, lr["wall0"] + 1.0, tb)
+    # the second tenant's process start includes CUDA start-up: count from its first completed matmul
+    first = other["wall0"] + other["marks"][0][0] if other["marks"] else tb
+    ys = series(lr, matmul_s, first, first + 2.0, 0.05)
+    back = next((i * 0.05 for i in range(len(ys)) if all(y <= 33 for y in ys[i:])), None)
+    print("\nelastic (policy elastic, lender capped at 30 %)   goal: alone >= 95 %, back at its cap <= 200 ms")
+    print(f"lender alone {alone:.1f} %; second tenant's first matmul {first - tb:.2f} s after its start; lender back at"
+          f" <= 33 % after {back if back is not None else '-'} s; lender per 50 ms from then: "
+          f"{[round(y) for y in ys[:20]]}")
+    return {"alone": alone, "back_s": back, "lender_per_50ms_from_second_start": xs,
+            "lender_per_50ms_from_second_first_matmul": ys, "second_start_delay_s": first - tb}
+
+
+async def packing(shim: Path) -> dict:
+    plain = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+    alone = {}
+    for name, (code, args) in JOBS.items():
+        t = time.time()
+        await run_py(code, {**plain, "CUDA_VISIBLE_DEVICES": "0"}, *args)
+        alone[name] = time.time() - t
+    out = {"alone_s": alone}
+    for group in (("train-mlp", "infer-transformer"), ("train-mlp", "infer-transformer", "train-mlp-wide")):
+        seq = sum(alone[n] for n in group)
+        cap = 100 // len(group)
+        async with Node(shim, "elastic", ARGS.dispatcher) as node:
+            envs = [await node.admit(cap, memory_gib=24) for _ in group]
+            t = time.time()
+            await asyncio.gather(*(run_py(JOBS[n][0], e, *JOBS[n][1]) for n, e in zip(group, envs)))
+            tog = time.time() - t
+        out["+".join(group)] = {"sequential_s": seq, "together_s": tog, "shorter": 1 - tog / seq, "cap": cap}
+    print("\npacking (elastic, memory limit 24 GiB each)   goal: together >= 40 % shorter")
+    print(f"{'jobs':<48} {'one after another s':>20} {'together s':>11} {'shorter':>8}")
+    for k, v in out.items():
+        if k != "alone_s":
+            print(f"{k:<48} {v['sequential_s']:>20.1f} {v['together_s']:>11.1f} {100 * v['shorter']:>7.1f}%")
+    return out
+
+
+async def main() -> dict:
+    pynvml.nvmlInit()
+    results: dict = {"dispatcher": ARGS.dispatcher}
+    calib = await run_py(CALIBRATE, {**{k: v for k, v in os.environ.items() if k != "LD_PRELOAD"},
+                                     "CUDA_VISIBLE_DEVICES": "0"})
+    ms = results["matmul_s"] = calib["matmul_s"]
+    print(f"one bf16 4096^3 matmul alone: {ms * 1e3:.3f} ms")
+    only = set(ARGS.only.split(","))
+    if "caps" in only:
+        results["caps"] = await caps(ARGS.shim, ms, 8.0)
+    if "pair" in only:
+        p = results["pair"] = await together(ARGS.shim, ms, 12.0, (30, 70))
+        ratio = p["matmuls"][0] / p["matmuls"][1]
+        p["ratio"] = ratio
+        print(f"\npair 30/70: shares {p['shares'][0]:.1f} / {p['shares'][1]:.1f} %, throughput ratio {ratio:.3f} "
+              f"(3:7 = 0.429, {100 * (ratio / (3 / 7) - 1):+.1f} %; goal within +-10 %)")
+    if "three" in only:
+        t = results["three"] = await together(ARGS.shim, ms, 12.0, (20, 30, 50))
+        print("\nthree 20/30/50: shares " + " / ".join(f"{s:.1f}" for s in t["shares"]) + " %  (goal each +-3)")
+    if "elastic" in only:
+        results["elastic"] = await elastic(ARGS.shim, ms)
+    if "packing" in only:
+        results["packing"] = await packing(ARGS.shim)
+    pynvml.nvmlShutdown()
+    return results
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shim", type=Path, default=Path("/tmp/shim/libalnair.so"))
+    ap.add_argument("--json", type=Path)
+    ap.add_argument("--only", default="caps,pair,three,elastic,packing")
+    ap.add_argument("--dispatcher", choices=("on", "off"), default="on",
+                    help="off: the same runs with plain cap-rate grant lines (the shim alone), for comparison")
+    ARGS = ap.parse_args()
+    import structlog
+    import logging
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
+    res = asyncio.run(main())
+    if ARGS.json:
+        ARGS.json.write_text(json.dumps(res, indent=1, default=str))
+        print(f"\nwrote {ARGS.json}")

@@ -1,0 +1,71 @@
+"""The dispatcher's control law on its own (no processes): factor estimation, anti-windup, elastic targets, and
+counters a container could forge."""
+
+from __future__ import annotations
+
+import pytest
+
+from alnair_agent.dispatcher import control as C
+from alnair_agent.dispatcher.service import parse_policy
+
+G = C.Gains()
+
+
+def fed(c: C.Container, t: float, taken: int) -> None:
+    C.observe_counters(c, t, 0.05, taken, 0, int(t * 1000), G.max_factor)
+
+
+def test_factor_converges_to_taken_over_used_and_is_bounded():
+    c = C.Container("a", 30)
+    taken = 0
+    for i in range(200):  # charged 2 tokens per GPU ns it really got: 60 % worth of tokens buys 30 %
+        t = i * 0.05
+        taken += int(0.6e9 * 0.05)
+        fed(c, t, taken)
+        if i and i % 5 == 0:
+            C.observe_share(c, t - 0.25, t, 30.0, G)
+    assert c.k == pytest.approx(2.0, rel=0.05)
+    C.targets([c], 10.0, G)
+    assert C.rate_for(c, G) == pytest.approx(0.6e9, rel=0.05)
+    for i in range(200, 400):  # absurd: tokens taken with nothing on the GPU -> no update below MIN_SHARE
+        t = i * 0.05
+        taken += int(9e9 * 0.05)
+        fed(c, t, taken)
+        if i % 5 == 0:
+            C.observe_share(c, t - 0.25, t, 1.0, G)
+    assert c.k <= G.max_factor  # anti-windup bound
+
+
+def test_forged_counters_count_as_nothing():
+    c = C.Container("a", 30)
+    C.observe_counters(c, 0.0, 0.05, 10**15, 0, 0, G.max_factor)
+    C.observe_counters(c, 0.05, 0.05, 5, 0, 0, G.max_factor)  # fell
+    assert c.taken_rate == 0
+    C.observe_counters(c, 0.1, 0.05, 2**63, 2**63, 0, G.max_factor)  # leapt
+    assert c.taken_rate <= 64 * G.max_factor * 1e9
+    assert C.K_MIN * c.cap_rate <= C.rate_for(c, G) <= C.LEND_ALL * C.NS_PER_PERCENT * G.max_factor
+
+
+def test_elastic_targets():
+    lender = C.Container("l", 30, C.ELASTIC)
+    lender.last_active = lender.last_hungry = 1.0
+    C.targets([lender], 1.0, G)
+    assert lender.target == C.LEND_ALL  # alone and wanting: the whole GPU
+    other = C.Container("o", 70, C.STRICT)
+    other.last_active, other.active_since = 1.0, 1.0  # just started, nothing measured yet: its cap is reserved
+    C.targets([lender, other], 1.0, G)
+    assert lender.target == 30 and other.target == 70
+    strict = C.Container("s", 30, C.STRICT)
+    strict.last_active = strict.last_hungry = 1.0
+    C.targets([strict], 1.0, G)
+    assert strict.target == 30  # strict: a ceiling
+    small = C.Container("x", 20, C.STRICT)  # active, measured using 10 %, not waiting: the rest can be lent
+    small.last_active, small.active_since, small.measured, small.measured_at = 1.0, 0.0, 10.0, 0.5
+    C.targets([lender, small], 1.0, G)
+    assert lender.target == pytest.approx(100 - C.SPARE_MARGIN - 10)
+
+
+@pytest.mark.parametrize(("raw", "want"), [("", ("strict", True)), ("elastic", ("elastic", True)),
+                                           (" Strict ", ("strict", True)), ("greedy", ("strict", False))])
+def test_parse_policy(raw, want):
+    assert parse_policy(raw, "strict") == want
