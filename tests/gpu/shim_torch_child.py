@@ -123,9 +123,9 @@ class Driver:
         self.check(self.cu.cuCtxSynchronize(), "cuCtxSynchronize")
 
     def timed(self, fn, ns: int, blocks: int, threads: int) -> float:
-        """GPU seconds of one launch, by events (the events are not the shim's), after one launch to warm up (a
-        function's first launch also loads its module)."""
-        self.check(self.launch(fn, ns, blocks, threads), "cuLaunchKernel")
+        """GPU seconds of one launch, by events (the events are not the shim's). No warm-up launch: under a cap it
+        would spend the tokens the timed launch then waits for (between the two events). Modules are loaded eagerly
+        where it matters (CUDA_MODULE_LOADING=EAGER), so a first launch is not a module load."""
         e0, e1 = ctypes.c_void_p(), ctypes.c_void_p()
         self.check(self.cu.cuEventCreate(ctypes.byref(e0), 0), "cuEventCreate")
         self.check(self.cu.cuEventCreate(ctypes.byref(e1), 0), "cuEventCreate")
