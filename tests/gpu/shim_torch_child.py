@@ -122,10 +122,12 @@ class Driver:
     def sync(self) -> None:
         self.check(self.cu.cuCtxSynchronize(), "cuCtxSynchronize")
 
-    def timed(self, fn, ns: int, blocks: int, threads: int) -> float:
-        """GPU seconds of one launch, by events (the events are not the shim's). No warm-up launch: under a cap it
-        would spend the tokens the timed launch then waits for (between the two events). Modules are loaded eagerly
-        where it matters (CUDA_MODULE_LOADING=EAGER), so a first launch is not a module load."""
+    def timed(self, fn, ns: int, blocks: int, threads: int, warm: bool = False) -> float:
+        """GPU seconds of one launch, by events (the events are not the shim's). `warm`: one launch first (a
+        function's first launch costs more than its later ones); only for short kernels, since under a cap the
+        warm-up spends tokens the timed launch may then wait for, between the two events."""
+        if warm:
+            self.check(self.launch(fn, ns, blocks, threads), "cuLaunchKernel")
         e0, e1 = ctypes.c_void_p(), ctypes.c_void_p()
         self.check(self.cu.cuEventCreate(ctypes.byref(e0), 0), "cuEventCreate")
         self.check(self.cu.cuEventCreate(ctypes.byref(e1), 0), "cuEventCreate")
@@ -168,7 +170,7 @@ def spin_scenario(kind: str, seconds: float) -> dict:
     cost = {}
     for f, ns, blocks in plan:
         if (ns, blocks) not in cost:
-            cost[(ns, blocks)] = d.timed(f, ns, blocks, threads)
+            cost[(ns, blocks)] = d.timed(f, ns, blocks, threads, warm=kind == "distinct")
     res["kernel_s"] = {f"{ns}ns x{blocks}": v for (ns, blocks), v in cost.items()}
     d.sync()
     t0 = time.perf_counter()
