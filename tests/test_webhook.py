@@ -171,3 +171,44 @@ def test_env_from_with_a_prefix_that_makes_the_agents_variables_is_refused(prefi
     p = pod(GPU)
     p["spec"]["containers"][1]["envFrom"] = [{"prefix": prefix, "configMapRef": {"name": "settings"}}]
     assert review(admission(p), DEFAULT)["response"]["allowed"] is not refused
+
+
+# -- fuzzed input: the API server's call always gets a well-formed answer ------------------------------------------
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+_json = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8),
+                     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
+                     max_leaves=12)
+_names = st.sampled_from(["NVIDIA_VISIBLE_DEVICES", "LD_PRELOAD", "ALNAIR_MEMORY_LIMIT", "PATH", "", "nvidia_x"])
+_env = st.lists(st.fixed_dictionaries({"name": _names | st.text(max_size=6), "value": st.text(max_size=4)}) | _json,
+                max_size=3)
+_container = st.fixed_dictionaries({"name": st.text(max_size=6)}, optional={
+    "env": _env | _json, "envFrom": st.lists(st.fixed_dictionaries({"prefix": _names | st.text(max_size=4)}) | _json,
+                                             max_size=2) | _json,
+    "resources": st.fixed_dictionaries({"limits": st.dictionaries(
+        st.sampled_from(["alnair/vgpu-memory", "alnair/vgpu-compute", "cpu"]), _json | st.text(max_size=4),
+        max_size=2)}) | _json})
+_pod = st.fixed_dictionaries({}, optional={
+    "metadata": st.fixed_dictionaries({}, optional={"annotations": st.dictionaries(
+        st.sampled_from([PROFILE_ANNOTATION, "x"]), st.text(max_size=12) | _json, max_size=2) | _json,
+        "name": _json}) | _json,
+    "spec": st.fixed_dictionaries({}, optional={"containers": st.lists(_container | _json, max_size=3) | _json,
+                                                "initContainers": st.lists(_container, max_size=2) | _json,
+                                                "schedulerName": _json}) | _json})
+_request = st.fixed_dictionaries({}, optional={
+    "uid": st.text(max_size=6) | _json, "kind": st.just({"kind": "Pod"}) | _json,
+    "operation": st.sampled_from(["CREATE", "UPDATE"]) | _json, "namespace": _json, "object": _pod | _json})
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.one_of(st.fixed_dictionaries({"request": _request}), _json))
+def test_fuzzed_admission_reviews_always_get_a_well_formed_answer(body: Any) -> None:
+    answer = review(body, DEFAULT)
+    assert answer["apiVersion"] == "admission.k8s.io/v1" and answer["kind"] == "AdmissionReview"
+    r = answer["response"]
+    assert isinstance(r["allowed"], bool) and isinstance(r["uid"], str)
+    assert "internal error" not in json.dumps(r)  # no input reaches the bug path
+    if r["allowed"] and "patch" in r:
+        [op] = json.loads(base64.b64decode(r["patch"]))
+        assert op["path"] == "/spec/schedulerName" and op["value"].startswith("alnair-")

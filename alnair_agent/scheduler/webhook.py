@@ -56,19 +56,28 @@ def profile_of(name: str) -> str | None:
     return full if full in PROFILES else None
 
 
+def _map(value: Any) -> Mapping[str, Any]:
+    """The value if it is a JSON object, else an empty one: the pod comes from the API server, but any field may
+    hold anything, and the answer must never be the internal-error path."""
+    return value if isinstance(value, Mapping) else {}
+
+
+def _items(value: Any) -> list[Any]:
+    return value if isinstance(value, list) else []
+
+
 def _containers(spec: Mapping[str, Any]) -> Iterable[tuple[str, Mapping[str, Any]]]:
     for key in CONTAINER_LISTS:
-        for c in spec.get(key) or ():
+        for c in _items(spec.get(key)):
             if isinstance(c, Mapping):
                 yield key, c
 
 
 def asks_for_alnair(pod: Mapping[str, Any]) -> bool:
-    spec = pod.get("spec") or {}
-    for _, c in _containers(spec):
-        resources = c.get("resources") or {}
+    for _, c in _containers(_map(pod.get("spec"))):
+        resources = _map(c.get("resources"))
         for section in ("limits", "requests"):
-            if any(str(k).startswith(RESOURCE_PREFIX) for k in (resources.get(section) or {})):
+            if any(str(k).startswith(RESOURCE_PREFIX) for k in _map(resources.get(section))):
                 return True
     return False
 
@@ -76,13 +85,13 @@ def asks_for_alnair(pod: Mapping[str, Any]) -> bool:
 def forbidden_env(pod: Mapping[str, Any]) -> list[str]:
     """'container/VARIABLE' for every variable a container sets that only the agent may set."""
     found = []
-    for _, c in _containers(pod.get("spec") or {}):
-        for e in c.get("env") or ():
-            name = str((e or {}).get("name", ""))
+    for _, c in _containers(_map(pod.get("spec"))):
+        for e in _items(c.get("env")):
+            name = str(_map(e).get("name", ""))
             if name in FORBIDDEN_ENV or name.startswith(FORBIDDEN_ENV_PREFIX):
                 found.append(f"{c.get('name', '?')}/{name}")
-        for source in c.get("envFrom") or ():  # the keys of a ConfigMap or Secret are not in the pod: the prefix is
-            prefix = str((source or {}).get("prefix", ""))
+        for source in _items(c.get("envFrom")):  # the keys of a ConfigMap or Secret are not in the pod: the prefix is
+            prefix = str(_map(source).get("prefix", ""))
             names = (*FORBIDDEN_ENV, FORBIDDEN_ENV_PREFIX)
             if prefix and (prefix.startswith(FORBIDDEN_ENV_PREFIX) or any(n.startswith(prefix) for n in names)):
                 found.append(f"{c.get('name', '?')}/envFrom prefix {prefix}")
@@ -98,7 +107,7 @@ def decide(pod: Mapping[str, Any], default_profile: str) -> Decision:
                                + ", ".join(bad))
     if not asks_for_alnair(pod):
         return Decision(True)
-    annotations = (pod.get("metadata") or {}).get("annotations") or {}
+    annotations = _map(_map(pod.get("metadata")).get("annotations"))
     wanted = annotations.get(PROFILE_ANNOTATION)
     if wanted is not None:
         profile = profile_of(str(wanted))
@@ -106,9 +115,9 @@ def decide(pod: Mapping[str, Any], default_profile: str) -> Decision:
             return Decision(False, f"alnair: annotation {PROFILE_ANNOTATION}={wanted!r} names no profile; allowed: "
                                    + ", ".join(p.removeprefix("alnair-") for p in PROFILES))
     else:
-        current = (pod.get("spec") or {}).get("schedulerName")
-        profile = current if current in PROFILES else default_profile
-    spec = pod.get("spec") or {}
+        current = _map(pod.get("spec")).get("schedulerName")
+        profile = current if isinstance(current, str) and current in PROFILES else default_profile
+    spec = _map(pod.get("spec"))
     if spec.get("schedulerName") == profile:
         return Decision(True)
     op = "replace" if "schedulerName" in spec else "add"
@@ -121,10 +130,11 @@ def review(body: Any, default_profile: str) -> dict[str, Any]:
     calls that fail, not to answers, so the message reaches the user)."""
     request = body.get("request") if isinstance(body, Mapping) else None
     uid = request.get("uid", "") if isinstance(request, Mapping) else ""
+    uid = uid if isinstance(uid, str) else ""
     if not isinstance(request, Mapping) or not uid:
         decision = Decision(False, "alnair: not an admission.k8s.io/v1 AdmissionReview request")
     else:
-        kind = (request.get("kind") or {}).get("kind")
+        kind = _map(request.get("kind")).get("kind")
         pod = request.get("object")
         if kind != "Pod" or request.get("operation") != "CREATE" or not isinstance(pod, Mapping):
             decision = Decision(True)  # the configuration only sends pod CREATE; anything else passes untouched
@@ -141,9 +151,8 @@ def review(body: Any, default_profile: str) -> dict[str, Any]:
         response["patchType"] = "JSONPatch"
         response["patch"] = base64.b64encode(json.dumps(list(decision.patch)).encode()).decode()
     if isinstance(request, Mapping):
-        pod = request.get("object") or {}
-        meta = pod.get("metadata") or {} if isinstance(pod, Mapping) else {}
-        name = meta.get("name") or meta.get("generateName") or ""
+        meta = _map(_map(request.get("object")).get("metadata"))
+        name = str(meta.get("name") or meta.get("generateName") or "")
         if not decision.allowed:
             log.warning("webhook_denied", namespace=request.get("namespace"), pod=name, message=decision.message)
         elif decision.patch:
