@@ -304,7 +304,8 @@ class Settings:
 def check_paths(settings: Settings) -> list[str]:
     """Start-up checks of the host folders, before anything runs: ConfigError naming the variable when one cannot
     work (the workspace is a file, lies under a file, is read-only or cannot be created; the plugin or shim folder
-    is not a folder). Returns warnings for what may still come right (the shim not installed yet)."""
+    is not a folder; with real GPUs, the shim folder lacks libalnair.so). Returns warnings for what may still come
+    right (simulated GPUs: the shim not installed yet)."""
     from alnair_agent.node.workspace import Workspace, WorkspaceError
 
     try:
@@ -318,6 +319,12 @@ def check_paths(settings: Settings) -> list[str]:
         if not path.exists() and any(p.exists() and not p.is_dir() for p in path.parents):
             raise ConfigError(f"{name}={str(path)!r} is not usable: it lies under a file")
     if not (settings.shim_dir / "libalnair.so").is_file():
+        if settings.gpu_backend == "nvml":
+            # Real GPUs: the DaemonSet's init container has installed the shim before the agent starts; without it
+            # every container admitted would run unlimited.
+            raise ConfigError(f"ALNAIR_SHIM_DIR={str(settings.shim_dir)!r} holds no libalnair.so: containers would "
+                              "run without their limits (the init container installs it: `alnair-agent install-shim "
+                              "DIR`)")
         warnings.append(f"ALNAIR_SHIM_DIR={str(settings.shim_dir)!r} holds no libalnair.so: containers admitted now "
                         "start without the shim (limits unenforced) until it is installed")
     return warnings

@@ -510,3 +510,22 @@ def test_plugin_or_shim_folder_that_is_a_file_stops_start_with_one_line(root, va
     for path in (root / "afile", root / "afile" / "below"):
         err = _start_fails_with_one_line(node_settings(root), **{var: str(path)})
         assert var in err and str(path) in err, err
+
+
+def test_real_gpus_without_the_shim_installed_stop_start(root):
+    """With real GPUs the shim must be there (the DaemonSet's init container installs it before the agent starts):
+    otherwise every container admitted would run without its limits. With simulated GPUs it is only a warning."""
+    from dataclasses import replace
+
+    from alnair_agent.config import ConfigError, check_paths
+
+    settings = node_settings(root)
+    assert not (settings.shim_dir / "libalnair.so").exists()
+    [warning] = check_paths(settings)
+    assert "ALNAIR_SHIM_DIR" in warning and "libalnair.so" in warning
+    with pytest.raises(ConfigError) as err:
+        check_paths(replace(settings, gpu_backend="nvml"))
+    assert "ALNAIR_SHIM_DIR" in str(err.value) and "install-shim" in str(err.value) and "\n" not in str(err.value)
+    settings.shim_dir.mkdir(parents=True, exist_ok=True)
+    (settings.shim_dir / "libalnair.so").write_bytes(b"\x7fELF")
+    assert check_paths(replace(settings, gpu_backend="nvml")) == []
