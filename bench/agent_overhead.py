@@ -35,6 +35,7 @@ sys.path.insert(0, str(ROOT))
 
 from agent_harness import NODE, remove_tree, short_tmp  # noqa: E402
 from fakes.apiserver import FakeApiServer, make_pod  # noqa: E402
+from simbuild import build_shim_and_driver  # noqa: E402
 
 from alnair_agent import logs  # noqa: E402
 from alnair_agent.constants import RESOURCE_MEMORY  # noqa: E402
@@ -43,12 +44,6 @@ from alnair_agent.kubelet.emulator import KubeletEmulator  # noqa: E402
 TICKS = os.sysconf("SC_CLK_TCK")
 
 
-def build(out: Path) -> tuple[Path, Path]:
-    for args in (["make", "-s", "-C", str(ROOT / "shim"), f"BUILD={out / 'shim'}", f"PYTHON={sys.executable}"],
-                 ["make", "-s", "-C", str(ROOT / "tests/shim/simcuda"), f"BUILD={out / 'sim'}",
-                  f"SHIM={ROOT / 'shim'}"]):
-        subprocess.run(args, check=True, capture_output=True, text=True)
-    return out / "shim" / "libalnair.so", out / "sim"
 
 
 def cpu_seconds(pid: int) -> float:
@@ -77,7 +72,8 @@ async def run(containers: int, seconds: float, agent_tree: Path | None = None) -
     procs: list[asyncio.subprocess.Process] = []
     agent = None
     try:
-        shim, sim = build(root / "build")
+        built = build_shim_and_driver(root / "build")
+        shim, sim = built.shim, built.sim
         timelines = root / "timelines"
         port = free_port()
         async with FakeApiServer() as api:

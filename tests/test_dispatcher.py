@@ -7,10 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-import subprocess
-import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -18,6 +15,7 @@ import structlog
 import structlog.testing
 from agent_harness import NODE, kubernetes_for, node_settings, registered, running_agent
 from fakes.apiserver import make_pod
+from simbuild import Build, build_shim_and_driver
 
 from alnair_agent.constants import (COMPUTE_POLICY_ANNOTATION, ENV_COMPUTE_LIMIT, ENV_MEMORY_LIMIT,
                                     ENV_VISIBLE_DEVICES, RESOURCE_COMPUTE)
@@ -42,20 +40,9 @@ async def _recorders():
     RECORDERS.clear()
 
 
-@dataclass(frozen=True)
-class Build:
-    shim: Path
-    sim: Path
-
-
 @pytest.fixture(scope="module")
 def build(tmp_path_factory: pytest.TempPathFactory) -> Build:
-    out = tmp_path_factory.mktemp("dispbuild")
-    for args in (["make", "-s", "-C", str(ROOT / "shim"), f"BUILD={out / 'shim'}", f"PYTHON={sys.executable}"],
-                 ["make", "-s", "-C", str(ROOT / "tests/shim/simcuda"), f"BUILD={out / 'sim'}",
-                  f"SHIM={ROOT / 'shim'}"]):
-        subprocess.run(args, check=True, capture_output=True, text=True)
-    return Build(out / "shim" / "libalnair.so", out / "sim")
+    return build_shim_and_driver(tmp_path_factory.mktemp("dispbuild"))
 
 
 def now_ns() -> int:

@@ -7,10 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import subprocess
-import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -19,6 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from agent_harness import NODE, kubernetes_for, node_settings, registered, running_agent
 from fakes.apiserver import FakeApiServer, make_pod
 from fakes.util import wait_until
+from simbuild import Build, build_shim_and_driver
 
 from alnair_agent.constants import (
     ENV_COMPUTE_LIMIT,
@@ -39,20 +37,9 @@ LONG = "c" * 60  # a container name of 54+ characters: today's per-container key
 MiB = 1 << 20
 
 
-@dataclass(frozen=True)
-class Build:
-    shim: Path
-    sim: Path
-
-
 @pytest.fixture(scope="module")
 def build(tmp_path_factory: pytest.TempPathFactory) -> Build:
-    out = tmp_path_factory.mktemp("profbuild")
-    for args in (["make", "-s", "-C", str(ROOT / "shim"), f"BUILD={out / 'shim'}", f"PYTHON={sys.executable}"],
-                 ["make", "-s", "-C", str(ROOT / "tests/shim/simcuda"), f"BUILD={out / 'sim'}",
-                  f"SHIM={ROOT / 'shim'}"]):
-        subprocess.run(args, check=True, capture_output=True, text=True)
-    return Build(out / "shim" / "libalnair.so", out / "sim")
+    return build_shim_and_driver(tmp_path_factory.mktemp("profbuild"))
 
 
 @pytest.fixture

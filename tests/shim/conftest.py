@@ -5,24 +5,18 @@ Helpers live in shimkit.py (a uniquely named module, so tests can import it what
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from alnair_agent.node.region import Region
-from shimkit import ROOT, SIM_SRC, Build, Runner
+from shimkit import Build, Runner
+from simbuild import build_shim_and_driver
 
 
 @pytest.fixture(scope="session")
 def build(tmp_path_factory: pytest.TempPathFactory) -> Build:
-    out = tmp_path_factory.mktemp("shimbuild")
-    # the shim with the pinned toolchain the package build uses (zig cc from the venv's ziglang, glibc 2.17)
-    for args in (["make", "-s", "-C", str(ROOT / "shim"), f"BUILD={out / 'shim'}", f"PYTHON={sys.executable}"],
-                 ["make", "-s", "-C", str(SIM_SRC), f"BUILD={out / 'sim'}", f"SHIM={ROOT / 'shim'}"]):
-        subprocess.run(args, check=True, capture_output=True, text=True)
-    return Build(shim=out / "shim" / "libalnair.so", sim=out / "sim")
+    return build_shim_and_driver(tmp_path_factory.mktemp("shimbuild"))
 
 
 @pytest.fixture
