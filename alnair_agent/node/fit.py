@@ -251,19 +251,6 @@ def usage(needs: Sequence[Need], placement: Mapping[str, str]) -> dict[str, tupl
     return out
 
 
-def utilization(rooms: Sequence[Room], extra: Mapping[str, tuple[int, int]] | None = None) -> Fraction:
-    """Share of the rooms' units in use (plus `extra` per GPU): the mean of memory and compute used / offered."""
-    extra = extra or {}
-    shares: list[Fraction] = []
-    for total_of, free_of, pick in ((lambda r: r.memory_total, lambda r: r.memory_free, 0),
-                                    (lambda r: r.compute_total, lambda r: r.compute_free, 1)):
-        offered = sum(total_of(r) for r in rooms)
-        used = sum(total_of(r) - free_of(r) + extra.get(r.uuid, (0, 0))[pick] for r in rooms)
-        if offered > 0:
-            shares.append(min(Fraction(1), Fraction(used, offered)))
-    return sum(shares, Fraction(0)) / len(shares) if shares else Fraction(0)
-
-
 @dataclass(frozen=True)
 class FreeSummary:
     """A node's rooms digested once (per change of the node) for the many questions of filter and prioritize:
@@ -326,24 +313,11 @@ def verdict(shape: Shape, rooms: Sequence[Room], free: FreeSummary, policy: str)
     return place(shape.needs, rooms, policy)
 
 
-def fits_fast(shape: Shape, rooms: Sequence[Room], free: FreeSummary, policy: str) -> bool:
-    return not isinstance(verdict(shape, rooms, free, policy), NoFit)
-
-
-def score_fast(shape: Shape, rooms: Sequence[Room], free: FreeSummary, policy: str) -> int:
-    """`score` with the pod's shape and the node's rooms digested (the same integers)."""
-    if not fits_fast(shape, rooms, free, policy):
-        return 0
-    return score_of(shape, free, policy)
-
-
-def score_of(shape: Shape, free: FreeSummary, policy: str) -> int:
-    """The score on a node the pod fits."""
-    return score_added((shape.steady_memory, shape.steady_compute), free, policy)
-
-
 def score_added(added: tuple[int, int], free: FreeSummary, policy: str) -> int:
-    """The score of a node the pod fits, once `added` (memory, compute) more units are in use there."""
+    """0..MAX_SCORE for a node the pod fits, once `added` (memory, compute) more units are in use there (its
+    sidecars and regular containers): PACK favours the most used node, SPREAD the least used. Utilization is the
+    mean over memory and compute of min(1, used / offered), rounded half up, in integers (exact, and cheap enough for
+    thousands of nodes per request)."""
     b, d = free.memory_total, free.compute_total
     a = min(free.memory_used + added[0], b)
     c = min(free.compute_used + added[1], d)
@@ -357,17 +331,3 @@ def score_added(added: tuple[int, int], free: FreeSummary, policy: str) -> int:
         packed = 0
     packed = max(0, min(MAX_SCORE, packed))
     return packed if policy == PACK else MAX_SCORE - packed
-
-
-def peak(needs: Sequence[Need]) -> tuple[int, int]:
-    """Units the pod holds at its peak (memory, compute): per resource, the largest of its groups' sums. Where it
-    goes does not change this, so neither does it change a node's utilization once the pod runs there."""
-    sums = [(sum(n.memory for n in g), sum(n.compute for n in g)) for g in groups(needs)]
-    return (max((m for m, _ in sums), default=0), max((c for _, c in sums), default=0))
-
-
-def score(needs: Sequence[Need], rooms: Sequence[Room], policy: str) -> int:
-    """0..MAX_SCORE: PACK favours the node most used once the pod runs there (its sidecars and regular containers
-    added), SPREAD the least used; 0 where the pod does not fit. Utilization is the mean over memory and compute of
-    min(1, used / offered), rounded half up, in integers (exact, and cheap enough for thousands of nodes)."""
-    return score_fast(Shape.of(needs), rooms, FreeSummary.of(rooms), policy)

@@ -67,20 +67,6 @@ class Summary:
     # kube-scheduler asks filter, then prioritize, then retries unschedulable pods, and a burst of replicas asks
     # the same question of every unchanged node.
     verdicts: dict[int, fit.NoFit | None] = field(default_factory=dict)
-    scores: dict[tuple[int, str], int] = field(default_factory=dict)
-
-    def score(self, shape: fit.Shape, policy: str) -> int:
-        """The pod's score on this node by `policy` (0 where it does not fit or the node takes no pods)."""
-        key = (shape.key, policy)
-        value = self.scores.get(key)
-        if value is None:
-            if self.free is None or self.rooms is None or self.verdict(shape, policy) is not None:
-                value = 0
-            else:
-                value = fit.score_of(shape, self.free, policy)
-            if len(self.scores) < 64:
-                self.scores[key] = value
-        return value
 
     def verdict(self, shape: fit.Shape, policy: str) -> fit.NoFit | None:
         """None when the pod fits here, else why not (the node must have rooms)."""
