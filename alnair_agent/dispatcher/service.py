@@ -174,10 +174,7 @@ class Dispatcher:
             return None
         try:
             region = self._regions[alloc_id] = self.workspace.open_region(alloc_id)
-        except (RegionError, OSError) as e:
-            # The workspace remembers a bad region file: whichever service meets it first says so, once.
-            if alloc_id not in self._refused and not getattr(e, "repeated", False):
-                log.warning("region_unreadable", allocation=alloc_id, error=str(e))
+        except (RegionError, OSError):  # a bad region file: the workspace has said so, once
             self._refused[alloc_id] = now
             return None
         self._refused.pop(alloc_id, None)

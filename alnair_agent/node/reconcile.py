@@ -127,9 +127,7 @@ class Reconciler:
         if region is None:
             try:
                 region = self.workspace.open_region(alloc_id)
-            except RegionError as e:
-                if not getattr(e, "repeated", False):  # logged once per bad file, not every heartbeat
-                    log.warning("region_unreadable", allocation=alloc_id, error=str(e))
+            except RegionError:  # the workspace has said so, once per bad file
                 return None
             self._regions[alloc_id] = region
         return region

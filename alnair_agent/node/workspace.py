@@ -209,8 +209,9 @@ class Workspace:
             raise
 
     def open_region(self, alloc_id: str) -> Region:
-        """Open the container's region. One found bad is remembered: until its path changes it is not opened
-        again; the same RegionError (with `repeated` set) is raised without touching it."""
+        """Open the container's region. One found bad is said once (`region_unreadable`, whichever service met it)
+        and remembered: until its path changes it is not opened again; the same RegionError is raised without
+        touching it."""
         path = self.container_folder(alloc_id) / REGION_FILE_NAME
         try:
             sig = _signature(os.lstat(path))
@@ -218,12 +219,11 @@ class Workspace:
             sig = ()
         bad = self._bad.get(alloc_id)
         if bad is not None and bad[0] == sig:
-            bad[1].repeated = True  # type: ignore[attr-defined]
             raise bad[1]
         try:
             region = Region.open(path)
         except RegionError as e:
-            e.repeated = False  # type: ignore[attr-defined]
+            log.warning("region_unreadable", allocation=alloc_id, error=str(e))
             self._bad[alloc_id] = (sig, e)
             raise
         self._bad.pop(alloc_id, None)
