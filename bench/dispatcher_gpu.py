@@ -10,6 +10,7 @@ Scenarios (--only, comma-separated; default all):
   three    20/30/50 % together: each one's share (goal +-3 points).
   elastic  ALNAIR_COMPUTE_POLICY=elastic: a lone tenant at 30 % (goal >= 95 %), then one at 70 % starts: the
            lender's share per 50 ms and the time until it is back at its cap (goal <= 200 ms).
+  uncapped one, two and three tenants with no compute limit together: what time-slicing leaves of the GPU.
   packing  small-batch training and inference jobs, two and three, one after another (no shim) vs together under
            Alnair with memory limits and elastic compute: makespan (goal: together >= 40 % shorter).
 A share is matmuls completed x the duration of one matmul (timed alone, uncapped, first) / wall time.
@@ -146,6 +147,19 @@ class Node:
         await self.kubelet.wait_for(lambda k: all(x in k.plugins and k.plugins[x].devices
                                                   for x in (RESOURCE_MEMORY, RESOURCE_COMPUTE)), 60)
         self.n = 0
+        self.trace: list[list] = []
+        d = self.agent.dispatcher
+        if d is not None:  # every tick's control state, for the JSON (t, key, cap, k, trim, target, rate, ...)
+            tick = d.tick
+
+            def traced(now: float | None = None) -> None:
+                tick(now)
+                t = time.time()
+                for c in d.state.values():
+                    self.trace.append([round(t, 3), c.key[-6:], c.cap, round(c.k, 3), round(c.trim, 3), round(c.target, 1),
+                                       c.rate, round(c.taken_rate / 1e7, 1), round(c.wait_frac, 3),
+                                       None if c.measured is None else round(c.measured, 1)])
+            d.tick = traced
         return self
 
     async def admit(self, compute: int, memory_gib: int = 16) -> dict[str, str]:
@@ -223,7 +237,7 @@ async def caps(shim: Path, matmul_s: float, seconds: float) -> dict:
                 r = await run_py(TENANT, env, str(seconds))
             t0, t1 = r["wall0"], r["wall0"] + r["life_s"]
             xs = series(r, matmul_s, t0, t1, 0.25)
-            out[cap] = {"share": share(r, matmul_s, t0 + 1, t1), "nvml": nv.mean(t0 + 1, t1),
+            out[cap] = {"trace": node.trace, "share": share(r, matmul_s, t0 + 1, t1), "nvml": nv.mean(t0 + 1, t1),
                         "settle_s": settle_s(xs, cap, 0.25), "per_250ms": xs, "nvml_samples": nv.samples}
     print("\ncaps alone (after the first second)   goal: NVML within +-3 points, settling <= 1 s")
     print(f"{'cap':>4} {'share %':>8} {'NVML %':>7} {'settle s':>9}")
@@ -233,14 +247,17 @@ async def caps(shim: Path, matmul_s: float, seconds: float) -> dict:
 
 
 async def together(shim: Path, matmul_s: float, seconds: float, cap_list: tuple[int, ...]) -> dict:
+    """Tenants at these caps together (a cap of 0: no compute limit) from one node."""
     async with Node(shim, "strict", ARGS.dispatcher) as node:
         envs = [await node.admit(c) for c in cap_list]
-        rs = await asyncio.gather(*(run_py(TENANT, e, str(seconds)) for e in envs))
+        with NvmlSampler(int(envs[0]["CUDA_VISIBLE_DEVICES"])) as nv:
+            rs = await asyncio.gather(*(run_py(TENANT, e, str(seconds)) for e in envs))
+        trace = node.trace
     t0 = max(r["wall0"] for r in rs) + 1.0
     t1 = min(r["wall0"] + r["life_s"] for r in rs)
     shares = [share(r, matmul_s, t0, t1) for r in rs]
-    return {"caps": cap_list, "shares": shares, "matmuls": [r["matmuls"] for r in rs],
-            "per_s": [series(r, matmul_s, t0, t1, 1.0) for r in rs]}
+    return {"caps": cap_list, "shares": shares, "matmuls": [r["matmuls"] for r in rs], "nvml": nv.mean(t0, t1),
+            "per_s": [series(r, matmul_s, t0, t1, 1.0) for r in rs], "trace": trace}
 
 
 async def elastic(shim: Path, matmul_s: float) -> dict:
@@ -251,6 +268,7 @@ async def elastic(shim: Path, matmul_s: float) -> dict:
         tb = time.time()
         other = await run_py(TENANT, other_env, "4")
         lr = await lender
+        trace = node.trace
     xs = series(lr, matmul_s, tb, tb + 3.0, 0.05)
     alone = share(lr, matmul_s, lr["wall0"] + 1.0, tb)
     # the second tenant's process start includes CUDA start-up: count from its first completed matmul
@@ -261,7 +279,7 @@ async def elastic(shim: Path, matmul_s: float) -> dict:
     print(f"lender alone {alone:.1f} %; second tenant's first matmul {first - tb:.2f} s after its start; lender back at"
           f" <= 33 % after {back if back is not None else '-'} s; lender per 50 ms from then: "
           f"{[round(y) for y in ys[:20]]}")
-    return {"alone": alone, "back_s": back, "lender_per_50ms_from_second_start": xs,
+    return {"trace": trace, "alone": alone, "back_s": back, "lender_per_50ms_from_second_start": xs,
             "lender_per_50ms_from_second_first_matmul": ys, "second_start_delay_s": first - tb}
 
 
@@ -309,6 +327,11 @@ async def main() -> dict:
     if "three" in only:
         t = results["three"] = await together(ARGS.shim, ms, 12.0, (20, 30, 50))
         print("\nthree 20/30/50: shares " + " / ".join(f"{s:.1f}" for s in t["shares"]) + " %  (goal each +-3)")
+    if "uncapped" in only:  # what time-slicing between contexts leaves of the GPU: no compute limits at all
+        for n in (1, 2, 3):
+            u = results[f"uncapped{n}"] = await together(ARGS.shim, ms, 8.0, (0,) * n)
+            print(f"\n{n} uncapped together: shares " + " / ".join(f"{s:.1f}" for s in u["shares"])
+                  + f" %, sum {sum(u['shares']):.1f} %, NVML {u['nvml']:.1f} %")
     if "elastic" in only:
         results["elastic"] = await elastic(ARGS.shim, ms)
     if "packing" in only:

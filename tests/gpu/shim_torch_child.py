@@ -173,6 +173,7 @@ def spin_scenario(kind: str, seconds: float) -> dict:
             cost[(ns, blocks)] = d.timed(f, ns, blocks, threads, warm=kind == "distinct")
     res["kernel_s"] = {f"{ns}ns x{blocks}": v for (ns, blocks), v in cost.items()}
     d.sync()
+    res["wall0"] = time.time()
     t0 = time.perf_counter()
     c0 = time.process_time()
     count, gpu, refused = 0, 0.0, 0
@@ -186,6 +187,7 @@ def spin_scenario(kind: str, seconds: float) -> dict:
         count += 1
     d.sync()
     wall = time.perf_counter() - t0
+    res["wall1"] = time.time()
     res.update(launches=count, refused=refused, wall_s=wall, gpu_s=gpu, utilization=gpu / wall,
                cpu_s=time.process_time() - c0, slots=region_slots())
     return res
