@@ -13,7 +13,8 @@ Scenarios (--only, comma-separated; default all):
   uncapped one, two and three tenants with no compute limit together: what time-slicing leaves of the GPU.
   packing  small-batch training and inference jobs, two and three, one after another (no shim) vs together under
            Alnair with memory limits and elastic compute: makespan (goal: together >= 40 % shorter).
-A share is matmuls completed x the duration of one matmul (timed alone, uncapped, first) / wall time.
+A share is matmuls completed x the time one matmul takes in the same tenant program running alone on the GPU with no
+shim (measured first, 4 s) / wall time: 100 % is what the program does with the whole GPU to itself.
 
   python3 bench/dispatcher_gpu.py --shim /tmp/shim/libalnair.so --json $OUT/dispatcher_gpu.json
 Prints one table per scenario and writes everything (per-window series included) as JSON.
@@ -149,6 +150,10 @@ class Node:
         self.n = 0
         self.trace: list[list] = []
         d = self.agent.dispatcher
+        if d is not None and ARGS.learn == "off":
+            from alnair_agent.dispatcher import control
+            d.gains = control.Gains(gain=0.0, fast_gain=0.0)
+            control.TRIM_GAIN = 0.0
         if d is not None:  # every tick's control state, for the JSON (t, key, cap, k, trim, target, rate, ...)
             tick = d.tick
 
@@ -237,12 +242,15 @@ async def caps(shim: Path, matmul_s: float, seconds: float) -> dict:
                 r = await run_py(TENANT, env, str(seconds))
             t0, t1 = r["wall0"], r["wall0"] + r["life_s"]
             xs = series(r, matmul_s, t0, t1, 0.25)
+            nxs = [nv.mean(t0 + i * 0.25, t0 + (i + 1) * 0.25) for i in range(int((t1 - t0) / 0.25))]
             out[cap] = {"trace": node.trace, "share": share(r, matmul_s, t0 + 1, t1), "nvml": nv.mean(t0 + 1, t1),
-                        "settle_s": settle_s(xs, cap, 0.25), "per_250ms": xs, "nvml_samples": nv.samples}
+                        "settle_s": settle_s(xs, cap, 0.25), "settle_nvml_s": settle_s(nxs, cap, 0.25),
+                        "per_250ms": xs, "nvml_per_250ms": nxs, "nvml_samples": nv.samples}
     print("\ncaps alone (after the first second)   goal: NVML within +-3 points, settling <= 1 s")
-    print(f"{'cap':>4} {'share %':>8} {'NVML %':>7} {'settle s':>9}")
+    print(f"{'cap':>4} {'share %':>8} {'NVML %':>7} {'settle s (share)':>17} {'settle s (NVML)':>16}")
+    dash = lambda x: "-" if x is None else x  # noqa: E731
     for cap, v in out.items():
-        print(f"{cap:>4} {v['share']:>8.1f} {v['nvml']:>7.1f} {v['settle_s'] if v['settle_s'] is not None else '-':>9}")
+        print(f"{cap:>4} {v['share']:>8.1f} {v['nvml']:>7.1f} {dash(v['settle_s']):>17} {dash(v['settle_nvml_s']):>16}")
     return out
 
 
@@ -263,6 +271,8 @@ async def together(shim: Path, matmul_s: float, seconds: float, cap_list: tuple[
 async def elastic(shim: Path, matmul_s: float) -> dict:
     async with Node(shim, "elastic", ARGS.dispatcher) as node:
         lender_env, other_env = await node.admit(30), await node.admit(70)
+        nv = NvmlSampler(int(lender_env["CUDA_VISIBLE_DEVICES"]))
+        nv.__enter__()
         lender = asyncio.create_task(run_py(TENANT, lender_env, "12"))
         await asyncio.sleep(6.0)
         tb = time.time()
@@ -270,16 +280,18 @@ async def elastic(shim: Path, matmul_s: float) -> dict:
         lr = await lender
         trace = node.trace
     xs = series(lr, matmul_s, tb, tb + 3.0, 0.05)
+    nv.__exit__()
     alone = share(lr, matmul_s, lr["wall0"] + 1.0, tb)
+    alone_nvml = nv.mean(lr["wall0"] + 1.0, tb)
     # the second tenant's process start includes CUDA start-up: count from its first completed matmul
     first = other["wall0"] + other["marks"][0][0] if other["marks"] else tb
     ys = series(lr, matmul_s, first, first + 2.0, 0.05)
     back = next((i * 0.05 for i in range(len(ys)) if all(y <= 33 for y in ys[i:])), None)
     print("\nelastic (policy elastic, lender capped at 30 %)   goal: alone >= 95 %, back at its cap <= 200 ms")
-    print(f"lender alone {alone:.1f} %; second tenant's first matmul {first - tb:.2f} s after its start; lender back at"
+    print(f"lender alone {alone:.1f} % (NVML {alone_nvml:.1f} %); second tenant's first matmul {first - tb:.2f} s after its start; lender back at"
           f" <= 33 % after {back if back is not None else '-'} s; lender per 50 ms from then: "
           f"{[round(y) for y in ys[:20]]}")
-    return {"trace": trace, "alone": alone, "back_s": back, "lender_per_50ms_from_second_start": xs,
+    return {"trace": trace, "alone": alone, "alone_nvml": alone_nvml, "back_s": back, "lender_per_50ms_from_second_start": xs,
             "lender_per_50ms_from_second_first_matmul": ys, "second_start_delay_s": first - tb}
 
 
@@ -311,10 +323,13 @@ async def packing(shim: Path) -> dict:
 async def main() -> dict:
     pynvml.nvmlInit()
     results: dict = {"dispatcher": ARGS.dispatcher}
-    calib = await run_py(CALIBRATE, {**{k: v for k, v in os.environ.items() if k != "LD_PRELOAD"},
-                                     "CUDA_VISIBLE_DEVICES": "0"})
-    ms = results["matmul_s"] = calib["matmul_s"]
-    print(f"one bf16 4096^3 matmul alone: {ms * 1e3:.3f} ms")
+    plain = {**{k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}, "CUDA_VISIBLE_DEVICES": "0"}
+    calib = await run_py(CALIBRATE, plain)
+    results["matmul_kernel_s"] = calib["matmul_s"]
+    alone = await run_py(TENANT, plain, "4")
+    ms = results["matmul_s"] = alone["marks"][-1][0] / alone["marks"][-1][1]
+    print(f"one bf16 4096^3 matmul: {calib['matmul_s'] * 1e3:.3f} ms back to back; {ms * 1e3:.3f} ms per matmul in the"
+          " tenant program alone (the 100 % of a share)")
     only = set(ARGS.only.split(","))
     if "caps" in only:
         results["caps"] = await caps(ARGS.shim, ms, 8.0)
@@ -345,6 +360,8 @@ if __name__ == "__main__":
     ap.add_argument("--shim", type=Path, default=Path("/tmp/shim/libalnair.so"))
     ap.add_argument("--json", type=Path)
     ap.add_argument("--only", default="caps,pair,three,elastic,packing")
+    ap.add_argument("--learn", choices=("on", "off"), default="on",
+                    help="off: the dispatcher runs but never moves a charge factor from 1 (diagnostic)")
     ap.add_argument("--dispatcher", choices=("on", "off"), default="on",
                     help="off: the same runs with plain cap-rate grant lines (the shim alone), for comparison")
     ARGS = ap.parse_args()

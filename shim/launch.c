@@ -24,6 +24,11 @@
  *   - in-flight bound: a thread never has more than INFLIGHT_MAX_NS (one token burst) of charged work, nor more than
  *     NFENCE fences, not yet completed by the GPU; past that it sleeps until the GPU catches up. Without this an
  *     enqueue-time meter lets a tenant bank seconds of work in the driver's queue.
+ * Shared GPU: while the agent says other containers run on this GPU (agent.sharers > 0), the GPU time-slices
+ * between their contexts and an event pair around a kernel also holds the other contexts' slices that came between
+ * its events. Then a kernel is charged its floor (the shortest time recently sampled for its function and size,
+ * which drifts up by 1/16 of the gap at each longer sample, so a kernel that really got longer is followed), and a
+ * fence interval that ran longer than charged adds no debt (its excess is the others' time); credits still apply.
  * Tokens: a process-wide prepaid balance is drawn with one atomic per launch; when it goes negative the thread takes
  * from the region's grant line whatever is available (up to the debt plus CHUNK_NS, forfeiting anything above
  * TOKEN_BURST_NS), and naps between takes; every process in debt naps the same time whatever it owes, so siblings
@@ -73,7 +78,8 @@ static _Atomic uint64_t g_guess_ns = DEFAULT_COST_NS; /* a launch nothing is kno
  * new key reads that key's ns (0 until measured). */
 struct est {
     _Atomic uint64_t key;
-    _Atomic uint64_t ns; /* 0: not measured yet */
+    _Atomic uint64_t ns;    /* 0: not measured yet */
+    _Atomic uint64_t floor; /* shortest recent sample (0: none): the charge while the GPU is shared */
     _Atomic uint32_t used;
     uint32_t pad;
 };
@@ -130,6 +136,7 @@ static struct est *est_insert(uint64_t k)
     if (!atomic_compare_exchange_strong(&victim->key, &old, 0))
         return NULL; /* another thread took this way just now: the guess applies this once */
     atomic_store_explicit(&victim->ns, 0, memory_order_relaxed);
+    atomic_store_explicit(&victim->floor, 0, memory_order_relaxed);
     atomic_store_explicit(&victim->used, atomic_fetch_add(&g_est_clock, 1) + 1, memory_order_relaxed);
     atomic_store_explicit(&victim->key, k, memory_order_release);
     return victim;
@@ -256,6 +263,13 @@ static inline int metered(void)
         return 0;
     uint32_t c = __atomic_load_n(&r->agent.compute_limit, __ATOMIC_RELAXED);
     return c - 1u < 99u; /* 1..99 percent */
+}
+
+/* Other containers run on this GPU (the agent says so): kernels' sampled times include their time slices. */
+static inline int gpu_shared(void)
+{
+    struct alnair_region *r = alnair_region;
+    return r != NULL && __atomic_load_n(&r->agent.sharers, __ATOMIC_RELAXED) != 0;
 }
 
 static inline void count_launch(void)
@@ -398,9 +412,14 @@ static uint64_t elapsed_ns(CUevent a, CUevent b)
     return (uint64_t)((double)ms * 1e6);
 }
 
-static void true_up(uint64_t actual, uint64_t charged)
+/* `fence`: the interval between two fences; on a GPU shared with other containers its excess over what was charged
+ * is (at least partly) their time slices, so it adds no debt. A sample that settles a guess always does: it is the
+ * only measure of that kernel, and charging it whole is the cautious side. */
+static void true_up(uint64_t actual, uint64_t charged, int fence)
 {
     if (actual > charged) {
+        if (fence && gpu_shared())
+            return;
         struct alnair_region_slot *s = alnair_slot();
         if (s != NULL)
             RADD(s->tokens_taken, actual - charged);
@@ -430,7 +449,7 @@ static void poll_fences(void)
                 f->seq - T.prev_seq == f->mine - T.prev_mine && !corrected_in(T.prev_mine, f->mine)) {
                 uint64_t actual = elapsed_ns(T.f[T.prev_idx].ev, f->ev);
                 if (actual != UINT64_MAX)
-                    true_up(actual, f->charged - T.prev_charged);
+                    true_up(actual, f->charged - T.prev_charged, 1);
             }
             T.prev_valid = 1;
             T.prev_idx = T.fhead;
@@ -527,7 +546,7 @@ static void poll_sample(void)
     uint64_t g = atomic_load_explicit(&g_guess_ns, memory_order_relaxed);
     atomic_store_explicit(&g_guess_ns, (7 * g + ns) / 8, memory_order_relaxed);
     if (T.s_guess) {
-        true_up(ns, T.s_cost);
+        true_up(ns, T.s_cost, 0);
         T.corr[T.ncorr++ % NCORR] = T.s_idx;
     }
     for (unsigned i = 0; i < T.npend;) { /* launches of the same kernel and size that ran on a guess meanwhile */
@@ -535,7 +554,7 @@ static void poll_sample(void)
             i++;
             continue;
         }
-        true_up(ns, T.pend[i].cost);
+        true_up(ns, T.pend[i].cost, 0);
         T.corr[T.ncorr++ % NCORR] = T.pend[i].idx;
         T.pend[i] = T.pend[--T.npend];
     }
@@ -544,6 +563,8 @@ static void poll_sample(void)
         return;
     uint64_t old = atomic_load_explicit(&e->ns, memory_order_relaxed);
     atomic_store_explicit(&e->ns, old && !T.s_guess ? (3 * old + ns) / 4 : ns, memory_order_relaxed);
+    uint64_t fl = atomic_load_explicit(&e->floor, memory_order_relaxed);
+    atomic_store_explicit(&e->floor, fl == 0 || ns <= fl ? ns : fl + (ns - fl) / 16, memory_order_relaxed);
 }
 
 static void wait_sample(void)
@@ -602,6 +623,11 @@ static __attribute__((noinline)) int pre_launch(struct pre *p, uintptr_t fn, uin
         return 0;
     struct est *e = est_lookup(p->key);
     uint64_t est = e ? atomic_load_explicit(&e->ns, memory_order_relaxed) : 0, near = 0;
+    if (est != 0 && gpu_shared()) {
+        uint64_t fl = atomic_load_explicit(&e->floor, memory_order_relaxed);
+        if (fl != 0 && fl < est)
+            est = fl;
+    }
     if (est == 0) {
         p->guess = 1;
         near = est_neighbour(fn, cls);

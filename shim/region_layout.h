@@ -45,7 +45,8 @@ struct alnair_region_agent {
     uint64_t tokens_granted; /* grant line: tokens (GPU ns) granted up to granted_at_ns */
     uint64_t granted_at_ns; /* grant line: CLOCK_MONOTONIC ns the line starts at */
     uint64_t token_rate; /* grant line: tokens (GPU ns) granted per wall second */
-    uint8_t _pad48[16];
+    uint32_t sharers; /* other containers the dispatcher saw running on this GPU at its last tick; while > 0 the shim charges each kernel its shortest recent time, not its mean */
+    uint8_t _pad52[12];
 };
 _Static_assert(sizeof(struct alnair_region_agent) == 64, "alnair_region_agent size");
 _Static_assert(offsetof(struct alnair_region_agent, memory_limit) == 0, "alnair_region_agent.memory_limit");
@@ -55,6 +56,7 @@ _Static_assert(offsetof(struct alnair_region_agent, heartbeat_ns) == 16, "alnair
 _Static_assert(offsetof(struct alnair_region_agent, tokens_granted) == 24, "alnair_region_agent.tokens_granted");
 _Static_assert(offsetof(struct alnair_region_agent, granted_at_ns) == 32, "alnair_region_agent.granted_at_ns");
 _Static_assert(offsetof(struct alnair_region_agent, token_rate) == 40, "alnair_region_agent.token_rate");
+_Static_assert(offsetof(struct alnair_region_agent, sharers) == 48, "alnair_region_agent.sharers");
 
 /* 64 bytes at offset 128 + slot * size */
 struct alnair_region_slot {

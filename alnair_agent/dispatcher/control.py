@@ -85,6 +85,7 @@ class Container:
     skip_until: float = -1e18  # profiler windows starting before this are transients: not learnt from
     trim: float = 1.0  # slow integral of the remaining share error, while its tokens are what holds it back
     seen: bool = False  # counters read at least once
+    sharers: int = -1  # other active containers on its GPU, as last written to its region (-1: not yet)
     history: list[tuple[float, int]] = field(default_factory=list)  # (t, taken) of recent ticks
     windows: list[tuple[float, float, float]] = field(default_factory=list)  # recent profiler (t0, t1, share)
 

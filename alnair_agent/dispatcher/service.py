@@ -59,6 +59,7 @@ class Dispatcher:
         self._profiler_at: float | None = None
         self._util_seen: dict[str, tuple[float, float]] = {}  # allocation -> (gpu_util_integral, sampled_s)
         self._active: dict[str, frozenset[str]] = {}  # GPU -> active allocations at the last tick
+        self._uncapped: dict[str, tuple[int, float]] = {}  # uncapped allocation -> (launches, monotonic s they grew)
         self._last = time.monotonic()
         self.ticks = 0
 
@@ -83,15 +84,21 @@ class Dispatcher:
         self.ticks += 1
         g = self.gains
         by_gpu: dict[str, list[C.Container]] = {}
+        busy: dict[str, set[str]] = {}  # GPU -> every container that ran there lately, capped or not
         live = set()
         for alloc in list(self.allocator.allocations.values()):
-            if not 0 < alloc.compute_limit < 100:
-                continue  # no cap: the shim stays out of the launch path
-            c = self._observe(alloc, now, dt)
+            capped = 0 < alloc.compute_limit < 100
+            c = self._observe(alloc, now, dt) if capped else None
             if c is not None:
                 live.add(alloc.id)
                 by_gpu.setdefault(alloc.gpu_uuid, []).append(c)
+                if c.active(now, g.idle_s):
+                    busy.setdefault(alloc.gpu_uuid, set()).add(alloc.id)
+            elif not capped and self._uncapped_active(alloc, now):
+                busy.setdefault(alloc.gpu_uuid, set()).add(alloc.id)
         for alloc_id in [i for i in self.state if i not in live]:
+            self._forget(alloc_id)
+        for alloc_id in [i for i in self._uncapped if i not in self.allocator.allocations]:
             self._forget(alloc_id)
         self._take_profile(by_gpu)
         for gpu, containers in by_gpu.items():
@@ -105,8 +112,10 @@ class Dispatcher:
                         c.active_since = now
                 self._active[gpu] = active
             C.targets(containers, now, g)
+            others = busy.get(gpu, set())
             for c in containers:
                 self._write(c)
+                self._tell_sharers(c, len(others - {c.key}))
 
     def _observe(self, alloc: "Allocation", now: float, dt: float) -> C.Container | None:
         region = self._region(alloc.id, now)
@@ -129,6 +138,36 @@ class Dispatcher:
         C.observe_counters(c, now, dt, sum(s.tokens_taken for s in slots), sum(s.wait_ns for s in slots),
                            sum(s.launches for s in slots), self.gains.max_factor)
         return c
+
+    def _uncapped_active(self, alloc: "Allocation", now: float) -> bool:
+        """A container without a compute cap still time-slices the GPU with the capped ones: launched lately?"""
+        region = self._region(alloc.id, now)
+        if region is None:
+            return False
+        try:
+            launches = sum(s.launches for s in region.slots())
+        except (RegionError, OSError) as e:
+            self._drop_region(alloc.id, now, str(e))
+            return False
+        before = self._uncapped.get(alloc.id)
+        if before is None or launches != before[0]:
+            self._uncapped[alloc.id] = (launches, now if before is not None else -1e18)
+            return before is not None
+        return now - before[1] <= self.gains.idle_s
+
+    def _tell_sharers(self, c: C.Container, n: int) -> None:
+        """Tell the container's shim how many others run on its GPU (it then charges kernels their floor)."""
+        if n == c.sharers:
+            return
+        region = self._regions.get(c.key)
+        if region is None:
+            return
+        try:
+            region.set_sharers(n)
+        except (RegionError, OSError) as e:
+            self._drop_region(c.key, time.monotonic(), str(e))
+            return
+        c.sharers = n
 
     def _take_profile(self, by_gpu: dict[str, list[C.Container]]) -> None:
         """The profiler's newest window, once per profiler sample: each container's measured share."""
@@ -191,6 +230,7 @@ class Dispatcher:
 
     def _forget(self, alloc_id: str) -> None:
         self.state.pop(alloc_id, None)
+        self._uncapped.pop(alloc_id, None)
         self._util_seen.pop(alloc_id, None)
         region = self._regions.pop(alloc_id, None)
         if region is not None:

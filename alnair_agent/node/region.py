@@ -235,6 +235,17 @@ class Region:
             self._aput("compute_limit", compute_limit)
             self.set_grant_line(rate_for_percent(compute_limit))
 
+    @property
+    def sharers(self) -> int:
+        return self._aget("sharers")
+
+    def set_sharers(self, n: int) -> None:
+        """How many other containers run on this GPU now (0: alone). Under time-slicing a kernel's measured time
+        includes the other contexts' slices; told this, the shim charges kernels their uncontended time."""
+        if not 0 <= n <= 0xFFFFFFFF:
+            raise ValueError(f"sharers must be 0..2**32-1, got {n}")
+        self._aput("sharers", n)
+
     def beat(self, now_ns: int | None = None) -> None:
         self._aput("heartbeat_ns", monotonic_ns() if now_ns is None else now_ns)
 

@@ -75,6 +75,8 @@ AGENT_FIELDS = (
     Field("tokens_granted", "uint64_t", 24, "grant line: tokens (GPU ns) granted up to granted_at_ns"),
     Field("granted_at_ns", "uint64_t", 32, "grant line: CLOCK_MONOTONIC ns the line starts at"),
     Field("token_rate", "uint64_t", 40, "grant line: tokens (GPU ns) granted per wall second"),
+    Field("sharers", "uint32_t", 48, "other containers the dispatcher saw running on this GPU at its last tick; "
+          "while > 0 the shim charges each kernel its shortest recent time, not its mean"),
 )
 
 SLOT_FIELDS = (
