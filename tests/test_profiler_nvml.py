@@ -72,3 +72,18 @@ def test_samples_join_process_lists_and_utilization_with_units(nvml):
     assert second.window_s > 0
     assert since_asked[-2] == 2_000  # the next call asks only for samples newer than the newest seen
     assert {p.pid: p.sm_util for p in second.processes if p.gpu_uuid == A} == {100: 0.0, 102: 0.0}
+
+
+@pytest.mark.parametrize("periods, want", [
+    ([[(1, 10)], [(2, 11)]] * 6, True),                       # two processes, never in one period: draws
+    ([[(1, 10)], [(2, 11)]] * 5 + [[(3, 10), (3, 11)]] * 2, False),  # both in one period: shares per process
+    ([[(1, 10)], [(2, 11)]] * 5, None),                       # too few periods to tell
+    ([[(t, 10)] for t in range(20)], None),                   # one process only: nothing to tell
+])
+def test_attribution_of_process_samples(periods, want):
+    from alnair_agent.gpu.nvml import Attribution
+
+    a = Attribution()
+    for n, call in enumerate(periods):
+        a.add([(ts * 1000 + n, pid) if len(call) == 1 else (ts, pid) for ts, pid in call])
+    assert a.sampled is want

@@ -20,6 +20,18 @@ A stale measurement only repeats the same estimate: no overshoot from the profil
 Fast ramp: a new container starts at its cap (k = 1, or the factor its region's rate implies after an agent
 restart); after any change in who is active on the GPU the next two windows use `fast_gain`.
 
+A GPU shared by several contexts loses time to switching between them (the H200 time-slices contexts: three tenants
+together do ~13 % less kernel work than one alone). When the caps of the active containers add up to more than the
+GPU then delivers, the container with the most tokens finds the GPU, not its tokens, holding it back (it waits, yet
+takes less than it is granted) and alone bears the whole loss. So each GPU has a `scale` on its strict targets:
+when some active container is held by the GPU, the capacity is what they all took together (in real GPU time:
+taken / factor), and the scale moves to fit their caps in it less CAP_MARGIN points; while none is, the scale creeps
+back to 1. Every container then loses the same fraction of its cap, and the split stays that of the caps.
+
+Charge factors are learnt only from a GPU whose per-process utilization is a share per process. Where the driver
+instead gives each sampling period to one process (GpuSample.process_util_sampled), a short window says nothing
+about shares; there the factor stays 1, and the shim's own charges (its floor charges on a shared GPU) hold.
+
 Elastic policy: a container that wants more than its cap (it waits for tokens, or uses a loan) borrows what the
 other active containers leave: all of the GPU when it is alone (`LEND_ALL`), else the spare left by the others'
 measured use (a container without a measurement since it became active is reserved its full cap) split in
@@ -43,12 +55,19 @@ SPARE_MARGIN = 5.0  # points of the GPU kept out of loans when others are active
 HUNGRY_WAIT = 0.02  # a container waiting for tokens this fraction of a tick wants more than it has
 MIN_SHARE = 0.5  # below this measured share (%) a window says nothing about the charge factor
 FAST_WINDOWS = 2
-SETTLE_S = 0.1  # after a change in who is active, the GPU's queues settle this long before a window counts
+SETTLE_S = 0.5  # after a change in who is active, queues and NVML's ~200 ms periods settle before a window counts
 TRIM_GAIN, TRIM_MIN, TRIM_MAX = 0.1, 0.8, 1.25
 # The factor moves by at most x1.2 up and /1.5 down per window: a grant that grows too fast overshoots a strict
 # ceiling while the shim's own estimates still settle after a change (they are re-sampled over ~1 s); one that
 # falls fast only gives time back.
 MAX_UP, MAX_DOWN = math.log(1.2), math.log(1.5)
+# Sharing: a container that waits most of a tick (SAT_WAIT) yet takes under SAT_TAKE of its grant is held by the GPU.
+SAT_WAIT, SAT_TAKE = 0.5, 0.9
+CAP_MARGIN = 2.0  # points of the measured capacity left free, so the tokens (not the GPU) hold every container
+SCALE_MIN = 0.5
+SCALE_GAIN = 0.3  # per tick, towards the scale the measured capacity asks for
+SCALE_RELAX = 0.04  # per second, back towards 1 while no container is held by the GPU
+TAKEN_AVG_S = 0.5  # taken rates for the capacity are averaged over this long
 
 
 @dataclass(frozen=True)
@@ -162,6 +181,42 @@ def observe_share(c: Container, t0: float, t1: float, share: float, g: Gains) ->
         c.trim = min(max(c.trim * (c.cap / mean) ** TRIM_GAIN, TRIM_MIN), TRIM_MAX)
 
 
+@dataclass
+class Gpu:
+    """The dispatcher's state of one GPU."""
+
+    scale: float = 1.0  # on strict targets while several containers share it
+    learn: bool = True  # charge factors may be learnt from its per-process utilization
+
+
+def taken_avg(c: Container, now: float) -> float:
+    """Tokens per second over the last TAKEN_AVG_S (the last tick's rate while the history is shorter)."""
+    a, b = c.taken_at(now - TAKEN_AVG_S), c.taken_at(now)
+    return (b - a) / TAKEN_AVG_S if a is not None and b is not None and c.history[0][0] <= now - TAKEN_AVG_S \
+        else c.taken_rate
+
+
+def gpu_bound(c: Container, now: float) -> bool:
+    """It waits most of the time yet takes clearly less than its grant: the GPU, not its tokens, holds it back."""
+    return c.rate > 0 and c.wait_frac > SAT_WAIT and taken_avg(c, now) < SAT_TAKE * c.rate
+
+
+def update_scale(gpu: Gpu, containers: list[Container], now: float, dt: float, g: Gains) -> None:
+    """Fit the active containers' caps into what the shared GPU delivers (see the module's docstring)."""
+    active = [c for c in containers if c.active(now, g.idle_s)]
+    strict = [c for c in active if c.target <= c.cap]
+    if len(active) < 2 or not strict:
+        gpu.scale = 1.0
+        return
+    if any(gpu_bound(c, now) for c in active):
+        capacity = sum(taken_avg(c, now) / (c.k * c.trim) for c in active) / NS_PER_PERCENT
+        want = min(max((capacity - CAP_MARGIN) / sum(c.cap for c in active), SCALE_MIN), 1.0)
+        if want < gpu.scale:
+            gpu.scale += SCALE_GAIN * (want - gpu.scale)
+    else:
+        gpu.scale = min(1.0, gpu.scale + SCALE_RELAX * dt)
+
+
 def wants_more(c: Container, now: float, idle_s: float) -> bool:
     """Waiting for tokens recently, or using more than its cap (a loan it still uses)."""
     return now - c.last_hungry <= idle_s or c.taken_rate > 1.05 * c.cap_rate * c.k
@@ -195,8 +250,9 @@ def targets(containers: list[Container], now: float, g: Gains) -> None:
         c.target = c.cap + spare * c.cap / weight
 
 
-def rate_for(c: Container, g: Gains) -> int:
+def rate_for(c: Container, g: Gains, scale: float = 1.0) -> int:
     lo = c.cap_rate * K_MIN
     hi = LEND_ALL * NS_PER_PERCENT * g.max_factor
-    trim = c.trim if c.target <= c.cap else 1.0
-    return int(min(max(c.target * NS_PER_PERCENT * c.k * trim, lo), hi))
+    strict = c.target <= c.cap
+    trim = c.trim if strict else 1.0
+    return int(min(max(c.target * (scale if strict else 1.0) * NS_PER_PERCENT * c.k * trim, lo), hi))

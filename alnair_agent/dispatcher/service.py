@@ -59,6 +59,7 @@ class Dispatcher:
         self._profiler_at: float | None = None
         self._util_seen: dict[str, tuple[float, float]] = {}  # allocation -> (gpu_util_integral, sampled_s)
         self._active: dict[str, frozenset[str]] = {}  # GPU -> active allocations at the last tick
+        self.gpus: dict[str, C.Gpu] = {}
         self._uncapped: dict[str, tuple[int, float]] = {}  # uncapped allocation -> (launches, monotonic s they grew)
         self._last = time.monotonic()
         self.ticks = 0
@@ -112,9 +113,11 @@ class Dispatcher:
                         c.active_since = now
                 self._active[gpu] = active
             C.targets(containers, now, g)
+            state = self.gpus.setdefault(gpu, C.Gpu())
+            C.update_scale(state, containers, now, dt, g)
             others = busy.get(gpu, set())
             for c in containers:
-                self._write(c)
+                self._write(c, state.scale)
                 self._tell_sharers(c, len(others - {c.key}))
 
     def _observe(self, alloc: "Allocation", now: float, dt: float) -> C.Container | None:
@@ -177,7 +180,16 @@ class Dispatcher:
         self._profiler_samples = p.samples
         t1, t0 = p.sample_at, self._profiler_at
         self._profiler_at = t1
-        for containers in by_gpu.values():
+        sampled = {s.uuid: s.process_util_sampled for s in (p.last.gpus if p.last is not None else ())}
+        for gpu, containers in by_gpu.items():
+            state = self.gpus.setdefault(gpu, C.Gpu())
+            if sampled.get(gpu) is True and state.learn:
+                state.learn = False  # one draw per period: shares only hold over long averages, never per window
+                log.info("dispatcher_factors_fixed", gpu=gpu, reason="per-process utilization is sampled by period")
+                for c in containers:
+                    c.k, c.trim = 1.0, 1.0
+            if not state.learn:
+                continue
             for c in containers:
                 u = p.usage.get(c.key)
                 if u is None:
@@ -190,8 +202,8 @@ class Dispatcher:
                 if math.isfinite(share):
                     C.observe_share(c, t0, t1, min(max(share, 0.0), 100.0), self.gains)
 
-    def _write(self, c: C.Container) -> None:
-        rate = C.rate_for(c, self.gains)
+    def _write(self, c: C.Container, scale: float = 1.0) -> None:
+        rate = C.rate_for(c, self.gains, scale)
         if c.rate and abs(rate - c.rate) <= CHANGE * c.rate:
             return
         region = self._regions.get(c.key)

@@ -66,6 +66,10 @@ class GpuSample:
     pcie_tx_bytes_per_s: float | None = None
     power_watts: float | None = None
     sm_clock_mhz: int | None = None
+    # True: the driver gives each of its sampling periods to ONE process (the H200 with driver 580 does: every
+    # ~200 ms one sample, one pid, the device's utilization), so a process's figure over a short window is a draw,
+    # not its share; only long averages hold. False: every period reports each process that ran. None: not known.
+    process_util_sampled: bool | None = None
 
 
 @dataclass(frozen=True)

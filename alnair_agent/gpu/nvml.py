@@ -32,10 +32,38 @@ def _text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
 
+class Attribution:
+    """Tells from the per-process samples how the driver attributes them (GpuSample.process_util_sampled): over the
+    last PERIODS sampling periods that reported anyone, several processes were reported but never two in one
+    period -> sampled; two in one period -> per-process shares. Fewer periods, or one process only: unknown."""
+
+    PERIODS = 12
+
+    def __init__(self) -> None:
+        self.periods: list[frozenset[int]] = []  # pids reported per sampling period (timestamp), oldest first
+
+    def add(self, samples: list[tuple[int, int]]) -> None:
+        """(timestamp us, pid) of the samples of one call, in any order."""
+        by_ts: dict[int, set[int]] = {}
+        for ts, pid in samples:
+            by_ts.setdefault(ts, set()).add(pid)
+        self.periods += [frozenset(by_ts[t]) for t in sorted(by_ts)]
+        del self.periods[:-self.PERIODS]
+
+    @property
+    def sampled(self) -> bool | None:
+        if any(len(p) > 1 for p in self.periods):
+            return False
+        if len(self.periods) < self.PERIODS or len(frozenset().union(*self.periods)) < 2:
+            return None
+        return True
+
+
 class NvmlBackend:
     def __init__(self) -> None:
         self._handles: list[tuple[str, Any]] = []  # (uuid, handle) per GPU
         self._last_sample_us: dict[str, int] = {}  # per GPU: timestamp of the newest process sample seen
+        self._attribution: dict[str, Attribution] = {}
         self._last_sample_at: float | None = None
         self._event_set = None
         self._started = False
@@ -123,6 +151,7 @@ class NvmlBackend:
                 pcie_tx_bytes_per_s=tx * 1024.0 if tx is not None else None,
                 power_watts=power / 1000.0 if power is not None else None,  # mW
                 sm_clock_mhz=int(clock) if clock is not None else None,
+                process_util_sampled=self._attribution.setdefault(uuid, Attribution()).sampled,
             ))
             procs += self._processes(uuid, h)
         return Samples(tuple(gpus), tuple(procs), window)
@@ -144,6 +173,7 @@ class NvmlBackend:
         samples = _field(lambda: pynvml.nvmlDeviceGetProcessUtilization(h, since)) or []
         utils: dict[int, tuple[int, float, float]] = {}
         newest = since
+        self._attribution.setdefault(uuid, Attribution()).add([(int(s.timeStamp), int(s.pid)) for s in samples])
         for s in samples:
             ts = int(s.timeStamp)
             newest = max(newest, ts)

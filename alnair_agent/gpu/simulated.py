@@ -124,7 +124,8 @@ class SimulatedBackend:
             live = [s for s in seen.slots if _alive(s.pid)]
             pct = 100.0 / window_ns
             gpus.append(GpuSample(gpu.uuid, min(100.0, seen.busy_ns * pct), min(100.0, seen.copy_ns * pct),
-                                  sum(s.memory_bytes for s in live), gpu.memory_bytes))
+                                  sum(s.memory_bytes for s in live), gpu.memory_bytes,
+                                  process_util_sampled=False))  # the timeline books each process's own time
             # As NVML does: a process's memory utilization is its kernels' memory traffic (none is simulated), and
             # copy-engine time is the GPU's only, attributed to no process.
             procs += [ProcessSample(gpu.uuid, s.pid, min(100.0, s.busy_ns * pct), 0.0,
