@@ -76,6 +76,7 @@ def _sharing(caps_rates_taken: list[tuple[float, float, float]], seconds: float,
     cs = [C.Container(str(i), cap) for i, (cap, _, _) in enumerate(caps_rates_taken)]
     for c, (_, rate, _) in zip(cs, caps_rates_taken):
         c.rate = int(rate * C.NS_PER_PERCENT)
+        c.active_since = 0.0
     t, taken = 0.0, [0] * len(cs)
     while t < seconds:
         t += 0.05
@@ -89,7 +90,7 @@ def _sharing(caps_rates_taken: list[tuple[float, float, float]], seconds: float,
 
 def test_scale_fits_the_caps_into_what_a_shared_gpu_delivers():
     # 30 and 70 granted; the 70 is held by the GPU at 57 (time-slicing lost 13 points): capacity 87
-    gpu = C.Gpu()
+    gpu = C.Gpu(learn=False)
     cs = _sharing([(30, 30, 30), (70, 70, 57)], 3.0, gpu)
     assert gpu.scale == pytest.approx((87 - C.CAP_MARGIN) / 100, abs=0.01)
     rates = [C.rate_for(c, G, gpu.scale) for c in cs]
@@ -102,6 +103,19 @@ def test_scale_fits_the_caps_into_what_a_shared_gpu_delivers():
     ([(30, 30, 10), (50, 50, 20)], 0.5),      # absurdly little delivered: the scale stops at SCALE_MIN
 ])
 def test_scale_table(load, want):
-    gpu = C.Gpu(scale=0.9 if want == 1.0 else 1.0)
+    gpu = C.Gpu(capacity=95.0 if want == 1.0 else 100.0, learn=False)  # a low estimate is probed back up
     _sharing(load, 10.0, gpu)
     assert gpu.scale == pytest.approx(want, abs=0.02)
+
+
+def test_no_capacity_is_measured_while_a_sharer_is_starting():
+    gpu = C.Gpu(learn=False)
+    cs = _sharing([(30, 30, 30), (70, 70, 40)], 0.5, gpu)  # the 70 still starting (under STEADY_S): not a measure
+    assert gpu.capacity == 100.0 + C.CAP_MARGIN and gpu.scale == 1.0
+    assert all(c.active_since == 0.0 for c in cs)
+
+
+def test_no_scale_where_factors_are_learnt():
+    gpu = C.Gpu()  # learn=True: each share is steered by its own factor
+    _sharing([(30, 30, 30), (70, 70, 57)], 3.0, gpu)
+    assert gpu.scale == 1.0

@@ -75,9 +75,9 @@ def test_samples_join_process_lists_and_utilization_with_units(nvml):
 
 
 @pytest.mark.parametrize("periods, want", [
-    ([[(1, 10)], [(2, 11)]] * 6, True),                       # two processes, never in one period: draws
-    ([[(1, 10)], [(2, 11)]] * 5 + [[(3, 10), (3, 11)]] * 2, False),  # both in one period: shares per process
-    ([[(1, 10)], [(2, 11)]] * 5, None),                       # too few periods to tell
+    ([[(1, 10)], [(2, 11)]] * 3, True),                       # two processes, never in one period: draws
+    ([[(1, 10)], [(2, 11)]] * 2 + [[(3, 10), (3, 11)]], False),  # both in one period: shares per process
+    ([[(1, 10)], [(2, 11)]] * 2, None),                       # too few periods to tell
     ([[(t, 10)] for t in range(20)], None),                   # one process only: nothing to tell
 ])
 def test_attribution_of_process_samples(periods, want):

@@ -23,10 +23,13 @@ restart); after any change in who is active on the GPU the next two windows use 
 A GPU shared by several contexts loses time to switching between them (the H200 time-slices contexts: three tenants
 together do ~13 % less kernel work than one alone). When the caps of the active containers add up to more than the
 GPU then delivers, the container with the most tokens finds the GPU, not its tokens, holding it back (it waits, yet
-takes less than it is granted) and alone bears the whole loss. So each GPU has a `scale` on its strict targets:
-when some active container is held by the GPU, the capacity is what they all took together (in real GPU time:
-taken / factor), and the scale moves to fit their caps in it less CAP_MARGIN points; while none is, the scale creeps
-back to 1. Every container then loses the same fraction of its cap, and the split stays that of the caps.
+takes less than it is granted) and alone bears the whole loss. So each GPU keeps an estimate of its capacity while
+shared: when some active container has been held by the GPU for a while, the capacity is what they all took
+together (in real GPU time: taken / factor); while none is, the estimate creeps up (CAPACITY_PROBE), so a GPU that
+delivers more is found again. Strict targets are scaled to fit the capacity less CAP_MARGIN points: every strict
+container loses the same fraction of its cap, and the split stays that of the caps. Elastic containers are not
+scaled: sharing what the others leave is their policy. This applies where factors are not learnt (below): where
+they are, each share is already steered to its measured cap and a capacity from learnt factors is no better.
 
 Charge factors are learnt only from a GPU whose per-process utilization is a share per process. Where the driver
 instead gives each sampling period to one process (GpuSample.process_util_sampled), a short window says nothing
@@ -62,12 +65,13 @@ TRIM_GAIN, TRIM_MIN, TRIM_MAX = 0.1, 0.8, 1.25
 # falls fast only gives time back.
 MAX_UP, MAX_DOWN = math.log(1.2), math.log(1.5)
 # Sharing: a container that waits most of a tick (SAT_WAIT) yet takes under SAT_TAKE of its grant is held by the GPU.
-SAT_WAIT, SAT_TAKE = 0.5, 0.9
+SAT_WAIT, SAT_TAKE = 0.5, 0.95
 CAP_MARGIN = 2.0  # points of the measured capacity left free, so the tokens (not the GPU) hold every container
 SCALE_MIN = 0.5
-SCALE_GAIN = 0.3  # per tick, towards the scale the measured capacity asks for
-SCALE_RELAX = 0.04  # per second, back towards 1 while no container is held by the GPU
+CAPACITY_GAIN = 0.3  # per tick, towards a capacity measured lower than the estimate
+CAPACITY_PROBE = 1.0  # points per second the estimate rises while no container is held by the GPU
 TAKEN_AVG_S = 0.5  # taken rates for the capacity are averaged over this long
+STEADY_S = 1.0  # the capacity is measured only when every active container has been active this long
 
 
 @dataclass(frozen=True)
@@ -186,6 +190,8 @@ class Gpu:
     """The dispatcher's state of one GPU."""
 
     scale: float = 1.0  # on strict targets while several containers share it
+    capacity: float = 100.0 + CAP_MARGIN  # percent of the GPU its sharers get together, estimated (+ the margin:
+    # a GPU that never showed a loss scales nothing)
     learn: bool = True  # charge factors may be learnt from its per-process utilization
 
 
@@ -204,17 +210,20 @@ def gpu_bound(c: Container, now: float) -> bool:
 def update_scale(gpu: Gpu, containers: list[Container], now: float, dt: float, g: Gains) -> None:
     """Fit the active containers' caps into what the shared GPU delivers (see the module's docstring)."""
     active = [c for c in containers if c.active(now, g.idle_s)]
-    strict = [c for c in active if c.target <= c.cap]
-    if len(active) < 2 or not strict:
+    strict = [c for c in active if c.policy == STRICT]
+    if len(active) < 2 or not strict or gpu.learn:  # learnt factors already steer each share to its cap
         gpu.scale = 1.0
         return
-    if any(gpu_bound(c, now) for c in active):
-        capacity = sum(taken_avg(c, now) / (c.k * c.trim) for c in active) / NS_PER_PERCENT
-        want = min(max((capacity - CAP_MARGIN) / sum(c.cap for c in active), SCALE_MIN), 1.0)
-        if want < gpu.scale:
-            gpu.scale += SCALE_GAIN * (want - gpu.scale)
+    steady = all(c.active_since is not None and now - c.active_since >= STEADY_S for c in active)
+    if steady and any(gpu_bound(c, now) for c in active):
+        measured = sum(taken_avg(c, now) / (c.k * c.trim) for c in active) / NS_PER_PERCENT
+        if measured < gpu.capacity:
+            gpu.capacity += CAPACITY_GAIN * (measured - gpu.capacity)
     else:
-        gpu.scale = min(1.0, gpu.scale + SCALE_RELAX * dt)
+        gpu.capacity = min(100.0 + CAP_MARGIN, gpu.capacity + CAPACITY_PROBE * dt)
+    others = sum(min(c.target, c.cap) for c in active if c.policy != STRICT)  # their caps: loans give way anyway
+    want = (gpu.capacity - CAP_MARGIN - others) / sum(c.cap for c in strict)
+    gpu.scale = min(max(want, SCALE_MIN), 1.0)
 
 
 def wants_more(c: Container, now: float, idle_s: float) -> bool:
@@ -255,4 +264,5 @@ def rate_for(c: Container, g: Gains, scale: float = 1.0) -> int:
     hi = LEND_ALL * NS_PER_PERCENT * g.max_factor
     strict = c.target <= c.cap
     trim = c.trim if strict else 1.0
-    return int(min(max(c.target * (scale if strict else 1.0) * NS_PER_PERCENT * c.k * trim, lo), hi))
+    scaled = scale if c.policy == STRICT else 1.0
+    return int(min(max(c.target * scaled * NS_PER_PERCENT * c.k * trim, lo), hi))

@@ -37,7 +37,7 @@ class Attribution:
     last PERIODS sampling periods that reported anyone, several processes were reported but never two in one
     period -> sampled; two in one period -> per-process shares. Fewer periods, or one process only: unknown."""
 
-    PERIODS = 12
+    PERIODS = 6
 
     def __init__(self) -> None:
         self.periods: list[frozenset[int]] = []  # pids reported per sampling period (timestamp), oldest first
