@@ -16,7 +16,7 @@ import kubernetes_asyncio
 import kubernetes_asyncio.client.models
 import pytest
 from kubernetes_asyncio import watch
-from kubernetes_asyncio.client import ApiClient, CoreV1Api
+from kubernetes_asyncio.client import CoreV1Api
 from structlog.testing import capture_logs
 
 from alnair_agent.kube import lazy_client
@@ -296,7 +296,7 @@ def test_a_package_imported_before_install_stays_as_it_was() -> None:
     assert r.stdout.strip() == "SourceFileLoader"
 
 
-def test_the_warning_names_the_package_and_the_reason(tmp_path: Path) -> None:
+def test_the_warning_names_the_package_and_the_reason() -> None:
     finder = lazy_client.LazyPackageFinder(["nothing"])
     with capture_logs() as logs:
         finder._step_aside("kubernetes_asyncio.client", "changed")
