@@ -92,10 +92,14 @@ async def run(containers: int, seconds: float, agent_tree: Path | None = None) -
                 "ALNAIR_GPU_BACKEND": "simulated", "ALNAIR_SIM_GPUS": "2x80GiB",
                 "ALNAIR_SIM_TIMELINE_DIR": str(timelines), "ALNAIR_METRICS_PORT": str(port),
                 "ALNAIR_LOG_LEVEL": "warning",
+                # the pods come without alnair-scheduler's decision: the agent places them itself, as it did
+                # before it refused unscheduled pods
+                "ALNAIR_PLACE_UNSCHEDULED": "true",
             })
             if agent_tree is not None:
                 env["PYTHONPATH"] = str(agent_tree)
                 env.pop("ALNAIR_SIM_TIMELINE_DIR")
+                env.pop("ALNAIR_PLACE_UNSCHEDULED")
             async with KubeletEmulator(root / "dp", root / "pr/k.sock") as kubelet:
                 log = open(root / "agent.log", "wb")
                 agent = subprocess.Popen([sys.executable, "-m", "alnair_agent.main"], env=env, stdout=log,

@@ -6,6 +6,10 @@ import asyncio
 
 import pytest
 
+# The lazy kubernetes-asyncio packages, installed before any test module imports kubernetes_asyncio: the tests run
+# the client the way the agent loads it (alnair_agent/kube/lazy_client.py).
+import alnair_agent.kube  # noqa: F401
+
 # Node fixtures (root, api) for the agent's tests; the GPU machine runs tests/gpu with --confcutdir=tests/gpu.
 pytest_plugins = ["agent_harness"]
 
