@@ -297,13 +297,15 @@ async def elastic(shim: Path, matmul_s: float) -> dict:
 
 async def packing(shim: Path) -> dict:
     plain = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+    groups = [g for g in (("train-mlp", "infer-transformer"), ("train-mlp", "infer-transformer", "train-mlp-wide"))
+              if len(g) in ARGS.packing_groups]
     alone = {}
-    for name, (code, args) in JOBS.items():
+    for name, (code, args) in [(n, JOBS[n]) for n in JOBS if any(n in g for g in groups)]:
         t = time.time()
         await run_py(code, {**plain, "CUDA_VISIBLE_DEVICES": "0"}, *args)
         alone[name] = time.time() - t
     out = {"alone_s": alone}
-    for group in (("train-mlp", "infer-transformer"), ("train-mlp", "infer-transformer", "train-mlp-wide")):
+    for group in groups:
         seq = sum(alone[n] for n in group)
         cap = 100 // len(group)
         async with Node(shim, "elastic", ARGS.dispatcher) as node:
@@ -311,7 +313,9 @@ async def packing(shim: Path) -> dict:
             t = time.time()
             await asyncio.gather(*(run_py(JOBS[n][0], e, *JOBS[n][1]) for n, e in zip(group, envs)))
             tog = time.time() - t
-        out["+".join(group)] = {"sequential_s": seq, "together_s": tog, "shorter": 1 - tog / seq, "cap": cap}
+            trace = node.trace
+        out["+".join(group)] = {"sequential_s": seq, "together_s": tog, "shorter": 1 - tog / seq, "cap": cap,
+                                "trace": trace}
     print("\npacking (elastic, memory limit 24 GiB each)   goal: together >= 40 % shorter")
     print(f"{'jobs':<48} {'one after another s':>20} {'together s':>11} {'shorter':>8}")
     for k, v in out.items():
@@ -360,6 +364,8 @@ if __name__ == "__main__":
     ap.add_argument("--shim", type=Path, default=Path("/tmp/shim/libalnair.so"))
     ap.add_argument("--json", type=Path)
     ap.add_argument("--only", default="caps,pair,three,elastic,packing")
+    ap.add_argument("--packing-groups", type=lambda v: {int(x) for x in v.split(",")}, default={2, 3},
+                    help="packing: which groups to run, by size (2, 3)")
     ap.add_argument("--learn", choices=("on", "off"), default="on",
                     help="off: the dispatcher runs but never moves a charge factor from 1 (diagnostic)")
     ap.add_argument("--dispatcher", choices=("on", "off"), default="on",

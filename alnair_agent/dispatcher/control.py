@@ -33,7 +33,10 @@ they are, each share is already steered to its measured cap and a capacity from 
 
 Charge factors are learnt only from a GPU whose per-process utilization is a share per process. Where the driver
 instead gives each sampling period to one process (GpuSample.process_util_sampled), a short window says nothing
-about shares; there the factor stays 1, and the shim's own charges (its floor charges on a shared GPU) hold.
+about shares; there the factor stays 1, and the shim's own charges hold: the dispatcher tells each container's shim
+how many others run on its GPU (region agent.sharers), and the shim then charges kernels their floor (their
+uncontended time) instead of a mean that holds the other contexts' time slices. Where factors are learnt, sharers
+stays 0: the learnt factor already corrects the inflated charges, and the two corrections would fight.
 
 Elastic policy: a container that wants more than its cap (it waits for tokens, or uses a loan) borrows what the
 other active containers leave: all of the GPU when it is alone (`LEND_ALL`), else the spare left by the others'
@@ -58,7 +61,9 @@ SPARE_MARGIN = 5.0  # points of the GPU kept out of loans when others are active
 HUNGRY_WAIT = 0.02  # a container waiting for tokens this fraction of a tick wants more than it has
 MIN_SHARE = 0.5  # below this measured share (%) a window says nothing about the charge factor
 FAST_WINDOWS = 2
-SETTLE_S = 0.5  # after a change in who is active, queues and NVML's ~200 ms periods settle before a window counts
+SETTLE_S = 0.1  # after a change in who is active, the GPU's queues settle this long before a window counts
+SETTLE_NEW_S = 0.5  # ... and a container that became active alone this long (NVML's ~200 ms periods lag its start;
+# beside others, fast learning matters more and a GPU with NVML's lag learns nothing there anyway)
 TRIM_GAIN, TRIM_MIN, TRIM_MAX = 0.1, 0.8, 1.25
 # The factor moves by at most x1.2 up and /1.5 down per window: a grant that grows too fast overshoots a strict
 # ceiling while the shim's own estimates still settle after a change (they are re-sampled over ~1 s); one that

@@ -111,6 +111,8 @@ class Dispatcher:
                     c.skip_until = now + C.SETTLE_S
                     if c.key in active and c.key not in self._active.get(gpu, frozenset()):
                         c.active_since = now
+                        if len(active) == 1:  # alone: nothing to share, so wait out NVML's lag at its start
+                            c.skip_until = now + C.SETTLE_NEW_S
                 self._active[gpu] = active
             C.targets(containers, now, g)
             state = self.gpus.setdefault(gpu, C.Gpu())
@@ -118,7 +120,9 @@ class Dispatcher:
             others = busy.get(gpu, set())
             for c in containers:
                 self._write(c, state.scale)
-                self._tell_sharers(c, len(others - {c.key}))
+                # Where factors are learnt from exact per-process shares they already correct the inflated charges
+                # of a shared GPU; the shim's floor charges are for GPUs whose shares cannot be learnt (see control).
+                self._tell_sharers(c, 0 if state.learn else len(others - {c.key}))
 
     def _observe(self, alloc: "Allocation", now: float, dt: float) -> C.Container | None:
         region = self._region(alloc.id, now)

@@ -165,3 +165,25 @@ def test_a_process_without_a_slot_cannot_launch_unseen(runner, make_region):
     res = runner.run("launch:5:1000", region=region)  # no context asked for: the launch itself is refused
     assert res.line("launch")["bad"] == "5"
     assert res.stats.get("cuLaunchKernel", 0) == 0
+
+
+@pytest.mark.parametrize("sharers", [0, 1])
+def test_a_time_sliced_gpu_charges_kernels_their_own_time_when_the_agent_says_it_is_shared(runner, make_region,
+                                                                                          sharers):
+    """Every 3rd 1 ms kernel waits 3 ms for another context's slice (SIMCUDA_FOREIGN_SLICE), as on a GPU that
+    time-slices processes: the event pairs and fence intervals around it hold the other's time. Told the GPU is
+    shared (agent.sharers), the shim charges each kernel its floor and takes no fence debt: the process gets its
+    30 % of real kernel time. Not told, it is charged the others' slices too and gets far less (the issue's H200
+    pair and three-tenant runs)."""
+    path = make_region(compute_limit=30, name=f"region{sharers}")
+    r = Region.open(path)
+    try:
+        r.set_sharers(sharers)
+    finally:
+        r.close()
+    res = runner.run("init", "run:4000:1000000", region=path, env={"SIMCUDA_FOREIGN_SLICE": "3000000:3"}, timeout=60)
+    gpu = share(res)
+    if sharers:
+        assert 0.24 <= gpu <= 0.36, res.lines
+    else:
+        assert gpu <= 0.22, res.lines

@@ -446,6 +446,26 @@ API CUresult cuStreamSynchronize_ptsz(CUstream s) { CALLED(); return stream_sync
 API CUresult cuStreamQuery(CUstream s) { CALLED(); return stream_tail(S(s, 0)) <= now_ns() ? CUDA_SUCCESS : CUDA_ERROR_NOT_READY; }
 API CUresult cuCtxSynchronize(void) { CALLED(); sleep_until(stream_tail(&legacy_stream)); if (ptds_stream) sleep_until(stream_tail(ptds_stream)); return CUDA_SUCCESS; }
 
+/* SIMCUDA_FOREIGN_SLICE=ns:every: before every `every`-th kernel the stream waits `ns` for another context's time
+ * slice (a GPU that time-slices between processes): event pairs and fence intervals around it hold that time,
+ * which is not this process's GPU time. */
+static uint64_t foreign_slice(void)
+{
+    static _Atomic uint64_t n;
+    static uint64_t ns, every;
+    static int parsed;
+    if (!parsed) {
+        const char *v = getenv("SIMCUDA_FOREIGN_SLICE");
+        char *end = NULL;
+        if (v != NULL) {
+            ns = strtoull(v, &end, 10);
+            every = end && *end == ':' ? strtoull(end + 1, NULL, 10) : 0;
+        }
+        parsed = 1;
+    }
+    return every && (atomic_fetch_add(&n, 1) + 1) % every == 0 ? ns : 0;
+}
+
 static CUresult run_kind(CUstream hs, int pt, uint64_t dur, enum simtl_kind kind);
 static CUresult run(CUstream hs, int pt, uint64_t dur) { return run_kind(hs, pt, dur, SIMTL_KERNEL); }
 static CUresult run_kind(CUstream hs, int pt, uint64_t dur, enum simtl_kind kind)
@@ -464,7 +484,10 @@ static CUresult run_kind(CUstream hs, int pt, uint64_t dur, enum simtl_kind kind
             sleep_until(oldest);
             continue;
         }
-        uint64_t start = simtl_book(s->busy_until > now ? s->busy_until : now, dur, mem_used, kind);
+        uint64_t from = s->busy_until > now ? s->busy_until : now;
+        if (kind == SIMTL_KERNEL)
+            from += foreign_slice();
+        uint64_t start = simtl_book(from, dur, mem_used, kind);
         s->busy_until = start + dur;
         s->ends[s->qpos] = s->busy_until;
         s->qpos = (s->qpos + 1) % QDEPTH;
