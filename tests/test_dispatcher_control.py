@@ -119,3 +119,34 @@ def test_no_scale_where_factors_are_learnt():
     gpu = C.Gpu()  # learn=True: each share is steered by its own factor
     _sharing([(30, 30, 30), (70, 70, 57)], 3.0, gpu)
     assert gpu.scale == 1.0
+
+
+def _borrowers(n: int, policy: str = C.ELASTIC) -> list[C.Container]:
+    cs = [C.Container(str(i), 50, policy) for i in range(n)]
+    for c in cs:
+        c.last_active = c.last_hungry = 1.0
+    return cs
+
+
+@pytest.mark.parametrize("utils, want", [
+    ([50.0] * 4, C.BOOST_UP ** 4),                  # elastic borrowers held by tokens, GPU idle: lend it
+    ([50.0] * 40, G.max_factor),                    # bounded
+    ([50.0] * 4 + [99.0] * 4, C.BOOST_UP ** 4 * C.BOOST_DOWN ** 4),  # busy again: cut back
+    ([93.0] * 4, 1.0),                              # between the thresholds: unchanged
+    ([None] * 4, 1.0),                              # no device figure: unchanged
+])
+def test_boost_table(utils, want):
+    gpu, cs = C.Gpu(), _borrowers(2)
+    C.targets(cs, 1.0, G)  # two borrowers of 50: nothing spare by caps, each at its cap
+    for u in utils:
+        gpu.device_util = u
+        C.update_boost(gpu, cs, 1.0, G)
+    assert gpu.boost == pytest.approx(want)
+    assert C.rate_for(cs[0], G, 1.0, gpu.boost) == pytest.approx(50 * C.NS_PER_PERCENT * gpu.boost, rel=1e-6)
+
+
+def test_no_boost_beside_a_container_that_is_not_an_elastic_borrower():
+    gpu, cs = C.Gpu(boost=4.0), _borrowers(1) + _borrowers(1, C.STRICT)
+    gpu.device_util = 10.0
+    C.update_boost(gpu, cs, 1.0, G)
+    assert gpu.boost == 1.0  # a strict sharer is active: caps are protected again on this very tick

@@ -108,3 +108,13 @@ def test_where_nvml_samples_by_period_caps_fit_what_the_gpu_delivers():
     scale = d.gpus[GPU].scale
     assert 0.8 <= scale <= 0.9, scale
     assert regions["a"].rate / regions["b"].rate == pytest.approx(3 / 7, rel=0.02)
+
+
+def test_elastic_borrowers_held_by_tokens_on_an_idle_gpu_are_lent_it():
+    # both elastic, both waiting for tokens, yet NVML says the device is 40 % busy: their charges over-state
+    d, regions, profiler = node({"a": 50, "b": 50}, {"a": int(0.5e9 * 0.05), "b": int(0.5e9 * 0.05)}, sampled=True)
+    d.policy = "elastic"
+    profiler.last = Samples(gpus=(GpuSample(GPU, gpu_util=40.0, process_util_sampled=True),))
+    run(d, regions, profiler, {"a": 20.0, "b": 20.0}, 2.0)
+    assert d.gpus[GPU].boost > 2.0
+    assert regions["a"].rate > 2 * 50 * 10_000_000

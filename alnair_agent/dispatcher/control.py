@@ -38,6 +38,12 @@ how many others run on its GPU (region agent.sharers), and the shim then charges
 uncontended time) instead of a mean that holds the other contexts' time slices. Where factors are learnt, sharers
 stays 0: the learnt factor already corrects the inflated charges, and the two corrections would fight.
 
+Work conservation among elastic containers: when every active container on a GPU is elastic and wants more, no
+cap needs protecting, yet their tokens may still hold them while the GPU idles (a charge the factor does not correct,
+e.g. where factors are not learnt). Then, at each profiler window whose device utilization (NVML's device figure,
+which is exact) is under BOOST_IDLE, their grants are multiplied by a GPU-wide boost that grows by BOOST_UP, and
+shrinks back towards 1 while the device is busy; the boost is 1 again on the tick any other container is active.
+
 Elastic policy: a container that wants more than its cap (it waits for tokens, or uses a loan) borrows what the
 other active containers leave: all of the GPU when it is alone (`LEND_ALL`), else the spare left by the others'
 measured use (a container without a measurement since it became active is reserved its full cap) split in
@@ -76,6 +82,8 @@ SCALE_MIN = 0.5
 CAPACITY_GAIN = 0.3  # per tick, towards a capacity measured lower than the estimate
 CAPACITY_PROBE = 1.0  # points per second the estimate rises while no container is held by the GPU
 TAKEN_AVG_S = 0.5  # taken rates for the capacity are averaged over this long
+BOOST_IDLE, BOOST_BUSY = 90.0, 97.0  # device utilization (%) under which elastic borrowers are boosted / over which
+BOOST_UP, BOOST_DOWN = 1.25, 0.95  # the boost is cut back, per profiler window
 STEADY_S = 1.0  # the capacity is measured only when every active container has been active this long
 
 
@@ -198,6 +206,8 @@ class Gpu:
     capacity: float = 100.0 + CAP_MARGIN  # percent of the GPU its sharers get together, estimated (+ the margin:
     # a GPU that never showed a loss scales nothing)
     learn: bool = True  # charge factors may be learnt from its per-process utilization
+    boost: float = 1.0  # on elastic grants while every active container is an elastic borrower
+    device_util: float | None = None  # the profiler's newest device utilization (%), not yet acted on
 
 
 def taken_avg(c: Container, now: float) -> float:
@@ -229,6 +239,21 @@ def update_scale(gpu: Gpu, containers: list[Container], now: float, dt: float, g
     others = sum(min(c.target, c.cap) for c in active if c.policy != STRICT)  # their caps: loans give way anyway
     want = (gpu.capacity - CAP_MARGIN - others) / sum(c.cap for c in strict)
     gpu.scale = min(max(want, SCALE_MIN), 1.0)
+
+
+def update_boost(gpu: Gpu, containers: list[Container], now: float, g: Gains) -> None:
+    """Lend an idle GPU to elastic borrowers whose tokens hold them (see the module's docstring)."""
+    active = [c for c in containers if c.active(now, g.idle_s)]
+    if not active or not all(c.policy == ELASTIC and wants_more(c, now, g.idle_s) for c in active):
+        gpu.boost = 1.0
+        return
+    util, gpu.device_util = gpu.device_util, None
+    if util is None:
+        return
+    if util < BOOST_IDLE:
+        gpu.boost = min(gpu.boost * BOOST_UP, g.max_factor)
+    elif util >= BOOST_BUSY:
+        gpu.boost = max(gpu.boost * BOOST_DOWN, 1.0)
 
 
 def wants_more(c: Container, now: float, idle_s: float) -> bool:
@@ -264,10 +289,10 @@ def targets(containers: list[Container], now: float, g: Gains) -> None:
         c.target = c.cap + spare * c.cap / weight
 
 
-def rate_for(c: Container, g: Gains, scale: float = 1.0) -> int:
+def rate_for(c: Container, g: Gains, scale: float = 1.0, boost: float = 1.0) -> int:
     lo = c.cap_rate * K_MIN
     hi = LEND_ALL * NS_PER_PERCENT * g.max_factor
     strict = c.target <= c.cap
     trim = c.trim if strict else 1.0
-    scaled = scale if c.policy == STRICT else 1.0
+    scaled = scale if c.policy == STRICT else boost
     return int(min(max(c.target * scaled * NS_PER_PERCENT * c.k * trim, lo), hi))

@@ -117,9 +117,10 @@ class Dispatcher:
             C.targets(containers, now, g)
             state = self.gpus.setdefault(gpu, C.Gpu())
             C.update_scale(state, containers, now, dt, g)
+            C.update_boost(state, containers, now, g)
             others = busy.get(gpu, set())
             for c in containers:
-                self._write(c, state.scale)
+                self._write(c, state.scale, state.boost)
                 # Where factors are learnt from exact per-process shares they already correct the inflated charges
                 # of a shared GPU; the shim's floor charges are for GPUs whose shares cannot be learnt (see control).
                 self._tell_sharers(c, 0 if state.learn else len(others - {c.key}))
@@ -185,8 +186,11 @@ class Dispatcher:
         t1, t0 = p.sample_at, self._profiler_at
         self._profiler_at = t1
         sampled = {s.uuid: s.process_util_sampled for s in (p.last.gpus if p.last is not None else ())}
+        device = {s.uuid: s.gpu_util for s in (p.last.gpus if p.last is not None else ())}
         for gpu, containers in by_gpu.items():
             state = self.gpus.setdefault(gpu, C.Gpu())
+            util = device.get(gpu)
+            state.device_util = util if util is not None and math.isfinite(util) else None
             if sampled.get(gpu) is True and state.learn:
                 state.learn = False  # one draw per period: shares only hold over long averages, never per window
                 log.info("dispatcher_factors_fixed", gpu=gpu, reason="per-process utilization is sampled by period")
@@ -206,8 +210,8 @@ class Dispatcher:
                 if math.isfinite(share):
                     C.observe_share(c, t0, t1, min(max(share, 0.0), 100.0), self.gains)
 
-    def _write(self, c: C.Container, scale: float = 1.0) -> None:
-        rate = C.rate_for(c, self.gains, scale)
+    def _write(self, c: C.Container, scale: float = 1.0, boost: float = 1.0) -> None:
+        rate = C.rate_for(c, self.gains, scale, boost)
         if c.rate and abs(rate - c.rate) <= CHANGE * c.rate:
             return
         region = self._regions.get(c.key)
