@@ -212,9 +212,8 @@ class Gpu:
 
 def taken_avg(c: Container, now: float) -> float:
     """Tokens per second over the last TAKEN_AVG_S (the last tick's rate while the history is shorter)."""
-    a, b = c.taken_at(now - TAKEN_AVG_S), c.taken_at(now)
-    return (b - a) / TAKEN_AVG_S if a is not None and b is not None and c.history[0][0] <= now - TAKEN_AVG_S \
-        else c.taken_rate
+    a, b = c.taken_at(now - TAKEN_AVG_S), c.taken_at(now)  # None: no history that far back
+    return (b - a) / TAKEN_AVG_S if a is not None and b is not None else c.taken_rate
 
 
 def gpu_bound(c: Container, now: float) -> bool:
@@ -292,7 +291,6 @@ def targets(containers: list[Container], now: float, g: Gains) -> None:
 def rate_for(c: Container, g: Gains, scale: float = 1.0, boost: float = 1.0) -> int:
     lo = c.cap_rate * K_MIN
     hi = LEND_ALL * NS_PER_PERCENT * g.max_factor
-    strict = c.target <= c.cap
-    trim = c.trim if strict else 1.0
+    trim = c.trim if c.target <= c.cap else 1.0  # not on a loan
     scaled = scale if c.policy == STRICT else boost
     return int(min(max(c.target * scaled * NS_PER_PERCENT * c.k * trim, lo), hi))

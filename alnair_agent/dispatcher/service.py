@@ -13,7 +13,8 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, TypeVar
 
 import structlog
 
@@ -27,6 +28,7 @@ if TYPE_CHECKING:
     from alnair_agent.profiler.service import Profiler
 
 log = structlog.get_logger(__name__)
+T = TypeVar("T")
 
 REOPEN_S = 1.0  # a region that could not be opened is tried again after this long
 CHANGE = 0.005  # a rate within this fraction of the one written is not written again
@@ -85,18 +87,17 @@ class Dispatcher:
         self.ticks += 1
         g = self.gains
         by_gpu: dict[str, list[C.Container]] = {}
-        busy: dict[str, set[str]] = {}  # GPU -> every container that ran there lately, capped or not
+        uncapped: dict[str, set[str]] = {}  # GPU -> containers without a cap that launched there lately
         live = set()
         for alloc in list(self.allocator.allocations.values()):
-            capped = 0 < alloc.compute_limit < 100
-            c = self._observe(alloc, now, dt) if capped else None
+            if not 0 < alloc.compute_limit < 100:  # no cap: the shim stays out of the launch path
+                if self._uncapped_active(alloc, now):
+                    uncapped.setdefault(alloc.gpu_uuid, set()).add(alloc.id)
+                continue
+            c = self._observe(alloc, now, dt)
             if c is not None:
                 live.add(alloc.id)
                 by_gpu.setdefault(alloc.gpu_uuid, []).append(c)
-                if c.active(now, g.idle_s):
-                    busy.setdefault(alloc.gpu_uuid, set()).add(alloc.id)
-            elif not capped and self._uncapped_active(alloc, now):
-                busy.setdefault(alloc.gpu_uuid, set()).add(alloc.id)
         for alloc_id in [i for i in self.state if i not in live]:
             self._forget(alloc_id)
         for alloc_id in [i for i in self._uncapped if i not in self.allocator.allocations]:
@@ -118,23 +119,19 @@ class Dispatcher:
             state = self.gpus.setdefault(gpu, C.Gpu())
             C.update_scale(state, containers, now, dt, g)
             C.update_boost(state, containers, now, g)
-            others = busy.get(gpu, set())
+            running = active | uncapped.get(gpu, set())
             for c in containers:
                 self._write(c, state.scale, state.boost)
                 # Where factors are learnt from exact per-process shares they already correct the inflated charges
                 # of a shared GPU; the shim's floor charges are for GPUs whose shares cannot be learnt (see control).
-                self._tell_sharers(c, 0 if state.learn else len(others - {c.key}))
+                self._tell_sharers(c, 0 if state.learn else len(running - {c.key}))
 
     def _observe(self, alloc: "Allocation", now: float, dt: float) -> C.Container | None:
-        region = self._region(alloc.id, now)
-        if region is None:
+        first = alloc.id not in self.state
+        read = self._read(alloc.id, now, lambda r: (r.slots(), r.grant_line()[2] if first else 0))
+        if read is None:
             return None
-        try:
-            slots = region.slots()
-            line_rate = region.grant_line()[2] if alloc.id not in self.state else 0
-        except (RegionError, OSError) as e:
-            self._drop_region(alloc.id, now, str(e))
-            return None
+        slots, line_rate = read
         c = self.state.get(alloc.id)
         if c is None:
             c = self.state[alloc.id] = C.Container(alloc.id, float(alloc.compute_limit))
@@ -149,13 +146,8 @@ class Dispatcher:
 
     def _uncapped_active(self, alloc: "Allocation", now: float) -> bool:
         """A container without a compute cap still time-slices the GPU with the capped ones: launched lately?"""
-        region = self._region(alloc.id, now)
-        if region is None:
-            return False
-        try:
-            launches = sum(s.launches for s in region.slots())
-        except (RegionError, OSError) as e:
-            self._drop_region(alloc.id, now, str(e))
+        launches = self._read(alloc.id, now, lambda r: sum(s.launches for s in r.slots()))
+        if launches is None:
             return False
         before = self._uncapped.get(alloc.id)
         if before is None or launches != before[0]:
@@ -165,17 +157,8 @@ class Dispatcher:
 
     def _tell_sharers(self, c: C.Container, n: int) -> None:
         """Tell the container's shim how many others run on its GPU (it then charges kernels their floor)."""
-        if n == c.sharers:
-            return
-        region = self._regions.get(c.key)
-        if region is None:
-            return
-        try:
-            region.set_sharers(n)
-        except (RegionError, OSError) as e:
-            self._drop_region(c.key, time.monotonic(), str(e))
-            return
-        c.sharers = n
+        if n != c.sharers and self._put(c.key, lambda r: r.set_sharers(n)):
+            c.sharers = n
 
     def _take_profile(self, by_gpu: dict[str, list[C.Container]]) -> None:
         """The profiler's newest window, once per profiler sample: each container's measured share."""
@@ -185,13 +168,13 @@ class Dispatcher:
         self._profiler_samples = p.samples
         t1, t0 = p.sample_at, self._profiler_at
         self._profiler_at = t1
-        sampled = {s.uuid: s.process_util_sampled for s in (p.last.gpus if p.last is not None else ())}
-        device = {s.uuid: s.gpu_util for s in (p.last.gpus if p.last is not None else ())}
+        seen = {s.uuid: s for s in p.last.gpus}
         for gpu, containers in by_gpu.items():
             state = self.gpus.setdefault(gpu, C.Gpu())
-            util = device.get(gpu)
+            sample = seen.get(gpu)
+            util = sample.gpu_util if sample is not None else None
             state.device_util = util if util is not None and math.isfinite(util) else None
-            if sampled.get(gpu) is True and state.learn:
+            if sample is not None and sample.process_util_sampled is True and state.learn:
                 state.learn = False  # one draw per period: shares only hold over long averages, never per window
                 log.info("dispatcher_factors_fixed", gpu=gpu, reason="per-process utilization is sampled by period")
                 for c in containers:
@@ -214,17 +197,34 @@ class Dispatcher:
         rate = C.rate_for(c, self.gains, scale, boost)
         if c.rate and abs(rate - c.rate) <= CHANGE * c.rate:
             return
-        region = self._regions.get(c.key)
-        if region is None:
-            return
-        try:
-            region.set_grant_line(rate)
-        except (RegionError, OSError) as e:
-            self._drop_region(c.key, time.monotonic(), str(e))
-            return
-        c.rate = rate
+        if self._put(c.key, lambda r: r.set_grant_line(rate)):
+            c.rate = rate
 
     # -- regions and policies ------------------------------------------------------------------------------------
+    def _read(self, alloc_id: str, now: float, read: Callable[[Region], T]) -> T | None:
+        """`read` of the allocation's region (opened if need be); None when it cannot be opened or read (then it is
+        dropped, said once, and tried again after REOPEN_S)."""
+        region = self._region(alloc_id, now)
+        if region is None:
+            return None
+        try:
+            return read(region)
+        except (RegionError, OSError) as e:
+            self._drop_region(alloc_id, now, str(e))
+            return None
+
+    def _put(self, alloc_id: str, write: Callable[[Region], None]) -> bool:
+        """`write` to the allocation's open region; False when it is not open or the write failed (then dropped)."""
+        region = self._regions.get(alloc_id)
+        if region is None:
+            return False
+        try:
+            write(region)
+        except (RegionError, OSError) as e:
+            self._drop_region(alloc_id, time.monotonic(), str(e))
+            return False
+        return True
+
     def _region(self, alloc_id: str, now: float) -> Region | None:
         region = self._regions.get(alloc_id)
         if region is not None:
