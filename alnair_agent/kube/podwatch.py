@@ -8,39 +8,29 @@ extender's per-node lock there is only one (see `alnair_agent.node.decision`).
 from __future__ import annotations
 
 import asyncio
-import random
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import aiohttp
 import structlog
-from kubernetes_asyncio import watch
 from kubernetes_asyncio.client import ApiClient, CoreV1Api
-from kubernetes_asyncio.client.exceptions import ApiException
 
-from alnair_agent.kube.client import read_json
 from alnair_agent.kube.pods import PodError, PodInfo, log_invalid, parse_pod
+from alnair_agent.kube.reflector import Reflector, ReflectorTiming, WatchProtocolError
+
+__all__ = ["PodWatch", "WatchProtocolError", "WatchTiming"]
 
 log = structlog.get_logger(__name__)
 
 
-class WatchProtocolError(RuntimeError):
-    """The API server sent something that is not a watch event."""
-
-
 @dataclass(frozen=True)
-class WatchTiming:
-    """How the watch retries and how long it waits; tests shorten these."""
+class WatchTiming(ReflectorTiming):
+    """The pod watch's timing: a short backoff, since the device plugin cannot tell which pod kubelet admits while
+    the watch is down (a local API server is cheap to reconnect to; the jitter keeps a fleet of agents from
+    retrying in lockstep)."""
 
-    backoff_initial_s: float = 0.2
-    # Short: the device plugin cannot tell which pod kubelet admits while the watch is down (a local API server is
-    # cheap to reconnect to; the jitter keeps a fleet of agents from retrying in lockstep).
     backoff_max_s: float = 5.0
-    watch_timeout_s: int = 300  # server-side: the API server ends each watch after this; it is then resumed
-    connect_timeout_s: float = 10.0
     list_timeout_s: float = 60.0
-    min_healthy_s: float = 1.0  # a watch that ends sooner than this having delivered nothing counts as a failure
 
 
 class PodWatch:
@@ -52,7 +42,6 @@ class PodWatch:
         self.node_name = node_name
         self._timing = timing
         self._pods: dict[str, PodInfo] = {}
-        self._rv: str | None = None  # resourceVersion to resume from; None: LIST first
         self._synced = asyncio.Event()
         self._changed = asyncio.Event()  # replaced on every change; waiters hold the one they saw
         self._generation = 0
@@ -119,52 +108,22 @@ class PodWatch:
 
     # -- the service -----------------------------------------------------------------------------------------
     async def run(self) -> None:
-        """LIST then WATCH until cancelled; re-LIST on 410 Gone; back off (capped, doubling) on failures."""
+        """LIST then WATCH until cancelled (the shared loop: alnair_agent.kube.reflector)."""
         if self._api is None:
             await asyncio.Event().wait()  # nothing to watch; stay up like every other service until cancelled
             return
         core = CoreV1Api(self._api)
-        backoff = self._timing.backoff_initial_s
-        while True:
-            try:
-                if self._rv is None:
-                    await self._list(core)
-                healthy = await self._watch(core)
-                if healthy:
-                    backoff = self._timing.backoff_initial_s
-                    continue
-                failure: dict[str, Any] = {"error": "WatchEndedEarly"}
-            except ApiException as e:
-                if e.status == 410:
-                    # Our resourceVersion fell out of the API server's history: only a fresh LIST catches up.
-                    log.info("pod_watch_expired", resource_version=self._rv)
-                    self._rv = None
-                    continue
-                failure = {"error": "ApiException", "status": e.status, "reason": e.reason}
-            except (aiohttp.ClientError, TimeoutError, OSError, ValueError, WatchProtocolError) as e:
-                failure = {"error": type(e).__name__, "detail": str(e)[:200]}
-            delay = backoff * random.uniform(0.5, 1.0)  # jitter: nodes must not retry in lockstep after an outage
-            log.warning("pod_watch_failed", retry_in_s=round(delay, 3), **failure)
-            await asyncio.sleep(delay)
-            backoff = min(backoff * 2, self._timing.backoff_max_s)
+        await Reflector("pods", core.list_pod_for_all_namespaces, self._on_list, self._on_event,
+                        field_selector=f"spec.nodeName={self.node_name}", timing=self._timing, synced=self._synced,
+                        events="pod_watch").run()
 
-    async def _list(self, core: CoreV1Api) -> None:
-        resp = await core.list_pod_for_all_namespaces(
-            field_selector=f"spec.nodeName={self.node_name}",
-            _preload_content=False,
-            _request_timeout=self._timing.list_timeout_s,
-        )
-        body = await read_json(resp)
-        if not isinstance(body, Mapping) or not isinstance(body.get("items", []), list):
-            raise WatchProtocolError("pod list is not a PodList")
+    # -- map updates -----------------------------------------------------------------------------------------
+    def _on_list(self, items: Sequence[Any]) -> None:
         pods: dict[str, PodInfo] = {}
-        for item in body.get("items") or []:
+        for item in items:
             pod = self._parse(item)
             if pod is not None and pod.node_name == self.node_name:
                 pods[pod.uid] = pod
-        rv = (body.get("metadata") or {}).get("resourceVersion")
-        if not isinstance(rv, str) or not rv:
-            raise WatchProtocolError("pod list has no resourceVersion")
         for pod in sorted(pods.values(), key=lambda p: (p.created_at, p.namespace, p.name)):
             old = self._pods.get(pod.uid)
             if old is None or old.invalid != pod.invalid:
@@ -172,65 +131,18 @@ class PodWatch:
             self._note_bound(pod.uid)
         self._pods = pods
         self._bound = {uid: n for uid, n in self._bound.items() if uid in pods}
-        self._rv = rv
         self._bump()
-        self._synced.set()
-        log.info("pod_watch_listed", pods=len(pods), resource_version=rv)
 
-    async def _watch(self, core: CoreV1Api) -> bool:
-        """One watch connection from `_rv`; returns when the server ends it. True if it was healthy (delivered
-        events or lasted a while), so the caller resets its backoff."""
-        loop = asyncio.get_running_loop()
-        started = loop.time()
-        events = 0
-        timeout = aiohttp.ClientTimeout(
-            sock_connect=self._timing.connect_timeout_s,
-            # A half-dead connection delivers nothing: give up a little after the server should have ended it.
-            sock_read=self._timing.watch_timeout_s + self._timing.connect_timeout_s,
-        )
-        async with watch.Watch(return_type="object") as w:  # "object": events carry the pod's JSON dict
-            stream = w.stream(
-                core.list_pod_for_all_namespaces,
-                field_selector=f"spec.nodeName={self.node_name}",
-                resource_version=self._rv,
-                timeout_seconds=self._timing.watch_timeout_s,
-                allow_watch_bookmarks=True,
-                _request_timeout=timeout,
-            )
-            try:
-                async for event in stream:
-                    self._apply(event)
-                    events += 1
-            except ApiException:
-                raise
-            except Exception as e:
-                # kubernetes-asyncio's Watch signals a malformed event with a bare Exception; that is the API
-                # server's (or a proxy's) fault, so it is retried like a dropped connection, not a crash.
-                if type(e) is not Exception:
-                    raise
-                raise WatchProtocolError(str(e)[:200]) from None
-        log.debug("pod_watch_ended", events=events, resource_version=self._rv)
-        return events > 0 or loop.time() - started >= self._timing.min_healthy_s
-
-    # -- map updates -----------------------------------------------------------------------------------------
-    def _apply(self, event: Any) -> None:
-        if not isinstance(event, Mapping) or not isinstance(event.get("raw_object"), Mapping):
-            raise WatchProtocolError(f"not a watch event: {event!r:.200}")
-        kind, obj = event.get("type"), event["raw_object"]
-        rv = (obj.get("metadata") or {}).get("resourceVersion")
-        if kind in ("ADDED", "MODIFIED"):
-            pod = self._parse(obj)
-            if pod is not None:
-                self._store(pod)
-        elif kind == "DELETED":
+    def _on_event(self, kind: str, obj: Mapping[str, Any]) -> None:
+        if kind == "DELETED":
             uid = (obj.get("metadata") or {}).get("uid")
             if isinstance(uid, str) and self._pods.pop(uid, None) is not None:
                 self._bound.pop(uid, None)
                 self._bump()
-        elif kind != "BOOKMARK":
-            raise WatchProtocolError(f"unknown watch event type {kind!r}")
-        if isinstance(rv, str) and rv:
-            self._rv = rv
+            return
+        pod = self._parse(obj)
+        if pod is not None:
+            self._store(pod)
 
     def _parse(self, obj: Any) -> PodInfo | None:
         try:

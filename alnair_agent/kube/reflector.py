@@ -1,8 +1,8 @@
 """LIST then WATCH one kind of object through kubernetes-asyncio, feeding a handler, until cancelled.
 
-The same loop as the agent's pod watch, for the extender's nodes and pods: raw JSON (no client models: cheaper,
-and thousands of Node objects stay affordable), resumed from the last resourceVersion, a fresh LIST on 410 Gone,
-capped exponential backoff with jitter on failures (so a fleet does not retry in lockstep after an outage).
+The one such loop: the agent's pod watch and the extender's nodes and pods use it. Raw JSON (no client models:
+cheaper, and thousands of Node objects stay affordable), resumed from the last resourceVersion, a fresh LIST on
+410 Gone, capped exponential backoff with jitter on failures (so a fleet does not retry in lockstep after an outage).
 """
 
 from __future__ import annotations
@@ -29,18 +29,21 @@ class WatchProtocolError(RuntimeError):
 
 @dataclass(frozen=True)
 class ReflectorTiming:
+    """How the loop retries and how long it waits; tests shorten these."""
+
     backoff_initial_s: float = 0.2
     backoff_max_s: float = 30.0
     watch_timeout_s: int = 300
     connect_timeout_s: float = 10.0
     list_timeout_s: float = 120.0
-    min_healthy_s: float = 1.0
+    min_healthy_s: float = 1.0  # a watch that ends sooner than this having delivered nothing counts as a failure
 
 
 @dataclass
 class Reflector:
     """`list_call(**kwargs)` is a kubernetes-asyncio list method (e.g. CoreV1Api.list_node); `on_list(items)` gets
-    every LIST, `on_event(type, obj)` every ADDED/MODIFIED/DELETED event."""
+    every LIST, `on_event(type, obj)` every ADDED/MODIFIED/DELETED event. Its logs are `<events>_listed`,
+    `<events>_expired` and `<events>_failed`, with `watch=name`."""
 
     name: str
     list_call: Callable[..., Awaitable[Any]]
@@ -49,6 +52,7 @@ class Reflector:
     field_selector: str | None = None
     timing: ReflectorTiming = ReflectorTiming()
     synced: asyncio.Event | None = None
+    events: str = "watch"
 
     def __post_init__(self) -> None:
         self._rv: str | None = None
@@ -70,14 +74,15 @@ class Reflector:
                 failure: dict[str, Any] = {"error": "WatchEndedEarly"}
             except ApiException as e:
                 if e.status == 410:
-                    log.info("watch_expired", watch=self.name, resource_version=self._rv)
+                    # our resourceVersion fell out of the API server's history: only a fresh LIST catches up
+                    log.info(f"{self.events}_expired", watch=self.name, resource_version=self._rv)
                     self._rv = None
                     continue
                 failure = {"error": "ApiException", "status": e.status, "reason": e.reason}
             except (aiohttp.ClientError, TimeoutError, OSError, ValueError, WatchProtocolError) as e:
                 failure = {"error": type(e).__name__, "detail": str(e)[:200]}
             delay = backoff * random.uniform(0.5, 1.0)
-            log.warning("watch_failed", watch=self.name, retry_in_s=round(delay, 3), **failure)
+            log.warning(f"{self.events}_failed", watch=self.name, retry_in_s=round(delay, 3), **failure)
             await asyncio.sleep(delay)
             backoff = min(backoff * 2, self.timing.backoff_max_s)
 
@@ -94,9 +99,11 @@ class Reflector:
         self._rv = rv
         assert self.synced is not None
         self.synced.set()
-        log.info("watch_listed", watch=self.name, items=len(body.get("items") or []), resource_version=rv)
+        log.info(f"{self.events}_listed", watch=self.name, items=len(body.get("items") or []), resource_version=rv)
 
     async def _watch(self) -> bool:
+        """One watch connection from `_rv`; returns when the server ends it. True if it was healthy (delivered
+        events or lasted a while), so the caller resets its backoff."""
         loop = asyncio.get_running_loop()
         started = loop.time()
         events = 0
