@@ -21,7 +21,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import subprocess
 import sys
 import time
@@ -35,6 +34,7 @@ sys.path.insert(0, str(ROOT))
 
 from agent_harness import NODE, remove_tree, short_tmp  # noqa: E402
 from fakes.apiserver import FakeApiServer, make_pod  # noqa: E402
+from benchstats import machine  # noqa: E402 - beside this script
 from simbuild import build_shim_and_driver  # noqa: E402
 
 from alnair_agent import logs  # noqa: E402
@@ -163,9 +163,7 @@ async def run(containers: int, seconds: float, agent_tree: Path | None = None) -
         "metrics_scrapes": scrapes,
         "container_series_in_last_scrape": series,
         "job-00_usage": usage.get("main"),
-        "machine": {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count(),
-                    "cpu": next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                                 if ln.startswith("model name")), "?")},
+        "machine": machine(),
     }
 
 

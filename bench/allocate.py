@@ -12,8 +12,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import platform
 import statistics
 import sys
 import time
@@ -24,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from agent_harness import NODE, kubernetes_for, node_settings, registered, remove_tree, running_agent, short_tmp  # noqa: E402
 from fakes.apiserver import FakeApiServer, make_pod  # noqa: E402
 
-from benchstats import pct  # noqa: E402
+from benchstats import machine, pct  # noqa: E402
 from alnair_agent import logs  # noqa: E402
 from alnair_agent.config import parse_sim_gpus  # noqa: E402
 from alnair_agent.constants import RESOURCE_COMPUTE, RESOURCE_MEMORY  # noqa: E402
@@ -65,7 +63,7 @@ async def run(pods: int) -> dict:
         remove_tree(root)
     return {
         "pods": pods,
-        "machine": {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count()},
+        "machine": machine(),
         "results": {
             name: {"n": len(v), "p50_ms": statistics.median(v), "p99_ms": pct(v, 0.99), "max_ms": max(v)}
             for name, v in timings.items()

@@ -31,7 +31,7 @@ import aiohttp  # noqa: E402
 from fakes.apiserver import FakeApiServer, make_node  # noqa: E402
 from fakes.cluster import alnair_pod  # noqa: E402
 
-from benchstats import pct  # noqa: E402
+from benchstats import pct, write_json  # noqa: E402
 from alnair_agent import logs  # noqa: E402
 from alnair_agent.constants import NODE_GPU_DEVICES  # noqa: E402
 from alnair_agent.node.decision import ALLOCATED_ANNOTATION  # noqa: E402
@@ -211,9 +211,7 @@ def main() -> int:
     big = max(results, key=lambda r: r["nodes"])
     met = all(s["p99_ms"] <= 20 for s in big["verbs"].values())
     print(f"goal p99 <= 20 ms per verb at {big['nodes']} nodes: {'met' if met else 'NOT met'}")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
-                                                      "platform": platform.platform()}, "results": results}, indent=2))
+    write_json(args.out, results)
     return 0
 
 

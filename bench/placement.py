@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import platform
 import random
@@ -28,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from agent_harness import remove_tree, short_tmp  # noqa: E402
 from fakes.cluster import alnair_pod, cluster  # noqa: E402
 
-from benchstats import pct  # noqa: E402
+from benchstats import pct, write_json  # noqa: E402
 from alnair_agent import logs  # noqa: E402
 
 
@@ -89,9 +88,7 @@ def main() -> int:
     met = all(r["pods_per_s"] >= 25 and r["bind_to_admitted_ms"]["p99"] <= 2000 and r["refused"] == 0
               for r in results)
     print(f"goal >= 25 pods/s, p99 bind->admitted <= 2 s, no refusals: {'met' if met else 'NOT met'}")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
-                                                      "platform": platform.platform()}, "results": results}, indent=2))
+    write_json(args.out, results)
     return 0
 
 
