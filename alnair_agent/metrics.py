@@ -20,7 +20,7 @@ from prometheus_client.aiohttp import make_aiohttp_handler
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from alnair_agent.constants import COMPUTE_UNITS_PER_GPU, RESOURCE_COMPUTE, RESOURCE_MEMORY
+from alnair_agent.constants import COMPUTE_UNITS_PER_GPU
 
 if TYPE_CHECKING:
     from alnair_agent.app import Agent

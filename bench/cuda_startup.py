@@ -54,10 +54,20 @@ int main(void) {
 """
 
 
-def one_round(exe: Path, n: int, env: dict[str, str]) -> list[float]:
-    procs = [subprocess.Popen([str(exe)], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-             for _ in range(n)]
-    time.sleep(1.0 if n > 1 else 0.2)  # every process is up and blocked at the barrier (process creation is not what we measure)
+def build(tmp: Path) -> Path:
+    """The start-up program (C_SRC), compiled into tmp."""
+    (tmp / "s.c").write_text(C_SRC)
+    exe = tmp / "startup"
+    subprocess.run(["cc", "-O2", "-o", str(exe), str(tmp / "s.c"), "-ldl"], check=True)
+    return exe
+
+
+def start_together(exe: Path, envs: list[dict[str, str]], settle_s: float | None = None) -> list[float]:
+    """Start one process per env and release them at one barrier once all are up (after settle_s; process creation
+    is not what is measured): ms from the release to each one's finish."""
+    procs = [subprocess.Popen([str(exe)], env=e, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+             for e in envs]
+    time.sleep(0.3 + 0.02 * len(envs) if settle_s is None else settle_s)
     t0 = time.clock_gettime_ns(time.CLOCK_MONOTONIC)
     for p in procs:
         p.stdin.write("g")
@@ -69,6 +79,10 @@ def one_round(exe: Path, n: int, env: dict[str, str]) -> list[float]:
         assert rc == "0" and p.returncode == 0, (rc, p.returncode)
         out.append((int(t) - t0) / 1e6)
     return out
+
+
+def one_round(exe: Path, n: int, env: dict[str, str]) -> list[float]:
+    return start_together(exe, [env] * n, 1.0 if n > 1 else 0.2)
 
 
 def main() -> None:
@@ -85,9 +99,7 @@ def main() -> None:
     times: dict[str, list[float]] = {"no shim": [], "shim": []}
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
-        (tmp / "s.c").write_text(C_SRC)
-        exe = tmp / "startup"
-        subprocess.run(["cc", "-O2", "-o", str(exe), str(tmp / "s.c"), "-ldl"], check=True)
+        exe = build(tmp)
         for _ in range(a.rounds):
             times["no shim"] += one_round(exe, a.procs, base)
             region = tmp / "region"

@@ -13,8 +13,9 @@ Scenarios (--only, comma-separated; default all):
            starts: the lender's GPU time per 50 ms (matmuls x one matmul back to back) and the time until it is
            back at its cap (goal <= 200 ms).
   uncapped one, two and three tenants with no compute limit together: what time-slicing leaves of the GPU.
-  packing  small-batch training and inference jobs, two and three, one after another (no shim) vs together under
-           Alnair with memory limits and elastic compute: makespan (goal: together >= 40 % shorter).
+  packing  small-batch training and inference jobs, two and three, each sized to --job-s of work alone, one after
+           another (no shim) vs together under Alnair with memory limits, with no compute limit and with elastic
+           compute at an equal split: makespan (goal: elastic together >= 40 % shorter).
 A share is matmuls completed x the time one matmul takes in the same tenant program running alone on the GPU with no
 shim (measured first, 4 s) / wall time: 100 % is what the program does with the whole GPU to itself.
 
@@ -27,7 +28,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import shutil
 import sys
 import tempfile
@@ -35,32 +35,12 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "tests" / "gpu")]
 
-import pynvml  # noqa: E402
+from workloads import CALIBRATE, NvmlUtilization, gpu_agent, plain_env, run_py, tenant_env  # noqa: E402
 
-from alnair_agent.app import Agent  # noqa: E402
 from alnair_agent.config import Settings  # noqa: E402
-from alnair_agent.constants import (ENV_COMPUTE_LIMIT, ENV_MEMORY_LIMIT, ENV_REGION, ENV_VISIBLE_DEVICES,  # noqa: E402
-                                    RESOURCE_COMPUTE, RESOURCE_MEMORY)
-from alnair_agent.gpu.nvml import NvmlBackend  # noqa: E402
-from alnair_agent.kube.wiring import pod_resources_lister  # noqa: E402
-from alnair_agent.kubelet.emulator import KubeletEmulator  # noqa: E402
-
-CALIBRATE = """
-import json, torch
-a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
-for _ in range(50):
-    a @ a
-torch.cuda.synchronize()
-s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-s.record()
-for _ in range(500):
-    a @ a
-e.record()
-torch.cuda.synchronize()
-print(json.dumps({"matmul_s": s.elapsed_time(e) / 1000 / 500}), flush=True)
-"""
+from alnair_agent.constants import RESOURCE_COMPUTE, RESOURCE_MEMORY  # noqa: E402
 
 # bf16 matmuls back to back for argv[1] s; an event every 4 matmuls gives when each batch completed on the GPU
 TENANT = """
@@ -87,11 +67,15 @@ width, batch, steps = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
 m = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.GELU()) for _ in range(6)]).cuda()
 opt = torch.optim.AdamW(m.parameters(), 1e-4)
 x, y = torch.randn(batch, width, device="cuda"), torch.randn(batch, width, device="cuda")
-torch.cuda.synchronize(); t = time.time()
-for _ in range(steps):
+def step():
     with torch.autocast("cuda", torch.bfloat16):
         loss = torch.nn.functional.mse_loss(m(x), y)
     opt.zero_grad(set_to_none=True); loss.backward(); opt.step()
+for _ in range(20):  # warm-up (cuBLAS handles, autocast caches): not in the timed loop
+    step()
+torch.cuda.synchronize(); t = time.time()
+for _ in range(steps):
+    step()
 torch.cuda.synchronize()
 print(json.dumps({"seconds": time.time() - t, "steps": steps}), flush=True)
 """
@@ -103,28 +87,21 @@ d, batch, iters = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
 layer = torch.nn.TransformerEncoderLayer(d, 16, 4 * d, batch_first=True)
 m = torch.nn.TransformerEncoder(layer, 6).cuda().eval().to(torch.bfloat16)
 x = torch.randn(batch, 128, d, device="cuda", dtype=torch.bfloat16)
-torch.cuda.synchronize(); t = time.time()
 with torch.no_grad():
+    for _ in range(20):  # warm-up: not in the timed loop
+        m(x)
+    torch.cuda.synchronize(); t = time.time()
     for _ in range(iters):
         m(x)
 torch.cuda.synchronize()
 print(json.dumps({"seconds": time.time() - t, "iters": iters}), flush=True)
 """
 
-JOBS = {  # name: (script, args); sized for roughly 10 s each alone on an H200 (the run prints what they took)
+JOBS = {  # name: (script, args); the last argument, the step count, is a first guess that sized_jobs() resizes
     "train-mlp": (TRAIN, ["2048", "32", "6000"]),
     "infer-transformer": (INFER, ["1024", "4", "1500"]),
     "train-mlp-wide": (TRAIN, ["4096", "16", "3000"]),
 }
-
-
-async def run_py(code: str, env: dict[str, str], *args: str, timeout: float = 600) -> dict:
-    p = await asyncio.create_subprocess_exec(sys.executable, "-c", code, *args, env=env,
-                                             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
-    out, err = await asyncio.wait_for(p.communicate(), timeout)
-    if p.returncode != 0:
-        raise RuntimeError(err.decode()[-3000:])
-    return json.loads(out.decode().strip().splitlines()[-1])
 
 
 class Node:
@@ -136,22 +113,20 @@ class Node:
     async def __aenter__(self) -> "Node":
         self.root = Path(tempfile.mkdtemp(prefix="aln-", dir="/tmp"))
         r = self.root
-        self.settings = Settings(node_name="gpu-node", device_plugin_dir=r / "dp", pod_resources_socket=r / "pr" / "k.sock",
-                                 workspace=r / "ws", shim_dir=self.shim.parent, gpu_backend="nvml", kubernetes="off",
-                                 metrics_port=0, resync_interval_s=0.5, profile_interval_s=0.25,
-                                 compute_policy=self.policy, dispatcher=self.dispatcher)
-        self.kubelet = KubeletEmulator(self.settings.device_plugin_dir, self.settings.pod_resources_socket)
-        await self.kubelet.__aenter__()
-        self.lister = pod_resources_lister(self.settings)
-        list_held = await self.lister.__aenter__()
-        self.agent = Agent(self.settings, NvmlBackend(), list_held=list_held)
-        self.stop = asyncio.Event()
-        self.task = asyncio.create_task(self.agent.run(self.stop))
-        await self.kubelet.wait_for(lambda k: all(x in k.plugins and k.plugins[x].devices
-                                                  for x in (RESOURCE_MEMORY, RESOURCE_COMPUTE)), 60)
+        settings = Settings(node_name="gpu-node", device_plugin_dir=r / "dp", pod_resources_socket=r / "pr" / "k.sock",
+                            workspace=r / "ws", shim_dir=self.shim.parent, gpu_backend="nvml", kubernetes="off",
+                            metrics_port=0, resync_interval_s=0.5,  # the profiler and dispatcher at their defaults
+                            compute_policy=self.policy, dispatcher=self.dispatcher)
+        self.running = gpu_agent(settings)
+        self.agent, self.kubelet = await self.running.__aenter__()
+        self._trace(self.agent)  # the agent's services (the dispatcher among them) exist once it runs
         self.n = 0
+        return self
+
+    def _trace(self, agent) -> None:  # noqa: ANN001
         self.trace: list[list] = []
-        d = self.agent.dispatcher
+        self.boosts: list[list] = []  # per tick: (t, GPU, scale, boost, learn)
+        d = agent.dispatcher
         if d is not None and ARGS.learn == "off":
             from alnair_agent.dispatcher import control
             d.gains = control.Gains(gain=0.0, fast_gain=0.0)
@@ -166,50 +141,25 @@ class Node:
                     self.trace.append([round(t, 3), c.key[-6:], c.cap, round(c.k, 3), round(c.trim, 3), round(c.target, 1),
                                        c.rate, round(c.taken_rate / 1e7, 1), round(c.wait_frac, 3),
                                        None if c.measured is None else round(c.measured, 1)])
+                for gpu, g in d.gpus.items():
+                    self.boosts.append([round(t, 3), gpu[-6:], round(g.scale, 3), round(g.boost, 3), g.learn])
             d.tick = traced
-        return self
 
     async def admit(self, compute: int, memory_gib: int = 16) -> dict[str, str]:
         self.n += 1
         req = {RESOURCE_MEMORY: memory_gib, **({RESOURCE_COMPUTE: compute} if compute else {})}
-        answers = await self.kubelet.admit("default", f"t{self.n}", "main", req)
-        env = {k: v for a in answers.values() for k, v in a.envs.items()}
-        run_dir = next(m.host_path for a in answers.values() for m in a.mounts if m.container_path == "/run/alnair")
-        index = next(g.index for g in self.agent.gpus if g.uuid == env[ENV_VISIBLE_DEVICES])
-        return {**os.environ, "LD_PRELOAD": str(self.shim), ENV_REGION: f"{run_dir}/region",
-                ENV_MEMORY_LIMIT: env.get(ENV_MEMORY_LIMIT, "0"), ENV_COMPUTE_LIMIT: env.get(ENV_COMPUTE_LIMIT, "0"),
-                "CUDA_VISIBLE_DEVICES": str(index)}
+        return tenant_env(await self.kubelet.admit("default", f"t{self.n}", "main", req), self.agent, self.shim)
 
     async def __aexit__(self, *exc: object) -> None:
-        self.stop.set()
-        await asyncio.wait_for(self.task, 20)
-        await self.lister.__aexit__(None, None, None)
-        await self.kubelet.__aexit__(None, None, None)
-        shutil.rmtree(self.root, ignore_errors=True)
+        try:
+            await self.running.__aexit__(None, None, None)
+        finally:
+            shutil.rmtree(self.root, ignore_errors=True)
 
 
-class NvmlSampler:
-    """GPU utilization (NVML) every 100 ms: (wall time, percent)."""
-
-    def __init__(self, index: int) -> None:
-        self.index, self.samples, self.task = index, [], None
-
-    async def run(self) -> None:
-        h = pynvml.nvmlDeviceGetHandleByIndex(self.index)
-        while True:
-            self.samples.append((time.time(), pynvml.nvmlDeviceGetUtilizationRates(h).gpu))
-            await asyncio.sleep(0.1)
-
-    def __enter__(self) -> "NvmlSampler":
-        self.task = asyncio.create_task(self.run())
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.task.cancel()
-
-    def mean(self, t0: float, t1: float) -> float:
-        xs = [u for t, u in self.samples if t0 <= t <= t1]
-        return sum(xs) / len(xs) if xs else float("nan")
+def sampler(env: dict[str, str]) -> NvmlUtilization:
+    """NVML GPU utilization of the tenant's GPU every 100 ms."""
+    return NvmlUtilization(int(env["CUDA_VISIBLE_DEVICES"]), 0.1)
 
 
 def series(r: dict, matmul_s: float, t0: float, t1: float, step: float) -> list[float]:
@@ -240,7 +190,7 @@ async def caps(shim: Path, matmul_s: float, seconds: float) -> dict:
     for cap in (20, 30, 50, 70):
         async with Node(shim, "strict", ARGS.dispatcher) as node:  # a fresh node each: one GPU holds 100 %
             env = await node.admit(cap)
-            with NvmlSampler(int(env["CUDA_VISIBLE_DEVICES"])) as nv:
+            with sampler(env) as nv:
                 r = await run_py(TENANT, env, str(seconds))
             t0, t1 = r["wall0"], r["wall0"] + r["life_s"]
             xs = series(r, matmul_s, t0, t1, 0.25)
@@ -260,7 +210,7 @@ async def together(shim: Path, matmul_s: float, seconds: float, cap_list: tuple[
     """Tenants at these caps together (a cap of 0: no compute limit) from one node."""
     async with Node(shim, "strict", ARGS.dispatcher) as node:
         envs = [await node.admit(c) for c in cap_list]
-        with NvmlSampler(int(envs[0]["CUDA_VISIBLE_DEVICES"])) as nv:
+        with sampler(envs[0]) as nv:
             rs = await asyncio.gather(*(run_py(TENANT, e, str(seconds)) for e in envs))
         trace = node.trace
     t0 = max(r["wall0"] for r in rs) + 1.0
@@ -276,7 +226,7 @@ async def elastic(shim: Path, matmul_s: float, kernel_s: float) -> dict:
     GPU time per 50 ms is counted in that)."""
     async with Node(shim, "elastic", ARGS.dispatcher) as node:
         lender_env, other_env = await node.admit(30), await node.admit(70)
-        with NvmlSampler(int(lender_env["CUDA_VISIBLE_DEVICES"])) as nv:
+        with sampler(lender_env) as nv:
             lender = asyncio.create_task(run_py(TENANT, lender_env, "12"))
             await asyncio.sleep(6.0)
             tb = time.time()
@@ -298,39 +248,68 @@ async def elastic(shim: Path, matmul_s: float, kernel_s: float) -> dict:
             "lender_per_50ms_from_second_first_matmul": ys, "second_start_delay_s": first - tb}
 
 
+async def sized_jobs(plain: dict[str, str], names: list[str], seconds: float) -> dict[str, list[str]]:
+    """Each job's arguments with its step count set so that its loop runs `seconds` alone on this GPU: packing can
+    only shorten a makespan down to its longest job, so jobs of very unequal length would measure that, not Alnair
+    (the fixed counts this benchmark used first ran 25.2 s and 6.5 s on the H200: at most 20 % shorter)."""
+    out = {}
+    for name in names:
+        code, args = JOBS[name]
+        probe = max(1, int(args[-1]) // 8)
+        r = await run_py(code, plain, *args[:-1], str(probe))
+        out[name] = [*args[:-1], str(max(1, round(probe * seconds / r["seconds"])))]
+    return out
+
+
 async def packing(shim: Path) -> dict:
-    plain = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+    """Jobs one after another (no shim) vs together: with no compute limits (the shim for memory limits only) and
+    under the elastic policy at an equal split of the GPU. Makespans are wall times of whole processes."""
+    plain = plain_env()
     groups = [g for g in (("train-mlp", "infer-transformer"), ("train-mlp", "infer-transformer", "train-mlp-wide"))
               if len(g) in ARGS.packing_groups]
-    alone = {}
-    for name, (code, args) in [(n, JOBS[n]) for n in JOBS if any(n in g for g in groups)]:
+    names = [n for n in JOBS if any(n in g for g in groups)]
+    args = await sized_jobs(plain, names, ARGS.job_s)
+    alone, loop_s = {}, {}
+    for name in names:
         t = time.time()
-        await run_py(code, {**plain, "CUDA_VISIBLE_DEVICES": "0"}, *args)
+        loop_s[name] = (await run_py(JOBS[name][0], plain, *args[name]))["seconds"]
         alone[name] = time.time() - t
-    out = {"alone_s": alone}
+    out: dict = {"args": args, "alone_s": alone, "alone_loop_s": loop_s}
+
+    async def together(group: tuple[str, ...], cap: int, policy: str) -> dict:
+        async with Node(shim, policy, ARGS.dispatcher) as node:
+            envs = [await node.admit(cap, memory_gib=24) for _ in group]
+            with sampler(envs[0]) as nv:
+                t = time.time()
+                rs = await asyncio.gather(*(run_py(JOBS[n][0], e, *args[n]) for n, e in zip(group, envs)))
+                tog = time.time() - t
+            return {"together_s": tog, "loop_s": [r["seconds"] for r in rs], "nvml": nv.mean(t, t + tog),
+                    "trace": node.trace, "boost": node.boosts}
+
     for group in groups:
         seq = sum(alone[n] for n in group)
         cap = 100 // len(group)
-        async with Node(shim, "elastic", ARGS.dispatcher) as node:
-            envs = [await node.admit(cap, memory_gib=24) for _ in group]
-            t = time.time()
-            await asyncio.gather(*(run_py(JOBS[n][0], e, *JOBS[n][1]) for n, e in zip(group, envs)))
-            tog = time.time() - t
-            trace = node.trace
-        out["+".join(group)] = {"sequential_s": seq, "together_s": tog, "shorter": 1 - tog / seq, "cap": cap,
-                                "trace": trace}
-    print("\npacking (elastic, memory limit 24 GiB each)   goal: together >= 40 % shorter")
-    print(f"{'jobs':<48} {'one after another s':>20} {'together s':>11} {'shorter':>8}")
+        free = await together(group, 0, "elastic")
+        el = await together(group, cap, "elastic")
+        out["+".join(group)] = {"sequential_s": seq, "cap": cap, "bound": 1 - max(alone[n] for n in group) / seq,
+                                "no_compute_limit": {**free, "shorter": 1 - free["together_s"] / seq},
+                                "elastic": {**el, "shorter": 1 - el["together_s"] / seq}}
+    print(f"\npacking (memory limit 24 GiB each; jobs sized to {ARGS.job_s:.0f} s of loop alone)   "
+          "goal: elastic together >= 40 % shorter")
+    print("alone (process s / loop s): " + ", ".join(f"{n} {alone[n]:.1f}/{loop_s[n]:.1f}" for n in names))
+    print(f"{'jobs':<48} {'one after another s':>20} {'no limit s':>11} {'shorter':>8} {'elastic s':>10} {'shorter':>8}"
+          f" {'NVML %':>7}")
     for k, v in out.items():
-        if k != "alone_s":
-            print(f"{k:<48} {v['sequential_s']:>20.1f} {v['together_s']:>11.1f} {100 * v['shorter']:>7.1f}%")
+        if isinstance(v, dict) and "sequential_s" in v:
+            f, e = v["no_compute_limit"], v["elastic"]
+            print(f"{k:<48} {v['sequential_s']:>20.1f} {f['together_s']:>11.1f} {100 * f['shorter']:>7.1f}%"
+                  f" {e['together_s']:>10.1f} {100 * e['shorter']:>7.1f}% {e['nvml']:>7.1f}")
     return out
 
 
 async def main() -> dict:
-    pynvml.nvmlInit()
     results: dict = {"dispatcher": ARGS.dispatcher}
-    plain = {**{k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}, "CUDA_VISIBLE_DEVICES": "0"}
+    plain = plain_env()
     calib = await run_py(CALIBRATE, plain)
     results["matmul_kernel_s"] = calib["matmul_s"]
     alone = await run_py(TENANT, plain, "4")
@@ -360,7 +339,6 @@ async def main() -> dict:
         results["elastic"] = await elastic(ARGS.shim, ms, results["matmul_kernel_s"])
     if "packing" in only:
         results["packing"] = await packing(ARGS.shim)
-    pynvml.nvmlShutdown()
     return results
 
 
@@ -371,6 +349,7 @@ if __name__ == "__main__":
     ap.add_argument("--only", default="caps,pair,three,elastic,packing")
     ap.add_argument("--packing-groups", type=lambda v: {int(x) for x in v.split(",")}, default={2, 3},
                     help="packing: which groups to run, by size (2, 3)")
+    ap.add_argument("--job-s", type=float, default=10.0, help="packing: each job's loop alone, seconds")
     ap.add_argument("--learn", choices=("on", "off"), default="on",
                     help="off: the dispatcher runs but never moves a charge factor from 1 (diagnostic)")
     ap.add_argument("--dispatcher", choices=("on", "off"), default="on",

@@ -18,7 +18,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -26,28 +25,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchstats import pct  # noqa: E402
-from cuda_startup import C_SRC  # noqa: E402
+from cuda_startup import build, start_together  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-
-
-def start_together(exe: Path, envs: list[dict[str, str]]) -> list[float]:
-    """Start one process per env, release them at one barrier; ms from release to each one's finish."""
-    procs = [subprocess.Popen([str(exe)], env=e, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-             for e in envs]
-    time.sleep(0.3 + 0.02 * len(envs))  # all up and blocked at the barrier
-    t0 = time.clock_gettime_ns(time.CLOCK_MONOTONIC)
-    for p in procs:
-        p.stdin.write("g")
-        p.stdin.flush()
-    out = []
-    for p in procs:
-        stdout, _ = p.communicate(timeout=600)
-        rc, t = stdout.split()
-        assert rc == "0" and p.returncode == 0, (rc, p.returncode)
-        out.append((int(t) - t0) / 1e6)
-    return out
 
 
 def summary(v: list[float]) -> dict:
@@ -70,9 +51,7 @@ def main() -> None:
                                     f"{a.n} at once, no shim": [], f"{a.n} at once, shim": []}
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
-        (tmp / "s.c").write_text(C_SRC)
-        exe = tmp / "startup"
-        subprocess.run(["cc", "-O2", "-o", str(exe), str(tmp / "s.c"), "-ldl"], check=True)
+        exe = build(tmp)
 
         def shimmed() -> dict[str, str]:
             region = tmp / f"region{time.monotonic_ns()}"

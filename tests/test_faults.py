@@ -28,7 +28,6 @@ from faults_util import (
     http_get,
     kill,
     open_paths,
-    stop,
     tmpfs,
     wait_until,
 )

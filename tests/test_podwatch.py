@@ -9,13 +9,10 @@ from collections.abc import AsyncIterator
 from datetime import datetime, timedelta, timezone
 
 import pytest
-from hypothesis import given
-from hypothesis import strategies as st
 from kubernetes_asyncio.client import ApiClient
 from structlog.testing import capture_logs
 
-from alnair_agent.constants import RESOURCE_COMPUTE, RESOURCE_MEMORY
-from alnair_agent.kube.pods import ContainerRequest
+from alnair_agent.constants import RESOURCE_MEMORY
 from alnair_agent.kube.podwatch import PodWatch, WatchTiming
 from fakes.apiserver import FakeApiServer, make_pod
 from fakes.util import running, wait_until

@@ -24,19 +24,10 @@ pytest.importorskip("torch")
 pytest.importorskip("structlog")
 pytest.importorskip("kubernetes_asyncio")
 
-from alnair_agent.app import Agent  # noqa: E402
+from workloads import gpu_agent, tenant_env  # noqa: E402
+
 from alnair_agent.config import Settings  # noqa: E402
-from alnair_agent.constants import (  # noqa: E402
-    ENV_COMPUTE_LIMIT,
-    ENV_MEMORY_LIMIT,
-    ENV_REGION,
-    ENV_VISIBLE_DEVICES,
-    RESOURCE_COMPUTE,
-    RESOURCE_MEMORY,
-)
-from alnair_agent.gpu.nvml import NvmlBackend  # noqa: E402
-from alnair_agent.kube.wiring import pod_resources_lister  # noqa: E402
-from alnair_agent.kubelet.emulator import KubeletEmulator  # noqa: E402
+from alnair_agent.constants import ENV_COMPUTE_LIMIT, ENV_MEMORY_LIMIT, RESOURCE_COMPUTE, RESOURCE_MEMORY  # noqa: E402
 from alnair_agent.node.region import Region  # noqa: E402
 
 GIB = 1 << 30
@@ -72,45 +63,32 @@ async def scenario(root: Path) -> dict:
     settings = Settings(node_name="gpu-node", device_plugin_dir=root / "dp", pod_resources_socket=root / "pr" / "k.sock",
                         workspace=root / "ws", shim_dir=SHIM.parent, gpu_backend="nvml", kubernetes="off",
                         metrics_port=0, resync_interval_s=0.2)
-    async with (KubeletEmulator(settings.device_plugin_dir, settings.pod_resources_socket) as kubelet,
-                pod_resources_lister(settings) as list_held):
-        agent = Agent(settings, NvmlBackend(), list_held=list_held)
-        stop = asyncio.Event()
-        task = asyncio.create_task(agent.run(stop))
+    async with gpu_agent(settings) as (agent, kubelet):
+        gpus = agent.gpus
+        counts = {r: len(kubelet.plugins[r].devices) for r in (RESOURCE_MEMORY, RESOURCE_COMPUTE)}
+        answers = await kubelet.admit("default", "train", "main", {RESOURCE_MEMORY: 16, RESOURCE_COMPUTE: 30})
+        env = {**answers[RESOURCE_COMPUTE].envs, **answers[RESOURCE_MEMORY].envs}
+        run_dir = next(m.host_path for m in answers[RESOURCE_MEMORY].mounts if m.container_path == "/run/alnair")
+        child_env = tenant_env(answers, agent, SHIM)
+        child = await asyncio.create_subprocess_exec(sys.executable, "-c", CHILD, env=child_env,
+                                                     stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
+        line = await asyncio.wait_for(child.stdout.readline(), 120)
+        seen = json.loads(line)
+        region = Region.open(Path(run_dir) / "region")
         try:
-            await kubelet.wait_for(lambda k: all(r in k.plugins and k.plugins[r].devices
-                                                 for r in (RESOURCE_MEMORY, RESOURCE_COMPUTE)), 30)
-            gpus = agent.gpus
-            counts = {r: len(kubelet.plugins[r].devices) for r in (RESOURCE_MEMORY, RESOURCE_COMPUTE)}
-            answers = await kubelet.admit("default", "train", "main", {RESOURCE_MEMORY: 16, RESOURCE_COMPUTE: 30})
-            env = {**answers[RESOURCE_COMPUTE].envs, **answers[RESOURCE_MEMORY].envs}
-            run_dir = next(m.host_path for m in answers[RESOURCE_MEMORY].mounts if m.container_path == "/run/alnair")
-            index = next(g.index for g in gpus if g.uuid == env[ENV_VISIBLE_DEVICES])
-            child_env = {**os.environ, "LD_PRELOAD": str(SHIM), ENV_REGION: f"{run_dir}/region",
-                         ENV_MEMORY_LIMIT: env[ENV_MEMORY_LIMIT], ENV_COMPUTE_LIMIT: env[ENV_COMPUTE_LIMIT],
-                         "CUDA_VISIBLE_DEVICES": str(index)}  # what NVIDIA_VISIBLE_DEVICES does in a container
-            child = await asyncio.create_subprocess_exec(sys.executable, "-c", CHILD, env=child_env,
-                                                         stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
-            line = await asyncio.wait_for(child.stdout.readline(), 120)
-            seen = json.loads(line)
-            region = Region.open(Path(run_dir) / "region")
-            try:
-                slots = region.slots()
-                figures = {"memory_in_use": region.memory_in_use(), "launches": sum(s.launches for s in slots),
-                           "tokens_taken_ns": sum(s.tokens_taken for s in slots),
-                           "wait_ns": sum(s.wait_ns for s in slots), "limits": (region.memory_limit,
-                                                                                  region.compute_limit),
-                           "heartbeat_ns": region.heartbeat_ns}
-            finally:
-                region.close()
-            child.stdin.write(b"\n")
-            await child.stdin.drain()
-            assert await asyncio.wait_for(child.wait(), 60) == 0
-            return {"gpus": [(g.name, g.uuid, g.memory_bytes) for g in gpus], "counts": counts, "env": env,
-                    "child": seen, "region": figures}
+            slots = region.slots()
+            figures = {"memory_in_use": region.memory_in_use(), "launches": sum(s.launches for s in slots),
+                       "tokens_taken_ns": sum(s.tokens_taken for s in slots),
+                       "wait_ns": sum(s.wait_ns for s in slots), "limits": (region.memory_limit,
+                                                                              region.compute_limit),
+                       "heartbeat_ns": region.heartbeat_ns}
         finally:
-            stop.set()
-            await asyncio.wait_for(task, 10)
+            region.close()
+        child.stdin.write(b"\n")
+        await child.stdin.drain()
+        assert await asyncio.wait_for(child.wait(), 60) == 0
+        return {"gpus": [(g.name, g.uuid, g.memory_bytes) for g in gpus], "counts": counts, "env": env,
+                "child": seen, "region": figures}
 
 
 def test_agent_admits_and_the_shim_holds_pytorch_to_the_slice(nvml_ok):

@@ -34,39 +34,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the API 
 from agent_harness import NODE, kubernetes_for  # noqa: E402
 from fakes.apiserver import FakeApiServer, make_pod  # noqa: E402
 
-from alnair_agent.app import Agent  # noqa: E402
+from workloads import CALIBRATE, gpu_agent, plain_env, run_py, tenant_env  # noqa: E402
+
 from alnair_agent.config import Settings  # noqa: E402
-from alnair_agent.constants import (  # noqa: E402
-    ENV_COMPUTE_LIMIT,
-    ENV_MEMORY_LIMIT,
-    ENV_REGION,
-    ENV_VISIBLE_DEVICES,
-    RESOURCE_COMPUTE,
-    RESOURCE_MEMORY,
-    USAGE_ANNOTATION,
-)
-from alnair_agent.gpu.nvml import NvmlBackend  # noqa: E402
-from alnair_agent.kube.wiring import pod_resources_lister  # noqa: E402
-from alnair_agent.kubelet.emulator import KubeletEmulator  # noqa: E402
+from alnair_agent.constants import RESOURCE_COMPUTE, RESOURCE_MEMORY, USAGE_ANNOTATION  # noqa: E402
 
 SHIM = Path(os.environ.get("ALNAIR_SHIM") or Path(__file__).resolve().parents[2] / "alnair_agent/lib/libalnair.so")
 WORK_S = 30.0
-
-CALIBRATE = """
-import json, torch
-a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
-for _ in range(50):
-    a @ a
-torch.cuda.synchronize()
-s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-n = 500
-s.record()
-for _ in range(n):
-    a @ a
-e.record()
-torch.cuda.synchronize()
-print(json.dumps({"matmul_s": s.elapsed_time(e) / 1000 / n}), flush=True)
-"""
 
 MATMUL = """
 import json, sys, time, torch
@@ -108,22 +82,6 @@ def nvml_ok():
         pytest.skip(f"no shim at {SHIM}")
 
 
-async def run_py(code: str, env: dict[str, str], *args: str) -> dict:
-    p = await asyncio.create_subprocess_exec(sys.executable, "-c", code, *args, env=env,
-                                             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
-    out, err = await asyncio.wait_for(p.communicate(), 180)
-    assert p.returncode == 0, err.decode()[-2000:]
-    return json.loads(out.decode().strip().splitlines()[-1])
-
-
-def tenant_env(answers: dict, index: int) -> dict[str, str]:
-    env = {k: v for a in answers.values() for k, v in a.envs.items()}
-    run_dir = next(m.host_path for a in answers.values() for m in a.mounts if m.container_path == "/run/alnair")
-    return {**os.environ, "LD_PRELOAD": str(SHIM), ENV_REGION: f"{run_dir}/region",
-            ENV_MEMORY_LIMIT: env.get(ENV_MEMORY_LIMIT, "0"), ENV_COMPUTE_LIMIT: env.get(ENV_COMPUTE_LIMIT, "0"),
-            "CUDA_VISIBLE_DEVICES": str(index)}  # what NVIDIA_VISIBLE_DEVICES does in a container
-
-
 def usage(api: FakeApiServer, pod: str) -> dict:
     return json.loads(api.pod_annotations("default", pod).get(USAGE_ANNOTATION, "{}"))
 
@@ -141,62 +99,45 @@ async def scenario(root: Path) -> dict:
             api.add_pod(make_pod(name, node=NODE, restart_policy="Never", containers=[
                 {"name": "main", "memory": req[RESOURCE_MEMORY], **({"compute": req[RESOURCE_COMPUTE]}
                                                                      if RESOURCE_COMPUTE in req else {})}]))
-        async with (api.api_client() as client,
-                    KubeletEmulator(settings.device_plugin_dir, settings.pod_resources_socket) as kubelet,
-                    pod_resources_lister(settings) as list_held):
-            agent = Agent(settings, NvmlBackend(), kubernetes_for(client), list_held=list_held)
-            stop = asyncio.Event()
-            task = asyncio.create_task(agent.run(stop))
-            try:
-                await kubelet.wait_for(lambda k: all(r in k.plugins and k.plugins[r].devices
-                                                     for r in (RESOURCE_MEMORY, RESOURCE_COMPUTE)), 30)
-                envs = {}
-                for name, req in tenants.items():
-                    answers = await kubelet.admit("default", name, "main", req)
-                    uuid = next(a.envs[ENV_VISIBLE_DEVICES] for a in answers.values())
-                    index = next(g.index for g in agent.gpus if g.uuid == uuid)
-                    envs[name] = tenant_env(answers, index)
-                index = envs["mm30"]["CUDA_VISIBLE_DEVICES"]
-                plain = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
-                calib = await run_py(CALIBRATE, {**plain, "CUDA_VISIBLE_DEVICES": index})
-                trace: list[dict] = []  # what the profiler saw each tick, for the record (and for a failure)
+        async with api.api_client() as client, gpu_agent(settings, kubernetes_for(client)) as (agent, kubelet):
+            envs = {name: tenant_env(await kubelet.admit("default", name, "main", req), agent, SHIM)
+                    for name, req in tenants.items()}
+            calib = await run_py(CALIBRATE, plain_env(envs["mm30"]["CUDA_VISIBLE_DEVICES"]), timeout=180)
+            trace: list[dict] = []  # what the profiler saw each tick, for the record (and for a failure)
 
-                async def record() -> None:
-                    while True:
-                        last = agent.profiler.last
-                        trace.append({"t": round(time.time() - t0, 2),
-                                      "gpus": [[g.gpu_util, g.memcpy_util, g.memory_used_bytes, g.power_watts,
-                                                g.sm_clock_mhz, g.pcie_rx_bytes_per_s, g.pcie_tx_bytes_per_s]
-                                               for g in last.gpus],
-                                      "processes": [[p.pid, p.sm_util, p.mem_util, p.used_memory_bytes]
-                                                    for p in last.processes],
-                                      "unattributed": dict(agent.profiler.unattributed)})
-                        await asyncio.sleep(settings.profile_interval_s)
+            async def record() -> None:
+                while True:
+                    last = agent.profiler.last
+                    trace.append({"t": round(time.time() - t0, 2),
+                                  "gpus": [[g.gpu_util, g.memcpy_util, g.memory_used_bytes, g.power_watts,
+                                            g.sm_clock_mhz, g.pcie_rx_bytes_per_s, g.pcie_tx_bytes_per_s]
+                                           for g in last.gpus],
+                                  "processes": [[p.pid, p.sm_util, p.mem_util, p.used_memory_bytes]
+                                                for p in last.processes],
+                                  "unattributed": dict(agent.profiler.unattributed)})
+                    await asyncio.sleep(settings.profile_interval_s)
 
-                t0 = time.time()
-                recorder = asyncio.create_task(record())
-                mm30, mm60, copy = await asyncio.gather(
-                    run_py(MATMUL, envs["mm30"], str(WORK_S)), run_py(MATMUL, envs["mm60"], str(WORK_S)),
-                    run_py(COPY, envs["copy"], str(WORK_S)))
-                work_s = time.time() - t0
-                await asyncio.sleep(2.0)  # one more profiler tick and NVML sample after the ends
-                recorder.cancel()
-                await asyncio.gather(recorder, return_exceptions=True)
-                running = {name: usage(api, name).get("main") for name in tenants}
-                for name in tenants:
-                    api.set_container_terminated("default", name, "main")
-                    kubelet.remove_pod("default", name)  # kubelet's pod-resources lists active pods only
-                deadline = time.monotonic() + 30
-                while agent.allocator.allocations and time.monotonic() < deadline:
-                    await asyncio.sleep(0.2)
-                for name in tenants:
-                    api.set_phase("default", name, "Succeeded")
-                await asyncio.sleep(1.0)
-                ended = {name: usage(api, name).get("main") for name in tenants}
-                left = len(agent.allocator.allocations)
-            finally:
-                stop.set()
-                await asyncio.wait_for(task, 15)
+            t0 = time.time()
+            recorder = asyncio.create_task(record())
+            mm30, mm60, copy = await asyncio.gather(
+                run_py(MATMUL, envs["mm30"], str(WORK_S)), run_py(MATMUL, envs["mm60"], str(WORK_S)),
+                run_py(COPY, envs["copy"], str(WORK_S)))
+            work_s = time.time() - t0
+            await asyncio.sleep(2.0)  # one more profiler tick and NVML sample after the ends
+            recorder.cancel()
+            await asyncio.gather(recorder, return_exceptions=True)
+            running = {name: usage(api, name).get("main") for name in tenants}
+            for name in tenants:
+                api.set_container_terminated("default", name, "main")
+                kubelet.remove_pod("default", name)  # kubelet's pod-resources lists active pods only
+            deadline = time.monotonic() + 30
+            while agent.allocator.allocations and time.monotonic() < deadline:
+                await asyncio.sleep(0.2)
+            for name in tenants:
+                api.set_phase("default", name, "Succeeded")
+            await asyncio.sleep(1.0)
+            ended = {name: usage(api, name).get("main") for name in tenants}
+            left = len(agent.allocator.allocations)
     solo = {name: 100.0 * r["matmuls"] * calib["matmul_s"] / r["life_s"] for name, r in (("mm30", mm30),
                                                                                            ("mm60", mm60))}
     # Two tenants time-slice the GPU, and a matmul then takes longer than alone: the count times the solo duration

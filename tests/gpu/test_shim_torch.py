@@ -21,6 +21,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 from alnair_agent.node.region import Region  # noqa: E402
+from workloads import NvmlUtilization  # noqa: E402
 
 CHILD = Path(__file__).with_name("shim_torch_child.py")
 GiB = 1 << 30
@@ -176,44 +177,6 @@ def test_two_processes_share_one_container_limit(shim, region_dir):
 
 
 # ---- issue 7: ordinary workloads hold their cap (each within 3 points), VMM memory is charged while mapped ----
-class NvmlUtilization:
-    """The device's own utilization (NVML, the figure nvidia-smi shows: the fraction of time a kernel ran), polled
-    every 50 ms from this process (not under the shim) while a child runs."""
-
-    def __init__(self) -> None:
-        import threading
-
-        import pynvml
-
-        self.nvml = pynvml
-        pynvml.nvmlInit()
-        index = int(os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0] or 0)
-        self.h = pynvml.nvmlDeviceGetHandleByIndex(index)
-        self.samples: list[tuple[float, int]] = []
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        import time
-
-        while not self.stop.wait(0.05):
-            self.samples.append((time.time(), self.nvml.nvmlDeviceGetUtilizationRates(self.h).gpu))
-
-    def __enter__(self) -> "NvmlUtilization":
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop.set()
-        self.thread.join()
-        self.nvml.nvmlShutdown()
-
-    def mean(self, t0: float, t1: float) -> float:
-        """Mean over [t0, t1] (wall s); a sample covers the driver's last period, so the first 0.5 s is skipped."""
-        xs = [u for t, u in self.samples if t0 + 0.5 <= t <= t1]
-        return sum(xs) / len(xs) / 100.0 if xs else float("nan")
-
-
 def _spin(shim: str, region_dir: Path, kind: str, cap: int, seconds: float, env: dict | None = None) -> dict:
     """One spin workload under a cap. Two measures of what it ran on the GPU, and `tokens_s`, what the shim charged:
     - `utilization`: the child's launches x each shape's GPU time timed alone, between two events around one launch
@@ -223,11 +186,11 @@ def _spin(shim: str, region_dir: Path, kind: str, cap: int, seconds: float, env:
     - `nvml`: the device's utilization over the same window, polled every 50 ms (first 0.5 s skipped), which misses
       part of a long kernel at the window's edges (17.1 % for 300 ms kernels that ran 19.0 %).
     `truth` is the exact one of the two for the workload: the count for long kernels, NVML for short ones."""
-    with NvmlUtilization() as nv:
+    with NvmlUtilization(int(os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0] or 0)) as nv:
         res = child("spin", kind, str(seconds), shim=shim, region=make(region_dir, 0, cap), env=env, timeout=600)
     slots = res.pop("slots", None) or []
     res["tokens_s"] = sum(s.get("tokens_taken", 0) for s in slots) / 1e9
-    res["nvml"] = nv.mean(res["wall0"], res["wall1"])
+    res["nvml"] = nv.mean(res["wall0"], res["wall1"], skip_s=0.5) / 100.0
     res["truth"] = res["utilization"] if kind == "long" else res["nvml"]
     RESULTS[f"spin_{kind}_{cap}"] = res
     return res
