@@ -79,7 +79,8 @@ class Agent:
             kwargs = {} if self.unseen_grace_s is None else {"unseen_grace_s": self.unseen_grace_s}
             self.profiler = Profiler(self.backend, self.allocator, workspace, self.kubernetes.pod_states,
                                      self.kubernetes.annotations, s.profile_interval_s, s.annotate_interval_s,
-                                     proc_root=self.proc_root)
+                                     proc_root=self.proc_root,
+                                     busy_interval_s=s.dispatch_profile_interval_s if s.dispatcher == "on" else None)
             self.reconciler = Reconciler(self.allocator, workspace, self.list_held, self.kubernetes.pod_states,
                                          self.kubernetes.annotations, s.resync_interval_s, usage=self.profiler,
                                          **kwargs)

@@ -217,6 +217,10 @@ VARIABLES: tuple[Variable, ...] = (
     Variable("ALNAIR_DISPATCH_MAX_FACTOR", "dispatch_max_factor", _float_range(1.0, 50.0), "8.0",
              "Anti-windup bound: the most tokens per GPU ns a container may be granted (the shim's estimates count "
              "time queued behind other processes, so a container under contention needs more than its cap)."),
+    Variable("ALNAIR_DISPATCH_PROFILE_INTERVAL_S", "dispatch_profile_interval_s", _float_range(0.05, 60.0), "0.25",
+             "Seconds between profiler samples while a capped container is active (the dispatcher steers by them: "
+             "a cap settles within a few of these windows); at other times the profiler samples every "
+             "ALNAIR_PROFILE_INTERVAL_S. The shorter of the two applies."),
     Variable("ALNAIR_DISPATCH_IDLE_S", "dispatch_idle_s", _float_range(0.02, 10.0), "0.15",
              "Seconds without launches or waits after which a container counts as idle (elastic: its share may be "
              "lent; its first launch after that takes it back)."),
@@ -261,6 +265,7 @@ class Settings:
     dispatch_fast_gain: float = 0.9
     dispatch_max_factor: float = 8.0
     dispatch_idle_s: float = 0.15
+    dispatch_profile_interval_s: float = 0.25
 
     @property
     def memory_unit_bytes(self) -> int:

@@ -129,7 +129,7 @@ def timelines(root: Path) -> Path:
 def settings_for(root: Path, timelines: Path, gpus: int = 1, **kw: object):  # type: ignore[no-untyped-def]
     from alnair_agent.config import parse_sim_gpus
     return node_settings(root, sim_timeline_dir=timelines, sim_gpus=parse_sim_gpus(f"{gpus}x16GiB"),
-                         gpu_policy="spread", profile_interval_s=kw.pop("profile_interval_s", 0.25), **kw)
+                         gpu_policy="spread", **kw)  # the profiler and dispatcher at their defaults
 
 
 async def admit(api, kubelet: KubeletEmulator, build: Build, timelines: Path, name: str, compute: int,  # type: ignore[no-untyped-def]

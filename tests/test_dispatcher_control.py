@@ -121,32 +121,64 @@ def test_no_scale_where_factors_are_learnt():
     assert gpu.scale == 1.0
 
 
-def _borrowers(n: int, policy: str = C.ELASTIC) -> list[C.Container]:
-    cs = [C.Container(str(i), 50, policy) for i in range(n)]
+def _borrowers(n: int, policy: str = C.ELASTIC, hungry: bool = True) -> list[C.Container]:
+    cs = [C.Container(str(i) + policy, 50, policy) for i in range(n)]
     for c in cs:
-        c.last_active = c.last_hungry = 1.0
+        c.last_active = 1.0
+        c.last_hungry = 1.0 if hungry else -1e18
     return cs
+
+
+def _boosted(gpu: C.Gpu, cs: list[C.Container], utils: list[float | None]) -> float:
+    """Each util is one profiler window's device figure, acted on at the next tick (the first tick only learns who
+    is active, as the service's first tick does)."""
+    C.update_boost(gpu, cs, 1.0, G)
+    for u in utils:
+        gpu.device_util = u
+        C.update_boost(gpu, cs, 1.0, G)
+    return gpu.boost
 
 
 @pytest.mark.parametrize("utils, want", [
     ([50.0] * 4, C.BOOST_UP ** 4),                  # elastic borrowers held by tokens, GPU idle: lend it
     ([50.0] * 40, G.max_factor),                    # bounded
-    ([50.0] * 4 + [99.0] * 4, C.BOOST_UP ** 4 * C.BOOST_DOWN ** 4),  # busy again: cut back
+    ([50.0] * 4 + [99.0], C.BOOST_UP ** 4 * C.BOOST_DOWN),  # the GPU is full: cut back
+    ([50.0] * 4 + [99.0] * 4, 1.0),                 # ... never below 1
     ([93.0] * 4, 1.0),                              # between the thresholds: unchanged
+    ([50.0] * 2 + [93.0] * 4, C.BOOST_UP ** 2),     # ... whatever it was
     ([None] * 4, 1.0),                              # no device figure: unchanged
 ])
 def test_boost_table(utils, want):
     gpu, cs = C.Gpu(), _borrowers(2)
     C.targets(cs, 1.0, G)  # two borrowers of 50: nothing spare by caps, each at its cap
-    for u in utils:
-        gpu.device_util = u
-        C.update_boost(gpu, cs, 1.0, G)
-    assert gpu.boost == pytest.approx(want)
+    assert _boosted(gpu, cs, utils) == pytest.approx(want)
     assert C.rate_for(cs[0], G, 1.0, gpu.boost) == pytest.approx(50 * C.NS_PER_PERCENT * gpu.boost, rel=1e-6)
 
 
-def test_no_boost_beside_a_container_that_is_not_an_elastic_borrower():
-    gpu, cs = C.Gpu(boost=4.0), _borrowers(1) + _borrowers(1, C.STRICT)
-    gpu.device_util = 10.0
+def test_boost_grows_only_while_a_container_is_held_by_its_tokens():
+    gpu, cs = C.Gpu(), _borrowers(2, hungry=False)
+    for c in cs:  # each takes a tenth of its grant: the GPU's idle time is theirs to leave
+        c.rate, c.history = 50 * C.NS_PER_PERCENT, [(0.0, 0), (1.0, 5 * C.NS_PER_PERCENT)]
+    assert _boosted(gpu, cs, [50.0] * 4) == 1.0
+    cs[0].history = [(0.0, 0), (1.0, 50 * C.NS_PER_PERCENT)]  # one takes all of its grant, without waiting
+    assert _boosted(gpu, cs, [50.0] * 4) == pytest.approx(C.BOOST_UP ** 4)
+    gpu.boost_for, cs[0].history = frozenset(), [(0.0, 0), (1.0, 5 * C.NS_PER_PERCENT)]
+    assert _boosted(gpu, cs, [50.0] * 2) == 1.0
+
+
+@pytest.mark.parametrize("change", ["newcomer", "strict sharer", "one leaves"])
+def test_boost_ends_on_the_tick_who_is_active_changes(change):
+    gpu, cs = C.Gpu(), _borrowers(2)
+    assert _boosted(gpu, cs, [50.0] * 6) > 3.0
+    if change == "newcomer":  # it may want its cap back, and its hunger would not show under a boosted grant
+        cs += _borrowers(1, hungry=False)[:1]
+        cs[-1].key = "new"
+    elif change == "strict sharer":
+        cs += _borrowers(1, C.STRICT)
+    else:
+        cs[1].last_active = -1e18
     C.update_boost(gpu, cs, 1.0, G)
-    assert gpu.boost == 1.0  # a strict sharer is active: caps are protected again on this very tick
+    assert gpu.boost == 1.0
+    gpu.device_util = 50.0
+    C.update_boost(gpu, cs, 1.0, G)
+    assert gpu.boost == (1.0 if change == "strict sharer" else C.BOOST_UP)

@@ -53,7 +53,7 @@ class FakeRegion:
 def node(caps: dict[str, int], took: dict[str, int], sampled: bool | None):
     regions = {k: FakeRegion(took[k]) for k in caps}
     allocs = {k: SimpleNamespace(id=k, compute_limit=cap, gpu_uuid=GPU, identified=False) for k, cap in caps.items()}
-    profiler = SimpleNamespace(samples=0, sample_at=0.0, sampled_s=0.0, usage={},
+    profiler = SimpleNamespace(samples=0, sample_at=0.0, sampled_s=0.0, usage={}, hurry=lambda until: None,
                                last=Samples(gpus=(GpuSample(GPU, process_util_sampled=sampled),)))
     d = Dispatcher(SimpleNamespace(allocations=allocs), SimpleNamespace(open_region=lambda k: regions[k]), profiler,
                    None)
@@ -118,3 +118,19 @@ def test_elastic_borrowers_held_by_tokens_on_an_idle_gpu_are_lent_it():
     run(d, regions, profiler, {"a": 20.0, "b": 20.0}, 2.0)
     assert d.gpus[GPU].boost > 2.0
     assert regions["a"].rate > 2 * 50 * 10_000_000
+
+
+def test_a_window_that_began_before_a_container_started_teaches_nothing():
+    # NVML shows a process at start-up (context creation, the first kernels) in a window that began before its
+    # region showed any launch: that window says nothing about its charge factor, even on the tick it starts
+    d, regions, profiler = node({"a": 30}, {"a": 0}, sampled=False)
+    run(d, regions, profiler, {"a": 0.0}, 1.0)  # idle: not active, windows of nothing
+    regions["a"].took = TOK30
+    t = 1000.0 + 1.0 + 0.05
+    regions["a"].advance()
+    profiler.samples += 1  # a window ends on the very tick its first launches show
+    profiler.sample_at = t
+    profiler.sampled_s += 0.25
+    profiler.usage = {"a": SimpleNamespace(gpu_util_integral=90.0 * 0.25)}
+    d.tick(t)
+    assert d.state["a"].k == 1.0

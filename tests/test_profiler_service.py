@@ -155,3 +155,45 @@ async def test_samples_add_up_for_the_container_of_the_process(tmp_path: Path) -
     assert (u.observed_s, u.gpu_seconds, u.gpu_util_max, u.memcpy_util_max, u.memory_max_bytes) == (
         4.0, 1.2, 30.0, 8.0, 1 << 20)
     assert p.unattributed == {GPU: 1}  # pid 999: in no container
+
+
+@dataclass
+class CountingBackend(Backend):
+    at: list[float] = field(default_factory=list)
+
+    def sample(self) -> Samples:
+        import time
+
+        self.at.append(time.monotonic())
+        return self.samples
+
+
+async def test_samples_every_busy_interval_while_hurried_and_every_interval_otherwise(tmp_path: Path) -> None:
+    import asyncio
+    import time
+
+    backend = CountingBackend()
+    p = Profiler(backend, Allocator(), Workspace(tmp_path), Pods(), Sink(), 1.0, 30.0,  # type: ignore[arg-type]
+                 proc_root=tmp_path / "proc", busy_interval_s=0.05)
+    task = asyncio.create_task(p.run())
+    try:
+        await asyncio.sleep(0.3)
+        assert len(backend.at) == 1  # the first sample, then a 1 s wait
+        p.hurry(time.monotonic() + 0.5)  # cuts that wait short
+        await asyncio.sleep(0.05)
+        assert len(backend.at) == 2
+        await asyncio.sleep(0.6)
+        hurried = len(backend.at)
+        assert 8 <= hurried <= 13, backend.at  # ~every 50 ms for 0.5 s
+        await asyncio.sleep(0.5)
+        assert len(backend.at) <= hurried + 1  # back to every 1 s
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
+def test_a_busy_interval_never_lengthens_the_interval(tmp_path: Path) -> None:
+    p = Profiler(Backend(), Allocator(), Workspace(tmp_path), Pods(), Sink(), 0.1, 30.0,  # type: ignore[arg-type]
+                 proc_root=tmp_path / "proc", busy_interval_s=0.25)
+    p.hurry(1e18)
+    assert p.current_interval(0.0) == 0.1

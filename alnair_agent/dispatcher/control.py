@@ -38,11 +38,16 @@ how many others run on its GPU (region agent.sharers), and the shim then charges
 uncontended time) instead of a mean that holds the other contexts' time slices. Where factors are learnt, sharers
 stays 0: the learnt factor already corrects the inflated charges, and the two corrections would fight.
 
-Work conservation among elastic containers: when every active container on a GPU is elastic and wants more, no
-cap needs protecting, yet their tokens may still hold them while the GPU idles (a charge the factor does not correct,
-e.g. where factors are not learnt). Then, at each profiler window whose device utilization (NVML's device figure,
-which is exact) is under BOOST_IDLE, their grants are multiplied by a GPU-wide boost that grows by BOOST_UP, and
-shrinks back towards 1 while the device is busy; the boost is 1 again on the tick any other container is active.
+Work conservation among elastic containers: when every active container on a GPU is elastic, no strict cap needs
+protecting, yet their tokens may still hold them while the GPU idles (a charge the factor does not correct, e.g.
+where factors are not learnt: the shim's estimate of a tiny kernel on an idle GPU also holds its launch latency, so
+a launch-bound job is charged up to twice the GPU time it gets). Then, at each profiler window whose device
+utilization (NVML's device figure, which is exact) is under BOOST_IDLE while one of them is held by its tokens, all
+their grants are multiplied by a GPU-wide boost that grows by BOOST_UP; a window at or over BOOST_BUSY cuts it by
+BOOST_DOWN (the GPU is full: the caps' split rules again). A boosted grant hides a container's own hunger, so the
+boost is 1 again on the tick who is active changes (a newcomer gets its cap at once) or a strict container is
+active; a container already active that starts to want its full cap gets it back as the busy GPU cuts the boost
+(a halving per window).
 
 Elastic policy: a container that wants more than its cap (it waits for tokens, or uses a loan) borrows what the
 other active containers leave: all of the GPU when it is alone (`LEND_ALL`), else the spare left by the others'
@@ -83,7 +88,8 @@ CAPACITY_GAIN = 0.3  # per tick, towards a capacity measured lower than the esti
 CAPACITY_PROBE = 1.0  # points per second the estimate rises while no container is held by the GPU
 TAKEN_AVG_S = 0.5  # taken rates for the capacity are averaged over this long
 BOOST_IDLE, BOOST_BUSY = 90.0, 97.0  # device utilization (%) under which elastic borrowers are boosted / over which
-BOOST_UP, BOOST_DOWN = 1.25, 0.95  # the boost is cut back, per profiler window
+BOOST_UP, BOOST_DOWN = 1.25, 0.5  # the boost is cut back, per profiler window
+HELD_TAKE = 0.9  # taking this fraction of its grant or more, a container is held by its tokens
 STEADY_S = 1.0  # the capacity is measured only when every active container has been active this long
 
 
@@ -206,7 +212,8 @@ class Gpu:
     capacity: float = 100.0 + CAP_MARGIN  # percent of the GPU its sharers get together, estimated (+ the margin:
     # a GPU that never showed a loss scales nothing)
     learn: bool = True  # charge factors may be learnt from its per-process utilization
-    boost: float = 1.0  # on elastic grants while every active container is an elastic borrower
+    boost: float = 1.0  # on elastic grants while every active container is elastic
+    boost_for: frozenset[str] = frozenset()  # the active containers the boost was grown for
     device_util: float | None = None  # the profiler's newest device utilization (%), not yet acted on
 
 
@@ -240,19 +247,25 @@ def update_scale(gpu: Gpu, containers: list[Container], now: float, dt: float, g
     gpu.scale = min(max(want, SCALE_MIN), 1.0)
 
 
+def held(c: Container, now: float, idle_s: float) -> bool:
+    """Its tokens hold it back: it waited for them lately, or it takes (nearly) all it is granted."""
+    return now - c.last_hungry <= idle_s or (c.rate > 0 and taken_avg(c, now) >= HELD_TAKE * c.rate)
+
+
 def update_boost(gpu: Gpu, containers: list[Container], now: float, g: Gains) -> None:
-    """Lend an idle GPU to elastic borrowers whose tokens hold them (see the module's docstring)."""
-    active = [c for c in containers if c.active(now, g.idle_s)]
-    if not active or not all(c.policy == ELASTIC and wants_more(c, now, g.idle_s) for c in active):
-        gpu.boost = 1.0
+    """Lend an idle GPU to elastic containers whose tokens hold them (see the module's docstring)."""
+    active = frozenset(c.key for c in containers if c.active(now, g.idle_s))
+    if not active or active != gpu.boost_for or any(c.policy != ELASTIC for c in containers if c.key in active):
+        # a newcomer may want its cap back, a strict container must have its cap: caps rule again on this tick
+        gpu.boost, gpu.boost_for, gpu.device_util = 1.0, active, None
         return
     util, gpu.device_util = gpu.device_util, None
     if util is None:
         return
-    if util < BOOST_IDLE:
-        gpu.boost = min(gpu.boost * BOOST_UP, g.max_factor)
-    elif util >= BOOST_BUSY:
+    if util >= BOOST_BUSY:
         gpu.boost = max(gpu.boost * BOOST_DOWN, 1.0)
+    elif util < BOOST_IDLE and any(held(c, now, g.idle_s) for c in containers if c.key in active):
+        gpu.boost = min(gpu.boost * BOOST_UP, g.max_factor)
 
 
 def wants_more(c: Container, now: float, idle_s: float) -> bool:

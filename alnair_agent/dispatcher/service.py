@@ -32,6 +32,7 @@ T = TypeVar("T")
 
 REOPEN_S = 1.0  # a region that could not be opened is tried again after this long
 CHANGE = 0.005  # a rate within this fraction of the one written is not written again
+HURRY_S = 2.0  # the profiler keeps its short interval this long after the last active capped container
 
 
 def parse_policy(value: str | None, default: str) -> tuple[str, bool]:
@@ -102,9 +103,9 @@ class Dispatcher:
             self._forget(alloc_id)
         for alloc_id in [i for i in self._uncapped if i not in self.allocator.allocations]:
             self._forget(alloc_id)
-        self._take_profile(by_gpu)
+        actives = {gpu: frozenset(c.key for c in cs if c.active(now, g.idle_s)) for gpu, cs in by_gpu.items()}
         for gpu, containers in by_gpu.items():
-            active = frozenset(c.key for c in containers if c.active(now, g.idle_s))
+            active = actives[gpu]
             if active != self._active.get(gpu, frozenset()):
                 for c in containers:  # who shares the GPU changed: every factor moves, learn it afresh and fast
                     c.fast_left = C.FAST_WINDOWS
@@ -115,6 +116,12 @@ class Dispatcher:
                         if len(active) == 1:  # alone: nothing to share, so wait out NVML's lag at its start
                             c.skip_until = now + C.SETTLE_NEW_S
                 self._active[gpu] = active
+        if self.profiler is not None and any(actives.values()):
+            self.profiler.hurry(now + HURRY_S)  # shares are measured from the profiler's windows: short ones
+        # after the changes above: a window that began before a change is not learnt from
+        self._take_profile(by_gpu)
+        for gpu, containers in by_gpu.items():
+            active = actives[gpu]
             C.targets(containers, now, g)
             state = self.gpus.setdefault(gpu, C.Gpu())
             C.update_scale(state, containers, now, dt, g)

@@ -1,5 +1,6 @@
-"""The profiler service: every ALNAIR_PROFILE_INTERVAL_S, one backend sample (in a worker thread), its processes
-mapped to allocations, each container's figures updated; each pod's `ai.centaurus.io/usage` annotation written at
+"""The profiler service: every ALNAIR_PROFILE_INTERVAL_S (every ALNAIR_DISPATCH_PROFILE_INTERVAL_S while the
+dispatcher has an active capped container: it steers by these windows), one backend sample (in a worker thread),
+its processes mapped to allocations, each container's figures updated; each pod's `ai.centaurus.io/usage` annotation written at
 most once per ALNAIR_ANNOTATE_INTERVAL_S, plus a final write when a container ends (`final`, which the reconciler
 awaits before it removes the container's workspace).
 
@@ -58,13 +59,17 @@ class _Collected:
 class Profiler:
     def __init__(self, backend: GpuBackend, allocator: "Allocator", workspace: "Workspace",
                  pods: "PodStates | None", annotations: "AnnotationSink | None", interval_s: float = 1.0,
-                 annotate_interval_s: float = 30.0, proc_root: Path = Path("/proc")) -> None:
+                 annotate_interval_s: float = 30.0, proc_root: Path = Path("/proc"),
+                 busy_interval_s: float | None = None) -> None:
         self.backend = backend
         self.allocator = allocator
         self.workspace = workspace
         self.pods = pods
         self.annotations = annotations
         self.interval_s = interval_s
+        self.busy_interval_s = interval_s if busy_interval_s is None else min(busy_interval_s, interval_s)
+        self._busy_until = -1e18  # monotonic s until which samples come every busy_interval_s (see hurry)
+        self._woken = asyncio.Event()
         self.annotate_interval_s = annotate_interval_s
         self.mapper = PidMapper(ProcReader(proc_root))
         self.usage: dict[str, ContainerUsage] = {}  # allocation id -> figures
@@ -130,9 +135,35 @@ class Profiler:
                         failing = str(e)
                 except Exception:  # noqa: BLE001 - a profiler fault must not stop the device plugin
                     log.exception("profiler_tick_failed")
-                await asyncio.sleep(max(0.0, self.interval_s - (time.monotonic() - started)))
+                await self._until_next(started)
         finally:
             self.close()
+
+    def hurry(self, until: float) -> None:
+        """Sample every busy_interval_s until monotonic `until` (the dispatcher steers capped containers by the
+        profiler's windows); a slower wait already begun is cut short."""
+        if self.busy_interval_s >= self.interval_s:
+            return
+        if until > self._busy_until:
+            was_busy = time.monotonic() < self._busy_until
+            self._busy_until = until
+            if not was_busy:
+                self._woken.set()
+
+    def current_interval(self, now: float) -> float:
+        return self.busy_interval_s if now < self._busy_until else self.interval_s
+
+    async def _until_next(self, started: float) -> None:
+        """Wait until the current interval has passed since `started`, re-reading the interval when hurried."""
+        while True:
+            left = self.current_interval(time.monotonic()) - (time.monotonic() - started)
+            if left <= 0:
+                return
+            self._woken.clear()
+            try:
+                await asyncio.wait_for(self._woken.wait(), left)
+            except TimeoutError:
+                return
 
     async def tick(self) -> None:
         snap = self._snapshot()
