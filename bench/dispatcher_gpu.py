@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import shutil
 import sys
 import tempfile
@@ -308,6 +309,10 @@ async def packing(shim: Path) -> dict:
 
 
 async def main() -> dict:
+    import pynvml
+
+    if os.environ.get("BENCH_NVML_HOLD", "1") == "1":
+        pynvml.nvmlInit()  # held for the whole run, as before tests/gpu/workloads.py (diagnosing a silent exit)
     results: dict = {"dispatcher": ARGS.dispatcher}
     plain = plain_env()
     calib = await run_py(CALIBRATE, plain)
