@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import shutil
 import sys
 import tempfile
@@ -311,8 +310,7 @@ async def packing(shim: Path) -> dict:
 async def main() -> dict:
     import pynvml
 
-    if os.environ.get("BENCH_NVML_HOLD", "1") == "1":
-        pynvml.nvmlInit()  # held for the whole run, as before tests/gpu/workloads.py (diagnosing a silent exit)
+    pynvml.nvmlInit()  # held for the whole run, so no agent's or sampler's shutdown ever tears NVML down under another
     results: dict = {"dispatcher": ARGS.dispatcher}
     plain = plain_env()
     calib = await run_py(CALIBRATE, plain)

@@ -129,13 +129,19 @@ def _borrowers(n: int, policy: str = C.ELASTIC, hungry: bool = True) -> list[C.C
     return cs
 
 
-def _boosted(gpu: C.Gpu, cs: list[C.Container], utils: list[float | None]) -> float:
-    """Each util is one profiler window's device figure, acted on at the next tick (the first tick only learns who
-    is active, as the service's first tick does)."""
-    C.update_boost(gpu, cs, 1.0, G)
-    for u in utils:
+def _tick(gpu: C.Gpu, cs: list[C.Container], now: float) -> None:
+    """What the service does for the boost each tick: who is active, then the boost."""
+    C.note_active(gpu, cs, now, G)
+    C.update_boost(gpu, cs, now, G)
+
+
+def _boosted(gpu: C.Gpu, cs: list[C.Container], utils: list[float | None], t: float = 1.0) -> float:
+    """Each util is one profiler window's device figure, acted on at the next tick, 1 ms apart from `t` (the first
+    tick only learns who is active, as the service's first tick does)."""
+    _tick(gpu, cs, t)
+    for i, u in enumerate(utils):
         gpu.device_util = u
-        C.update_boost(gpu, cs, 1.0, G)
+        _tick(gpu, cs, t + 0.001 * (i + 1))
     return gpu.boost
 
 
@@ -161,9 +167,9 @@ def test_boost_grows_only_while_a_container_is_held_by_its_tokens():
         c.rate, c.history = 50 * C.NS_PER_PERCENT, [(0.0, 0), (1.0, 5 * C.NS_PER_PERCENT)]
     assert _boosted(gpu, cs, [50.0] * 4) == 1.0
     cs[0].history = [(0.0, 0), (1.0, 50 * C.NS_PER_PERCENT)]  # one takes all of its grant, without waiting
-    assert _boosted(gpu, cs, [50.0] * 4) == pytest.approx(C.BOOST_UP ** 4)
-    gpu.boost_for, cs[0].history = frozenset(), [(0.0, 0), (1.0, 5 * C.NS_PER_PERCENT)]
-    assert _boosted(gpu, cs, [50.0] * 2) == 1.0
+    assert _boosted(gpu, cs, [50.0] * 4, 1.01) == pytest.approx(C.BOOST_UP ** 4)
+    gpu.active, cs[0].history = frozenset(), [(0.0, 0), (1.0, 5 * C.NS_PER_PERCENT)]
+    assert _boosted(gpu, cs, [50.0] * 2, 1.02) == 1.0
 
 
 @pytest.mark.parametrize("change", ["newcomer", "strict sharer", "one leaves"])
@@ -177,8 +183,8 @@ def test_boost_ends_on_the_tick_who_is_active_changes(change):
         cs += _borrowers(1, C.STRICT)
     else:
         cs[1].last_active = -1e18
-    C.update_boost(gpu, cs, 1.0, G)
+    _tick(gpu, cs, 1.01)
     assert gpu.boost == 1.0
     gpu.device_util = 50.0
-    C.update_boost(gpu, cs, 1.0, G)
+    _tick(gpu, cs, 1.011)
     assert gpu.boost == (1.0 if change == "strict sharer" else C.BOOST_UP)

@@ -213,8 +213,28 @@ class Gpu:
     # a GPU that never showed a loss scales nothing)
     learn: bool = True  # charge factors may be learnt from its per-process utilization
     boost: float = 1.0  # on elastic grants while every active container is elastic
-    boost_for: frozenset[str] = frozenset()  # the active containers the boost was grown for
+    active: frozenset[str] = frozenset()  # the containers active on it at the last tick
+    changed_at: float = -1e18  # monotonic s of the tick that set changed
     device_util: float | None = None  # the profiler's newest device utilization (%), not yet acted on
+
+
+def note_active(gpu: Gpu, containers: list[Container], now: float, g: Gains) -> frozenset[str]:
+    """Who is active on the GPU this tick. When that changed, every factor moves: each container learns afresh and
+    fast, after the queues settle (a newcomer that is alone waits out NVML's lag at its start), and the boost ends
+    (a newcomer may want its cap back, and a boosted grant would hide that)."""
+    active = frozenset(c.key for c in containers if c.active(now, g.idle_s))
+    if active == gpu.active:
+        return active
+    for c in containers:
+        c.fast_left = FAST_WINDOWS
+        c.windows = []
+        c.skip_until = now + SETTLE_S
+        if c.key in active and c.key not in gpu.active:
+            c.active_since = now
+            if len(active) == 1:
+                c.skip_until = now + SETTLE_NEW_S
+    gpu.active, gpu.changed_at, gpu.boost, gpu.device_util = active, now, 1.0, None
+    return active
 
 
 def taken_avg(c: Container, now: float) -> float:
@@ -253,18 +273,18 @@ def held(c: Container, now: float, idle_s: float) -> bool:
 
 
 def update_boost(gpu: Gpu, containers: list[Container], now: float, g: Gains) -> None:
-    """Lend an idle GPU to elastic containers whose tokens hold them (see the module's docstring)."""
-    active = frozenset(c.key for c in containers if c.active(now, g.idle_s))
-    if not active or active != gpu.boost_for or any(c.policy != ELASTIC for c in containers if c.key in active):
-        # a newcomer may want its cap back, a strict container must have its cap: caps rule again on this tick
-        gpu.boost, gpu.boost_for, gpu.device_util = 1.0, active, None
+    """Lend an idle GPU to elastic containers whose tokens hold them (see the module's docstring); a change in who
+    is active has already ended the boost (note_active)."""
+    active = [c for c in containers if c.key in gpu.active]
+    if not active or any(c.policy != ELASTIC for c in active):  # a strict container must have its cap
+        gpu.boost, gpu.device_util = 1.0, None
         return
     util, gpu.device_util = gpu.device_util, None
-    if util is None:
+    if util is None or gpu.changed_at == now:  # a window read on the tick of a change began before it
         return
     if util >= BOOST_BUSY:
         gpu.boost = max(gpu.boost * BOOST_DOWN, 1.0)
-    elif util < BOOST_IDLE and any(held(c, now, g.idle_s) for c in containers if c.key in active):
+    elif util < BOOST_IDLE and any(held(c, now, g.idle_s) for c in active):
         gpu.boost = min(gpu.boost * BOOST_UP, g.max_factor)
 
 

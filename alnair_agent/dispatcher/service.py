@@ -61,7 +61,6 @@ class Dispatcher:
         self._profiler_samples = 0
         self._profiler_at: float | None = None
         self._util_seen: dict[str, tuple[float, float]] = {}  # allocation -> (gpu_util_integral, sampled_s)
-        self._active: dict[str, frozenset[str]] = {}  # GPU -> active allocations at the last tick
         self.gpus: dict[str, C.Gpu] = {}
         self._uncapped: dict[str, tuple[int, float]] = {}  # uncapped allocation -> (launches, monotonic s they grew)
         self._last = time.monotonic()
@@ -103,30 +102,17 @@ class Dispatcher:
             self._forget(alloc_id)
         for alloc_id in [i for i in self._uncapped if i not in self.allocator.allocations]:
             self._forget(alloc_id)
-        actives = {gpu: frozenset(c.key for c in cs if c.active(now, g.idle_s)) for gpu, cs in by_gpu.items()}
-        for gpu, containers in by_gpu.items():
-            active = actives[gpu]
-            if active != self._active.get(gpu, frozenset()):
-                for c in containers:  # who shares the GPU changed: every factor moves, learn it afresh and fast
-                    c.fast_left = C.FAST_WINDOWS
-                    c.windows = []
-                    c.skip_until = now + C.SETTLE_S
-                    if c.key in active and c.key not in self._active.get(gpu, frozenset()):
-                        c.active_since = now
-                        if len(active) == 1:  # alone: nothing to share, so wait out NVML's lag at its start
-                            c.skip_until = now + C.SETTLE_NEW_S
-                self._active[gpu] = active
+        actives = {gpu: C.note_active(self.gpus.setdefault(gpu, C.Gpu()), cs, now, g) for gpu, cs in by_gpu.items()}
         if self.profiler is not None and any(actives.values()):
             self.profiler.hurry(now + HURRY_S)  # shares are measured from the profiler's windows: short ones
         # after the changes above: a window that began before a change is not learnt from
         self._take_profile(by_gpu)
         for gpu, containers in by_gpu.items():
-            active = actives[gpu]
             C.targets(containers, now, g)
-            state = self.gpus.setdefault(gpu, C.Gpu())
+            state = self.gpus[gpu]
             C.update_scale(state, containers, now, dt, g)
             C.update_boost(state, containers, now, g)
-            running = active | uncapped.get(gpu, set())
+            running = actives[gpu] | uncapped.get(gpu, set())
             for c in containers:
                 self._write(c, state.scale, state.boost)
                 # Where factors are learnt from exact per-process shares they already correct the inflated charges
