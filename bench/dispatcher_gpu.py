@@ -29,6 +29,7 @@ import argparse
 import asyncio
 import json
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -60,13 +61,16 @@ print(json.dumps({"matmuls": n, "wall0": wall0, "life_s": time.time() - wall0,
                   "marks": [[t0.elapsed_time(e) / 1000, k] for e, k in marks]}), flush=True)
 """
 
+# Jobs print when they started (after the interpreter), were set up (model on the GPU), began and ended their loop.
 TRAIN = """
-import json, sys, time, torch
+import time; t_start = time.time()
+import json, sys, torch
 torch.manual_seed(0)
 width, batch, steps = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
 m = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.GELU()) for _ in range(6)]).cuda()
 opt = torch.optim.AdamW(m.parameters(), 1e-4)
 x, y = torch.randn(batch, width, device="cuda"), torch.randn(batch, width, device="cuda")
+torch.cuda.synchronize(); t_ready = time.time()
 def step():
     with torch.autocast("cuda", torch.bfloat16):
         loss = torch.nn.functional.mse_loss(m(x), y)
@@ -77,16 +81,18 @@ torch.cuda.synchronize(); t = time.time()
 for _ in range(steps):
     step()
 torch.cuda.synchronize()
-print(json.dumps({"seconds": time.time() - t, "steps": steps}), flush=True)
+print(json.dumps({"seconds": time.time() - t, "steps": steps, "t": [t_start, t_ready, t, time.time()]}), flush=True)
 """
 
 INFER = """
-import json, sys, time, torch
+import time; t_start = time.time()
+import json, sys, torch
 torch.manual_seed(0)
 d, batch, iters = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
 layer = torch.nn.TransformerEncoderLayer(d, 16, 4 * d, batch_first=True)
 m = torch.nn.TransformerEncoder(layer, 6).cuda().eval().to(torch.bfloat16)
 x = torch.randn(batch, 128, d, device="cuda", dtype=torch.bfloat16)
+torch.cuda.synchronize(); t_ready = time.time()
 with torch.no_grad():
     for _ in range(20):  # warm-up: not in the timed loop
         m(x)
@@ -94,7 +100,7 @@ with torch.no_grad():
     for _ in range(iters):
         m(x)
 torch.cuda.synchronize()
-print(json.dumps({"seconds": time.time() - t, "iters": iters}), flush=True)
+print(json.dumps({"seconds": time.time() - t, "iters": iters, "t": [t_start, t_ready, t, time.time()]}), flush=True)
 """
 
 JOBS = {  # name: (script, args); the last argument, the step count, is a first guess that sized_jobs() resizes
@@ -269,31 +275,45 @@ async def packing(shim: Path) -> dict:
               if len(g) in ARGS.packing_groups]
     names = [n for n in JOBS if any(n in g for g in groups)]
     args = await sized_jobs(plain, names, ARGS.job_s)
-    alone, loop_s = {}, {}
+
+    async def timed(code: str, env: dict[str, str], *a: str) -> dict:
+        spawn = time.time()
+        r = await run_py(code, env, *a)
+        return {**r, "t": [spawn, *r["t"], time.time()]}  # spawned, started, set up, loop began, loop ended, exited
+
+    alone, loop_s, alone_phases = {}, {}, {}
     for name in names:
-        t = time.time()
-        loop_s[name] = (await run_py(JOBS[name][0], plain, *args[name]))["seconds"]
-        alone[name] = time.time() - t
-    out: dict = {"args": args, "alone_s": alone, "alone_loop_s": loop_s}
+        r = await timed(JOBS[name][0], plain, *args[name])
+        loop_s[name], alone[name] = r["seconds"], r["t"][-1] - r["t"][0]
+        alone_phases[name] = [round(b - a, 3) for a, b in zip(r["t"], r["t"][1:])]
+    out: dict = {"args": args, "alone_s": alone, "alone_loop_s": loop_s, "alone_phases": alone_phases}
 
     async def together(group: tuple[str, ...], cap: int, policy: str) -> dict:
         async with Node(shim, policy, ARGS.dispatcher) as node:
             envs = [await node.admit(cap, memory_gib=24) for _ in group]
             with sampler(envs[0]) as nv:
                 t = time.time()
-                rs = await asyncio.gather(*(run_py(JOBS[n][0], e, *args[n]) for n, e in zip(group, envs)))
+                rs = await asyncio.gather(*(timed(JOBS[n][0], e, *args[n]) for n, e in zip(group, envs)))
                 tog = time.time() - t
             return {"together_s": tog, "loop_s": [r["seconds"] for r in rs], "nvml": nv.mean(t, t + tog),
-                    "trace": node.trace, "boost": node.boosts}
+                    "phases": [[round(x - t, 3) for x in r["t"]] for r in rs], "trace": node.trace,
+                    "boost": node.boosts}
 
     for group in groups:
         seq = sum(alone[n] for n in group)
         cap = 100 // len(group)
-        free = await together(group, 0, "elastic")
-        el = await together(group, cap, "elastic")
-        out["+".join(group)] = {"sequential_s": seq, "cap": cap, "bound": 1 - max(alone[n] for n in group) / seq,
-                                "no_compute_limit": {**free, "shorter": 1 - free["together_s"] / seq},
-                                "elastic": {**el, "shorter": 1 - el["together_s"] / seq}}
+        runs: dict[str, list[dict]] = {"no_compute_limit": [], "elastic": []}
+        for _ in range(ARGS.repeat):  # alternated, so a drift of the machine falls on both alike
+            runs["no_compute_limit"].append(await together(group, 0, "elastic"))
+            runs["elastic"].append(await together(group, cap, "elastic"))
+        res = {"sequential_s": seq, "cap": cap, "bound": 1 - max(alone[n] for n in group) / seq}
+        for mode, rs in runs.items():
+            for r in rs:
+                r["shorter"] = 1 - r["together_s"] / seq
+            res[mode] = {**rs[0], "runs": [{k: v for k, v in r.items() if k not in ("trace", "boost")} for r in rs],
+                         "together_s": statistics.median(r["together_s"] for r in rs)}
+            res[mode]["shorter"] = 1 - res[mode]["together_s"] / seq
+        out["+".join(group)] = res
     print(f"\npacking (memory limit 24 GiB each; jobs sized to {ARGS.job_s:.0f} s of loop alone)   "
           "goal: elastic together >= 40 % shorter")
     print("alone (process s / loop s): " + ", ".join(f"{n} {alone[n]:.1f}/{loop_s[n]:.1f}" for n in names))
@@ -304,6 +324,18 @@ async def packing(shim: Path) -> dict:
             f, e = v["no_compute_limit"], v["elastic"]
             print(f"{k:<48} {v['sequential_s']:>20.1f} {f['together_s']:>11.1f} {100 * f['shorter']:>7.1f}%"
                   f" {e['together_s']:>10.1f} {100 * e['shorter']:>7.1f}% {e['nvml']:>7.1f}")
+    if ARGS.repeat > 1:
+        print(f"(medians of {ARGS.repeat} runs each, alternated)")
+    print("\nwhere the time went, per run and job (s from the group's start): python up / set up / warm-up / loop /"
+          " exit, and when it exited")
+    print("alone, no shim: " + "  ".join(f"{n}: " + "/".join(f"{x:.1f}" for x in ph) for n, ph in alone_phases.items()))
+    for k, v in out.items():
+        if isinstance(v, dict) and "sequential_s" in v:
+            for mode in ("no_compute_limit", "elastic"):
+                for i, r in enumerate(v[mode]["runs"]):
+                    jobs = "  ".join(f"{n}: " + "/".join(f"{b - a:.1f}" for a, b in zip(ph, ph[1:])) + f" @{ph[-1]:.1f}"
+                                     for n, ph in zip(k.split("+"), r["phases"]))
+                    print(f"{k[:20]:<20} {mode:<17} #{i} {r['together_s']:>5.1f} s  {jobs}")
     return out
 
 
@@ -352,6 +384,7 @@ if __name__ == "__main__":
     ap.add_argument("--only", default="caps,pair,three,elastic,packing")
     ap.add_argument("--packing-groups", type=lambda v: {int(x) for x in v.split(",")}, default={2, 3},
                     help="packing: which groups to run, by size (2, 3)")
+    ap.add_argument("--repeat", type=int, default=1, help="packing: runs together of each kind (medians reported)")
     ap.add_argument("--job-s", type=float, default=10.0, help="packing: each job's loop alone, seconds")
     ap.add_argument("--learn", choices=("on", "off"), default="on",
                     help="off: the dispatcher runs but never moves a charge factor from 1 (diagnostic)")
