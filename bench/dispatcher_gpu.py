@@ -137,7 +137,7 @@ class Node:
             from alnair_agent.dispatcher import control
             d.gains = control.Gains(gain=0.0, fast_gain=0.0)
             control.TRIM_GAIN = 0.0
-        if d is not None:  # every tick's control state, for the JSON (t, key, cap, k, trim, target, rate, ...)
+        if d is not None:  # every tick's control state, for the JSON (t, key, cap, k, trim, target, rate, ..., launches)
             tick = d.tick
 
             def traced(now: float | None = None) -> None:
@@ -146,7 +146,7 @@ class Node:
                 for c in d.state.values():
                     self.trace.append([round(t, 3), c.key[-6:], c.cap, round(c.k, 3), round(c.trim, 3), round(c.target, 1),
                                        c.rate, round(c.taken_rate / 1e7, 1), round(c.wait_frac, 3),
-                                       None if c.measured is None else round(c.measured, 1)])
+                                       None if c.measured is None else round(c.measured, 1), c.launches])
                 for gpu, g in d.gpus.items():
                     self.boosts.append([round(t, 3), gpu[-6:], round(g.scale, 3), round(g.boost, 3), g.learn])
             d.tick = traced

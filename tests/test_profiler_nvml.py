@@ -87,3 +87,35 @@ def test_attribution_of_process_samples(periods, want):
     for n, call in enumerate(periods):
         a.add([(ts * 1000 + n, pid) if len(call) == 1 else (ts, pid) for ts, pid in call])
     assert a.sampled is want
+
+
+def test_a_gpu_that_gives_each_period_to_one_process_is_averaged_over_a_trailing_second(monkeypatch):
+    """Draws (one process per sampling period): each call reports the mean of each process's samples over the last
+    second of NVML's timestamps, however short the agent's window, so hurried sampling reads as 1 s windows do."""
+    from alnair_agent.gpu import nvml as N
+
+    period_us = 200_000
+    draws = [(n * period_us, 10 if n % 3 else 11, 100 if n % 3 else 60) for n in range(1, 40)]  # (ts, pid, sm)
+    clock = {"now": 0}
+
+    def process_utilization(h, since):
+        return [SimpleNamespace(pid=pid, timeStamp=ts, smUtil=sm, memUtil=0) for ts, pid, sm in draws
+                if since < ts <= clock["now"]]
+
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetComputeRunningProcesses",
+                        lambda h: [SimpleNamespace(pid=10, usedGpuMemory=1 << 30),
+                                   SimpleNamespace(pid=11, usedGpuMemory=1 << 30)])
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetGraphicsRunningProcesses", lambda h: [])
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetProcessUtilization", process_utilization)
+    b = N.NvmlBackend()
+    got = []
+    for now in range(250_000, 7_000_000, 250_000):  # the agent samples every 0.25 s
+        clock["now"] = now
+        got.append((now, {p.pid: p.sm_util for p in b._processes(A, "hA")}))
+    assert b._attribution[A].sampled is True
+    for now, utils in got[-12:]:  # once draws are told apart: the trailing second of samples, not the last 0.25 s
+        last_second = [(pid, sm) for ts, pid, sm in draws if now - N.SAMPLED_WINDOW_US < ts <= now]
+        for pid in (10, 11):
+            mine = [sm for p, sm in last_second if p == pid]
+            assert utils[pid] == pytest.approx(sum(mine) / len(mine) if mine else 0.0)
+    assert any(len([ts for ts, *_ in draws if now - 250_000 < ts <= now]) <= 1 for now, _ in got[-12:])

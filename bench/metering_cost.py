@@ -1,0 +1,88 @@
+"""What the shim's compute meter costs a launch-bound PyTorch job running alone on the GPU (issue 9's packing jobs).
+
+Each job (bench/dispatcher_gpu.py's small-batch training and inference) runs alone, in these modes, alternated over
+--rounds so a drift of the machine falls on all alike:
+  no shim          the plain process;
+  memory only      the shim with a region that caps memory only: launches are counted, nothing more;
+  metered          the region also caps compute, with a grant line so fast that tokens never bind: every launch
+                   takes the metered path (tokens, an event pair on 1 launch in 64, a fence every 32, the in-flight
+                   bound), so the loop's extra time is the meter's own cost;
+  metered, shared  the same with the region's `sharers` at 1, as the dispatcher sets it when other containers run
+                   on the GPU (kernels charged their floor).
+Prints each job's loop time per mode (median, min, max) and its slowdown against no shim; writes JSON.
+
+  python3 bench/metering_cost.py --shim /tmp/shim/libalnair.so --json $OUT/metering_cost.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "bench"), str(ROOT / "tests" / "gpu")]
+
+from dispatcher_gpu import INFER, TRAIN  # noqa: E402
+from workloads import plain_env, run_py  # noqa: E402
+
+from alnair_agent.node.region import Region  # noqa: E402
+
+JOBS = {"train-mlp": (TRAIN, ["2048", "32"]), "infer-transformer": (INFER, ["1024", "4"])}
+MODES = ("no shim", "memory only", "metered", "metered, shared")
+
+
+def region_for(tmp: Path, mode: str, n: int) -> Path:
+    path = tmp / f"region-{n}"
+    r = Region.create(path, 64 << 30, 0 if mode == "memory only" else 50)
+    try:
+        if mode.startswith("metered"):
+            r.set_grant_line(1000 * 10**9)  # a thousand GPUs' worth per second: tokens never bind
+        if mode == "metered, shared":
+            r.set_sharers(1)
+    finally:
+        r.close()
+    return path
+
+
+async def main(a: argparse.Namespace) -> dict:
+    plain = plain_env()
+    steps = {"train-mlp": a.train_steps, "infer-transformer": a.infer_steps}
+    loops: dict[str, dict[str, list[float]]] = {j: {m: [] for m in MODES} for j in JOBS}
+    with tempfile.TemporaryDirectory() as d:
+        tmp, n = Path(d), 0
+        for _ in range(a.rounds):
+            for job, (code, args) in JOBS.items():
+                for mode in MODES:
+                    n += 1
+                    env = plain if mode == "no shim" else {
+                        **plain, "LD_PRELOAD": str(a.shim), "ALNAIR_REGION": str(region_for(tmp, mode, n))}
+                    r = await run_py(code, env, *args, str(steps[job]))
+                    loops[job][mode].append(r["seconds"])
+    out: dict = {"steps": steps, "rounds": a.rounds, "loop_s": loops, "slowdown": {}}
+    print(f"{'job':<20} {'mode':<16} {'loop s median':>14} {'min':>7} {'max':>7} {'vs no shim':>11}")
+    for job, by_mode in loops.items():
+        base = statistics.median(by_mode["no shim"])
+        for mode, xs in by_mode.items():
+            med = statistics.median(xs)
+            out["slowdown"].setdefault(job, {})[mode] = med / base - 1
+            print(f"{job:<20} {mode:<16} {med:>14.2f} {min(xs):>7.2f} {max(xs):>7.2f} {100 * (med / base - 1):>+10.1f}%")
+    return out
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shim", type=Path, default=Path("/tmp/shim/libalnair.so"))
+    ap.add_argument("--json", type=Path)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--train-steps", type=int, default=1600)
+    ap.add_argument("--infer-steps", type=int, default=3500)
+    args = ap.parse_args()
+    res = asyncio.run(main(args))
+    if args.json:
+        args.json.write_text(json.dumps(res, indent=1))
+        print(f"\nwrote {args.json}")
