@@ -13,7 +13,7 @@ Scenarios (--only, comma-separated; default all):
            starts: the lender's GPU time per 50 ms (matmuls x one matmul back to back) and the time until it is
            back at its cap (goal <= 200 ms).
   uncapped one, two and three tenants with no compute limit together: what time-slicing leaves of the GPU.
-  packing  small-batch training and inference jobs, two and three, each sized to --job-s of work alone, one after
+  packing  small-batch training and inference jobs, two and three, each sized to --job-s alone (whole process), one after
            another (no shim) vs together under Alnair with memory limits, with no compute limit and with elastic
            compute at an equal split: makespan (goal: elastic together >= 40 % shorter).
 A share is matmuls completed x the time one matmul takes in the same tenant program running alone on the GPU with no
@@ -254,16 +254,26 @@ async def elastic(shim: Path, matmul_s: float, kernel_s: float) -> dict:
             "lender_per_50ms_from_second_first_matmul": ys, "second_start_delay_s": first - tb}
 
 
+async def timed(code: str, env: dict[str, str], *a: str) -> dict:
+    """run_py, with the job's own times framed by when its process was spawned and when it exited."""
+    spawn = time.time()
+    r = await run_py(code, env, *a)
+    return {**r, "t": [spawn, *r["t"], time.time()]}  # spawned, started, set up, loop began, loop ended, exited
+
+
 async def sized_jobs(plain: dict[str, str], names: list[str], seconds: float) -> dict[str, list[str]]:
-    """Each job's arguments with its step count set so that its loop runs `seconds` alone on this GPU: packing can
-    only shorten a makespan down to its longest job, so jobs of very unequal length would measure that, not Alnair
-    (the fixed counts this benchmark used first ran 25.2 s and 6.5 s on the H200: at most 20 % shorter)."""
+    """Each job's arguments with its step count set so that its whole process runs `seconds` alone on this GPU:
+    packing can only shorten a makespan down to its longest job, so jobs of unequal length would measure that, not
+    Alnair. Whole processes, because the makespan is one: the jobs' set-up (Python, torch, CUDA, the model) differs
+    by seconds (the H200: 4 to 11 s), so jobs sized by their loops alone still ran 22.7 s and 12.1 s."""
     out = {}
     for name in names:
         code, args = JOBS[name]
         probe = max(1, int(args[-1]) // 8)
-        r = await run_py(code, plain, *args[:-1], str(probe))
-        out[name] = [*args[:-1], str(max(1, round(probe * seconds / r["seconds"])))]
+        r = await timed(code, plain, *args[:-1], str(probe))
+        overhead = (r["t"][-1] - r["t"][0]) - r["seconds"]
+        loop_s = max(seconds - overhead, 3.0)
+        out[name] = [*args[:-1], str(max(1, round(probe * loop_s / r["seconds"])))]
     return out
 
 
@@ -275,15 +285,11 @@ async def packing(shim: Path) -> dict:
               if len(g) in ARGS.packing_groups]
     names = [n for n in JOBS if any(n in g for g in groups)]
     args = await sized_jobs(plain, names, ARGS.job_s)
-
-    async def timed(code: str, env: dict[str, str], *a: str) -> dict:
-        spawn = time.time()
-        r = await run_py(code, env, *a)
-        return {**r, "t": [spawn, *r["t"], time.time()]}  # spawned, started, set up, loop began, loop ended, exited
-
     alone, loop_s, alone_phases = {}, {}, {}
-    for name in names:
-        r = await timed(JOBS[name][0], plain, *args[name])
+    for name in names:  # the median of --repeat runs: a set-up alone varies by seconds from run to run
+        rs = sorted([await timed(JOBS[name][0], plain, *args[name]) for _ in range(ARGS.repeat)],
+                    key=lambda r: r["t"][-1] - r["t"][0])
+        r = rs[len(rs) // 2]
         loop_s[name], alone[name] = r["seconds"], r["t"][-1] - r["t"][0]
         alone_phases[name] = [round(b - a, 3) for a, b in zip(r["t"], r["t"][1:])]
     out: dict = {"args": args, "alone_s": alone, "alone_loop_s": loop_s, "alone_phases": alone_phases}
@@ -314,7 +320,7 @@ async def packing(shim: Path) -> dict:
                          "together_s": statistics.median(r["together_s"] for r in rs)}
             res[mode]["shorter"] = 1 - res[mode]["together_s"] / seq
         out["+".join(group)] = res
-    print(f"\npacking (memory limit 24 GiB each; jobs sized to {ARGS.job_s:.0f} s of loop alone)   "
+    print(f"\npacking (memory limit 24 GiB each; jobs sized to {ARGS.job_s:.0f} s alone, whole process)   "
           "goal: elastic together >= 40 % shorter")
     print("alone (process s / loop s): " + ", ".join(f"{n} {alone[n]:.1f}/{loop_s[n]:.1f}" for n in names))
     print(f"{'jobs':<48} {'one after another s':>20} {'no limit s':>11} {'shorter':>8} {'elastic s':>10} {'shorter':>8}"
@@ -384,8 +390,8 @@ if __name__ == "__main__":
     ap.add_argument("--only", default="caps,pair,three,elastic,packing")
     ap.add_argument("--packing-groups", type=lambda v: {int(x) for x in v.split(",")}, default={2, 3},
                     help="packing: which groups to run, by size (2, 3)")
-    ap.add_argument("--repeat", type=int, default=1, help="packing: runs together of each kind (medians reported)")
-    ap.add_argument("--job-s", type=float, default=10.0, help="packing: each job's loop alone, seconds")
+    ap.add_argument("--repeat", type=int, default=1, help="packing: runs of each job alone and of each group together (medians reported)")
+    ap.add_argument("--job-s", type=float, default=20.0, help="packing: each job's whole process alone, seconds")
     ap.add_argument("--learn", choices=("on", "off"), default="on",
                     help="off: the dispatcher runs but never moves a charge factor from 1 (diagnostic)")
     ap.add_argument("--dispatcher", choices=("on", "off"), default="on",

@@ -9,6 +9,8 @@ Each job (bench/dispatcher_gpu.py's small-batch training and inference) runs alo
                    bound), so the loop's extra time is the meter's own cost;
   metered, shared  the same with the region's `sharers` at 1, as the dispatcher sets it when other containers run
                    on the GPU (kernels charged their floor).
+  metered, variant the metered mode under another build of the shim (--variant), e.g. one with fewer events:
+                   make -C shim BUILD=/tmp/shim-few CFLAGS="-O2 -DSAMPLE_EVERY=4096u -DFENCE_EVERY=1024u ..."
 Prints each job's loop time per mode (median, min, max) and its slowdown against no shim; writes JSON.
 
   python3 bench/metering_cost.py --shim /tmp/shim/libalnair.so --json $OUT/metering_cost.json
@@ -52,15 +54,18 @@ def region_for(tmp: Path, mode: str, n: int) -> Path:
 async def main(a: argparse.Namespace) -> dict:
     plain = plain_env()
     steps = {"train-mlp": a.train_steps, "infer-transformer": a.infer_steps}
-    loops: dict[str, dict[str, list[float]]] = {j: {m: [] for m in MODES} for j in JOBS}
+    modes = MODES + (("metered, variant",) if a.variant else ())
+    jobs = {j: JOBS[j] for j in a.jobs.split(",")}
+    loops: dict[str, dict[str, list[float]]] = {j: {m: [] for m in modes} for j in jobs}
     with tempfile.TemporaryDirectory() as d:
         tmp, n = Path(d), 0
         for _ in range(a.rounds):
-            for job, (code, args) in JOBS.items():
-                for mode in MODES:
+            for job, (code, args) in jobs.items():
+                for mode in modes:
                     n += 1
+                    shim = a.variant if mode.endswith("variant") else a.shim
                     env = plain if mode == "no shim" else {
-                        **plain, "LD_PRELOAD": str(a.shim), "ALNAIR_REGION": str(region_for(tmp, mode, n))}
+                        **plain, "LD_PRELOAD": str(shim), "ALNAIR_REGION": str(region_for(tmp, mode, n))}
                     r = await run_py(code, env, *args, str(steps[job]))
                     loops[job][mode].append(r["seconds"])
     out: dict = {"steps": steps, "rounds": a.rounds, "loop_s": loops, "slowdown": {}}
@@ -79,6 +84,8 @@ if __name__ == "__main__":
     ap.add_argument("--shim", type=Path, default=Path("/tmp/shim/libalnair.so"))
     ap.add_argument("--json", type=Path)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--jobs", default=",".join(JOBS), help="comma-separated: " + ", ".join(JOBS))
+    ap.add_argument("--variant", type=Path, help="another build of the shim, run as 'metered, variant'")
     ap.add_argument("--train-steps", type=int, default=1600)
     ap.add_argument("--infer-steps", type=int, default=3500)
     args = ap.parse_args()

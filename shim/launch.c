@@ -48,9 +48,19 @@
 #define DEFAULT_COST_NS 20000ull
 #define MIN_COST_NS 1000ull
 #define CHUNK_NS 1000000ull
+/* Overridable for diagnostic builds only (make CFLAGS="-O2 -DSAMPLE_EVERY=4096u ..."): bench/metering_cost.py */
+#ifndef SAMPLE_EVERY
 #define SAMPLE_EVERY 64u
+#endif
+#ifndef FENCE_EVERY
 #define FENCE_EVERY 32u
+#endif
+#ifndef FENCE_EVERY_NS
 #define FENCE_EVERY_NS 2000000ull
+#endif
+#ifndef POLL_EVERY_MASK
+#define POLL_EVERY_MASK 7u /* a sample in flight is polled every 8 launches */
+#endif
 #define NFENCE 16u
 #define NCORR 16u
 #define NPEND 8u
@@ -684,7 +694,7 @@ static __attribute__((noinline)) void post_launch(struct pre *p, CUresult rc)
         return;
     if (T.since_fence >= FENCE_EVERY || T.charged - T.last_fence_charged >= FENCE_EVERY_NS)
         record_fence(p->stream, p->pt, sc);
-    if (T.s_busy && (T.launches & 7u) == 0)
+    if (T.s_busy && (T.launches & POLL_EVERY_MASK) == 0)
         poll_sample();
 }
 
