@@ -89,33 +89,58 @@ def test_attribution_of_process_samples(periods, want):
     assert a.sampled is want
 
 
-def test_a_gpu_that_gives_each_period_to_one_process_is_averaged_over_a_trailing_second(monkeypatch):
-    """Draws (one process per sampling period): each call reports the mean of each process's samples over the last
-    second of NVML's timestamps, however short the agent's window, so hurried sampling reads as 1 s windows do."""
+
+class NewestPerProcess:
+    """NVML's per-process utilization as documented: per call, each process's newest period with non-zero
+    utilization after `since` (one sample per process), from a timeline of (timestamp us, pid, sm %[, us from the
+    period's end until the driver has it])."""
+
+    def __init__(self, monkeypatch, timeline: list[tuple[int, ...]], pids: list[int]) -> None:
+        self.timeline, self.now, self.asked = timeline, 0, []
+        monkeypatch.setattr(pynvml, "nvmlDeviceGetComputeRunningProcesses",
+                            lambda h: [SimpleNamespace(pid=p, usedGpuMemory=1 << 30) for p in pids])
+        monkeypatch.setattr(pynvml, "nvmlDeviceGetGraphicsRunningProcesses", lambda h: [])
+        monkeypatch.setattr(pynvml, "nvmlDeviceGetProcessUtilization", self.query)
+
+    def query(self, h, since):
+        self.asked.append(self.now)
+        newest: dict[int, tuple[int, int]] = {}
+        for ts, pid, sm, *lag in self.timeline:
+            if since < ts and ts + sum(lag) <= self.now and ts > newest.get(pid, (0, 0))[0]:
+                newest[pid] = (ts, sm)
+        return [SimpleNamespace(pid=pid, timeStamp=ts, smUtil=sm, memUtil=0) for pid, (ts, sm) in newest.items()]
+
+
+def test_a_process_whose_newest_period_came_before_anothers_is_still_read(monkeypatch):
+    # 10's period ending at 1.95 s reaches the driver's buffer only at 2.1 s, after 11's period ending at 2.0 s was
+    # read: asked after the newest timestamp of any process (2.0 s), 10 would read idle at 2.25 s
+    nv = NewestPerProcess(monkeypatch, [(1_900_000, 10, 40), (1_950_000, 10, 45, 150_000), (2_000_000, 11, 60),
+                                        (2_200_000, 11, 55)], [10, 11])
+    b = NvmlBackend()
+    got = []
+    for now_us, mono in ((2_050_000, 10.0), (2_250_000, 10.2), (2_300_000, 10.4)):
+        nv.now = now_us
+        got.append({p.pid: p.sm_util for p in b._processes(A, "hA", mono)})
+    assert got == [{10: 40.0, 11: 60.0}, {10: 45.0, 11: 55.0}, {10: 0.0, 11: 0.0}]  # the last: neither ran anew
+
+
+def test_a_gpu_that_gives_each_period_to_one_process_is_asked_once_a_second_and_held_between(monkeypatch):
     from alnair_agent.gpu import nvml as N
 
-    period_us = 200_000
-    draws = [(n * period_us, 10 if n % 3 else 11, 100 if n % 3 else 60) for n in range(1, 40)]  # (ts, pid, sm)
-    clock = {"now": 0}
-
-    def process_utilization(h, since):
-        return [SimpleNamespace(pid=pid, timeStamp=ts, smUtil=sm, memUtil=0) for ts, pid, sm in draws
-                if since < ts <= clock["now"]]
-
-    monkeypatch.setattr(pynvml, "nvmlDeviceGetComputeRunningProcesses",
-                        lambda h: [SimpleNamespace(pid=10, usedGpuMemory=1 << 30),
-                                   SimpleNamespace(pid=11, usedGpuMemory=1 << 30)])
-    monkeypatch.setattr(pynvml, "nvmlDeviceGetGraphicsRunningProcesses", lambda h: [])
-    monkeypatch.setattr(pynvml, "nvmlDeviceGetProcessUtilization", process_utilization)
+    period_us = 200_000  # one process per period, alternating: draws
+    nv = NewestPerProcess(monkeypatch, [(n * period_us, 10 + n % 2, 30 + n % 2 * 40) for n in range(1, 60)],
+                          [10, 11])
     b = N.NvmlBackend()
-    got = []
-    for now in range(250_000, 7_000_000, 250_000):  # the agent samples every 0.25 s
-        clock["now"] = now
-        got.append((now, {p.pid: p.sm_util for p in b._processes(A, "hA")}))
+    asks_before, got = 0, []
+    for k in range(1, 40):  # the agent samples every 0.25 s
+        nv.now = k * 250_000
+        got.append((k * 0.25, {p.pid: p.sm_util for p in b._processes(A, "hA", k * 0.25)}))
+        if b._attribution[A].sampled is not True:
+            asks_before = len(nv.asked)
     assert b._attribution[A].sampled is True
-    for now, utils in got[-12:]:  # once draws are told apart: the trailing second of samples, not the last 0.25 s
-        last_second = [(pid, sm) for ts, pid, sm in draws if now - N.SAMPLED_WINDOW_US < ts <= now]
-        for pid in (10, 11):
-            mine = [sm for p, sm in last_second if p == pid]
-            assert utils[pid] == pytest.approx(sum(mine) / len(mine) if mine else 0.0)
-    assert any(len([ts for ts, *_ in draws if now - 250_000 < ts <= now]) <= 1 for now, _ in got[-12:])
+    asked = nv.asked[asks_before:]
+    assert len(asked) >= 5
+    assert all(b - a >= N.SAMPLED_QUERY_S * 1e6 - N.SAMPLED_QUERY_SLACK_S * 1e6 for a, b in zip(asked, asked[1:]))
+    # after the first ask a second apart: each process's newest period, the same between asks
+    held = [u for t, u in got if t * 1e6 > asked[1]]
+    assert held and all(u == {10: 30.0, 11: 70.0} for u in held)

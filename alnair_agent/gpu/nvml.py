@@ -19,11 +19,18 @@ from alnair_agent.gpu.backend import GpuBackendError, GpuInfo, GpuSample, Health
 
 T = TypeVar("T")
 
-# Where the driver gives each sampling period to one process (Attribution.sampled), a process's utilization is the
-# mean of its samples over the last SAMPLED_WINDOW_US of NVML's timestamps, however often the agent samples. Over
-# short windows those means lean towards an even split: on the H200, two tenants doing 34 % and 66 % of the work
-# read 40 / 59 % at 0.5 s windows and 34.3 / 64.1 % at 1 s.
-SAMPLED_WINDOW_US = 1_000_000
+# NVML answers a per-process utilization query with one sample per process: its newest sampling period with
+# non-zero utilization after the timestamp given. Asked after the newest timestamp of *any* process, a process
+# whose newest period came just before another's is skipped (its period is not newer than the other's); so the
+# agent asks after the oldest of the listed processes' own last timestamps (at most PID_LOOKBACK_US back) and keeps
+# for each process only a sample newer than its own last one. Where the driver gives each period to one process
+# (Attribution.sampled), asking more often than about once a second still skews the shares (a window without a new
+# period of a process reads 0 for it), so there the agent asks at most every SAMPLED_QUERY_S and holds each
+# process's figure between asks. On the H200, two tenants doing 34 % and 66 % of the work read 34.3 / 64.1 % asked
+# every 0.5 s in one run and 40 / 59 % in another (each asked after the newest of any process).
+PID_LOOKBACK_US = 2_000_000
+SAMPLED_QUERY_S = 1.0
+SAMPLED_QUERY_SLACK_S = 0.1  # an ask due at 1 s that comes a little early (the sampling loop's jitter) still asks
 
 
 def _field(call: Callable[[], T]) -> T | None:
@@ -70,7 +77,9 @@ class NvmlBackend:
         self._handles: list[tuple[str, Any]] = []  # (uuid, handle) per GPU
         self._last_sample_us: dict[str, int] = {}  # per GPU: timestamp of the newest process sample seen
         self._attribution: dict[str, Attribution] = {}
-        self._recent: dict[str, list[tuple[int, int, float, float]]] = {}  # per sampled GPU: (ts, pid, sm, mem)
+        self._pid_seen: dict[str, dict[int, int]] = {}  # per GPU: pid -> timestamp of its newest sample seen
+        self._held: dict[str, tuple[float, dict[int, tuple[float, float]]]] = {}  # per sampled GPU: (asked at,
+        # pid -> (sm %, memory-copy %))
         self._last_sample_at: float | None = None
         self._event_set = None
         self._started = False
@@ -160,13 +169,14 @@ class NvmlBackend:
                 sm_clock_mhz=int(clock) if clock is not None else None,
                 process_util_sampled=self._attribution.setdefault(uuid, Attribution()).sampled,
             ))
-            procs += self._processes(uuid, h)
+            procs += self._processes(uuid, h, now)
         return Samples(tuple(gpus), tuple(procs), window)
 
-    def _processes(self, uuid: str, h: Any) -> list[ProcessSample]:
+    def _processes(self, uuid: str, h: Any, now: float) -> list[ProcessSample]:
         """Running compute and graphics processes (used memory) joined with per-process utilization samples
         newer than the last ones seen (the newest sample per process within the window; a listed process
-        without one was idle)."""
+        without one was idle). Where periods are given to one process each, asked at most every SAMPLED_QUERY_S
+        (see there) and held between asks."""
         used: dict[int, int | None] = {}
         for lister in (pynvml.nvmlDeviceGetComputeRunningProcesses, pynvml.nvmlDeviceGetGraphicsRunningProcesses):
             for p in _field(lambda: lister(h)) or []:
@@ -176,28 +186,38 @@ class NvmlBackend:
                     used[pid] = (used.get(pid) or 0) + mem
                 else:
                     used.setdefault(pid, None)
-        since = self._last_sample_us.get(uuid, 0)
-        samples = _field(lambda: pynvml.nvmlDeviceGetProcessUtilization(h, since)) or []
         attribution = self._attribution.setdefault(uuid, Attribution())
-        attribution.add([(int(s.timeStamp), int(s.pid)) for s in samples])
-        fresh = [(int(s.timeStamp), int(s.pid), float(s.smUtil), float(s.memUtil)) for s in samples]
-        newest = max([since] + [ts for ts, *_ in fresh])
-        self._last_sample_us[uuid] = newest
-        if attribution.sampled:  # draws: a trailing window of them (see SAMPLED_WINDOW_US)
-            recent = self._recent.get(uuid, []) + fresh
-            fresh = self._recent[uuid] = [x for x in recent if x[0] > newest - SAMPLED_WINDOW_US]
+        held = self._held.get(uuid)
+        if attribution.sampled and held is not None and now - held[0] < SAMPLED_QUERY_S - SAMPLED_QUERY_SLACK_S:
+            utils = {pid: v for pid, v in held[1].items() if pid in used}  # an ended process is not held on
         else:
-            self._recent.pop(uuid, None)
-        utils: dict[int, tuple[int, float, float]] = {}
-        for _, pid, sm_util, mem_util in fresh:
+            utils = self._ask(uuid, h, attribution, set(used))
+            if attribution.sampled:
+                self._held[uuid] = (now, utils)
+            else:
+                self._held.pop(uuid, None)
+        return [ProcessSample(uuid, pid, *utils.get(pid, (0.0, 0.0)), used.get(pid))
+                for pid in sorted(set(used) | set(utils))]
+
+    def _ask(self, uuid: str, h: Any, attribution: Attribution, listed: set[int]) -> dict[int, tuple[float, float]]:
+        """Each process's (sm %, memory-copy %) from its samples newer than its own newest seen."""
+        newest = self._last_sample_us.get(uuid, 0)
+        seen = self._pid_seen.setdefault(uuid, {})
+        since = max(min([seen[p] for p in listed if p in seen] + [newest]), newest - PID_LOOKBACK_US, 0)
+        samples = _field(lambda: pynvml.nvmlDeviceGetProcessUtilization(h, since)) or []
+        fresh = [s for s in samples if int(s.timeStamp) > seen.get(int(s.pid), since)]
+        attribution.add([(int(s.timeStamp), int(s.pid)) for s in fresh])
+        sums: dict[int, tuple[int, float, float]] = {}
+        for s in fresh:
+            pid, ts = int(s.pid), int(s.timeStamp)
+            newest, seen[pid] = max(newest, ts), max(seen.get(pid, 0), ts)
             # several samples of one process in the window: average them
-            n, sm, mm = utils.get(pid, (0, 0.0, 0.0))
-            utils[pid] = (n + 1, sm + sm_util, mm + mem_util)
-        out = []
-        for pid in sorted(set(used) | set(utils)):
-            n, sm, mm = utils.get(pid, (0, 0.0, 0.0))
-            out.append(ProcessSample(uuid, pid, sm / n if n else 0.0, mm / n if n else 0.0, used.get(pid)))
-        return out
+            n, sm, mm = sums.get(pid, (0, 0.0, 0.0))
+            sums[pid] = (n + 1, sm + float(s.smUtil), mm + float(s.memUtil))
+        self._last_sample_us[uuid] = newest
+        for pid in [p for p in seen if p not in listed and seen[p] < newest - PID_LOOKBACK_US]:
+            del seen[pid]  # ended long ago
+        return {pid: (sm / n, mm / n) for pid, (n, sm, mm) in sums.items()}
 
     def stop(self) -> None:
         with self._lock:
