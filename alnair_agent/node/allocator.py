@@ -202,6 +202,39 @@ class Allocator:
         """UIDs of the pods whose units the free counts subtract (for the node annotation)."""
         return {a.pod_uid for a in self.allocations.values() if a.pod_uid and self.live(a)}
 
+    def report(self) -> tuple[list[fit.Room], set[str]]:
+        """For the node annotation: free units per healthy GPU, and the pods they subtract, each pod whole. A pod
+        kubelet is still admitting (one Allocate per container and resource; the report may be set between two)
+        also holds what it has yet to be allocated: the extender counts a pod the report names by the report alone,
+        and the pod's confirmation, written at once, releases the node lock before the next report (rate-limited)
+        shows the rest, so the extender would bind the next pod onto those units and the agent would refuse it."""
+        rooms = self.rooms()
+        waiting = self._not_yet_allocated()
+        if waiting:  # never below 0: a report with a negative count is unreadable, the node then gets no pods
+            rooms = [fit.Room(r.uuid, r.index, max(0, r.memory_free - waiting[(r.uuid, RESOURCE_MEMORY)]),
+                              max(0, r.compute_free - waiting[(r.uuid, RESOURCE_COMPUTE)]), r.memory_total,
+                              r.compute_total) for r in rooms]
+        return rooms, self.pods_held()
+
+    def _not_yet_allocated(self) -> Counter[tuple[str, str]]:
+        """(GPU, resource) -> units that the pods holding some units here are still to be allocated: each missing
+        resource on its container's GPU (its record's, else alnair-scheduler's decision)."""
+        out: Counter[tuple[str, str]] = Counter()
+        if self.pods is None or not self.pods.synced:
+            return out
+        for uid, records in self._records_by_pod().items():
+            pod = self.pods.get(uid)
+            if pod is None or not any(self.live(a) for a in records.values()):
+                continue
+            decided = pod.decision.gpus if pod.decision is not None else {}
+            for c in pod.containers:
+                record = records.get(c.container)
+                gpu = record.gpu_uuid if record is not None else decided.get(c.container)
+                if gpu:
+                    for resource in self._missing(c, record):
+                        out[(gpu, resource)] += c.units(resource)
+        return out
+
     def remove(self, alloc_id: str) -> Allocation | None:
         self.freed_by_kubelet.discard(alloc_id)
         return self.allocations.pop(alloc_id, None)

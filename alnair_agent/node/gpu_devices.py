@@ -5,7 +5,8 @@
                "computeUnitsFree"}, ...]}
 
 `pods` names every pod whose units the free counts already subtract, so the extender adds exactly the pods it has
-placed that are not in it yet (nothing counted twice, nothing missed). `heartbeat` is rewritten at least every
+placed that are not in it yet (nothing counted twice, nothing missed). A pod is subtracted whole: one the agent is
+still allocating also holds the units kubelet has yet to ask for. `heartbeat` is rewritten at least every
 `HEARTBEAT_S`; a node whose heartbeat is older than `STALE_AFTER_S` gets no new pods (its agent is gone).
 """
 

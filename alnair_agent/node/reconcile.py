@@ -69,7 +69,8 @@ class AnnotationSink(Protocol):
 def node_report(allocator: Allocator, heartbeat: datetime) -> NodeReport:
     """The node annotation the scheduler extender reads: each GPU's units, free units and health."""
     inventory = allocator.inventory
-    rooms = {room.uuid: room for room in allocator.rooms()}
+    free, pods = allocator.report()
+    rooms = {room.uuid: room for room in free}
     gpus = []
     for gpu in inventory.gpus.values():
         room = rooms.get(gpu.uuid)
@@ -78,7 +79,7 @@ def node_report(allocator: Allocator, heartbeat: datetime) -> NodeReport:
             memory_units=gpu.units[C.RESOURCE_MEMORY], memory_free=room.memory_free if room else 0,
             compute_units=gpu.units[C.RESOURCE_COMPUTE], compute_free=room.compute_free if room else 0,
         ))
-    return NodeReport(inventory.memory_unit_bytes >> 20, tuple(gpus), heartbeat, frozenset(allocator.pods_held()))
+    return NodeReport(inventory.memory_unit_bytes >> 20, tuple(gpus), heartbeat, frozenset(pods))
 
 
 class UsageSink(Protocol):
