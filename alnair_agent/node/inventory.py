@@ -73,7 +73,8 @@ class Inventory:
             raise UnknownDevice(f"device ID {text!r} names GPU {uuid!r}, which is not on this node")
         if _KIND_TO_RESOURCE.get(kind) != resource:
             raise UnknownDevice(f"device ID {text!r} is not a {resource} device")
-        if not number.isdigit() or not 0 <= int(number) < gpu.units[resource]:
+        # ASCII digits only: str.isdigit() also takes '¹' and the like, which int() refuses (an UNKNOWN error).
+        if not (number.isascii() and number.isdigit()) or not 0 <= int(number) < gpu.units[resource]:
             raise UnknownDevice(f"device ID {text!r}: unit {number!r} out of range 0..{gpu.units[resource] - 1}")
         return DeviceId(uuid, resource, int(number))
 
