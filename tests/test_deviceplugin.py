@@ -167,6 +167,7 @@ async def test_gpu_unhealthy_and_back_sends_two_updates(root, kubelet):
     (SM, f"{sim_uuid(0, NODE)}::mem::0", "is not a alnair/vgpu-compute device"),
     (MEM, f"{sim_uuid(0, NODE)}::mem::16", "out of range"),
     (SM, f"{sim_uuid(1, NODE)}::sm::-1", "out of range"),
+    (MEM, f"{sim_uuid(0, NODE)}::mem::\u00b9", "out of range"),  # a digit to str.isdigit(), not to int()
 ])
 async def test_device_ids_not_ours_are_invalid_argument(root, kubelet, resource, device_id, says):
     async with running_agent(node_settings(root)) as running:
