@@ -38,7 +38,7 @@ from benchstats import machine  # noqa: E402 - beside this script
 from simbuild import build_shim_and_driver  # noqa: E402
 
 from alnair_agent import logs  # noqa: E402
-from alnair_agent.constants import RESOURCE_MEMORY  # noqa: E402
+from alnair_agent.constants import RESOURCE_COMPUTE, RESOURCE_MEMORY  # noqa: E402
 from alnair_agent.kubelet.emulator import KubeletEmulator  # noqa: E402
 
 TICKS = os.sysconf("SC_CLK_TCK")
@@ -67,7 +67,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-async def run(containers: int, seconds: float, agent_tree: Path | None = None) -> dict:
+async def run(containers: int, seconds: float, agent_tree: Path | None = None, compute: int = 0,
+              profile_agent: Path | None = None, agent_env: dict[str, str] | None = None) -> dict:
     root = short_tmp()
     procs: list[asyncio.subprocess.Process] = []
     agent = None
@@ -96,21 +97,25 @@ async def run(containers: int, seconds: float, agent_tree: Path | None = None) -
                 # before it refused unscheduled pods
                 "ALNAIR_PLACE_UNSCHEDULED": "true",
             })
+            env.update(agent_env or {})
             if agent_tree is not None:
                 env["PYTHONPATH"] = str(agent_tree)
                 env.pop("ALNAIR_SIM_TIMELINE_DIR")
                 env.pop("ALNAIR_PLACE_UNSCHEDULED")
             async with KubeletEmulator(root / "dp", root / "pr/k.sock") as kubelet:
                 log = open(root / "agent.log", "wb")
-                agent = subprocess.Popen([sys.executable, "-m", "alnair_agent.main"], env=env, stdout=log,
+                profiling = ["-m", "cProfile", "-o", str(profile_agent)] if profile_agent else []
+                agent = subprocess.Popen([sys.executable, *profiling, "-m", "alnair_agent.main"], env=env, stdout=log,
                                          stderr=subprocess.STDOUT, cwd=agent_tree or ROOT)
                 await kubelet.wait_for(lambda k: len(k.plugins) == 2 and all(v.devices for v in k.plugins.values()),
                                        60)
                 for n in range(containers):
-                    api.add_pod(make_pod(f"job-{n:02d}", node=NODE, containers=[{"name": "main", "memory": 1}]))
+                    api.add_pod(make_pod(f"job-{n:02d}", node=NODE, containers=[
+                        {"name": "main", "memory": 1, **({"compute": compute} if compute else {})}]))
                 await asyncio.sleep(1.0)  # the agent's pod watch takes them in
                 for n in range(containers):
-                    answers = await kubelet.admit("default", f"job-{n:02d}", "main", {RESOURCE_MEMORY: 1})
+                    answers = await kubelet.admit("default", f"job-{n:02d}", "main",
+                                                  {RESOURCE_MEMORY: 1, **({RESOURCE_COMPUTE: compute} if compute else {})})
                     a = answers[RESOURCE_MEMORY]
                     run_dir = next(m.host_path for m in a.mounts if m.container_path == "/run/alnair")
                     penv = {k: v for k, v in os.environ.items() if not k.startswith(("ALNAIR_", "LD_"))}
@@ -153,6 +158,8 @@ async def run(containers: int, seconds: float, agent_tree: Path | None = None) -
     wall = t1 - t0
     return {
         "containers": containers,
+        "compute_percent": compute,
+        "agent_env": agent_env or {},
         "agent_tree": str(agent_tree or ROOT),
         "seconds": round(wall, 1),
         "intervals": {"profile_s": 1.0, "annotate_s": 30.0, "resync_s": 5.0, "health_s": 1.0},
@@ -173,10 +180,19 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=60.0)
     parser.add_argument("--out", default="bench/out/agent_overhead.json")
     parser.add_argument("--agent-tree", type=Path, default=None)
+    parser.add_argument("--compute", type=int, default=0,
+                        help="each container's compute cap (%%; 0: none): capped containers make the dispatcher steer "
+                             "them and the profiler sample every ALNAIR_DISPATCH_PROFILE_INTERVAL_S")
+    parser.add_argument("--profile-agent", type=Path, default=None,
+                        help="run the agent under cProfile, its stats written here at exit (a diagnostic)")
+    parser.add_argument("--agent-env", action="append", default=[], metavar="ALNAIR_X=V",
+                        help="a setting for the agent (repeatable), e.g. ALNAIR_DISPATCHER=off")
     args = parser.parse_args()
     logs.configure("json", "error")
-    r = asyncio.run(run(args.containers, args.seconds, args.agent_tree))
-    print(f"Agent overhead ({r['agent_tree']}), {r['containers']} simulated containers, default intervals, {r['seconds']} s "
+    agent_env = dict(kv.split("=", 1) for kv in args.agent_env)
+    r = asyncio.run(run(args.containers, args.seconds, args.agent_tree, args.compute, args.profile_agent, agent_env))
+    capped = f"capped at {r['compute_percent']} %" if r["compute_percent"] else "uncapped"
+    print(f"Agent overhead ({r['agent_tree']}), {r['containers']} simulated containers ({capped}), default intervals, {r['seconds']} s "
           f"({r['machine']['cpus']} CPUs, {r['machine']['cpu']}, Python {r['machine']['python']})")
     print(f"{'figure':34} {'value':>10} {'goal':>10}")
     print(f"{'agent CPU, % of one core':34} {r['agent_cpu_percent_of_one_core']:>10.2f} {'<= 3':>10}")
