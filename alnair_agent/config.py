@@ -218,8 +218,10 @@ VARIABLES: tuple[Variable, ...] = (
              "Anti-windup bound: the most tokens per GPU ns a container may be granted (the shim's estimates count "
              "time queued behind other processes, so a container under contention needs more than its cap)."),
     Variable("ALNAIR_DISPATCH_PROFILE_INTERVAL_S", "dispatch_profile_interval_s", _float_range(0.05, 60.0), "0.25",
-             "Seconds between profiler samples while a capped container is active (the dispatcher steers by them: "
-             "a cap settles within a few of these windows); at other times the profiler samples every "
+             "Seconds between profiler samples while the dispatcher steers an active capped container by them (its "
+             "charge factor is learnt from them, or, where the GPU's per-process figures cannot teach it, every "
+             "active container there is elastic and the boost reads the device's utilization per window): a cap "
+             "settles within a few of these windows. At other times the profiler samples every "
              "ALNAIR_PROFILE_INTERVAL_S. The shorter of the two applies."),
     Variable("ALNAIR_DISPATCH_IDLE_S", "dispatch_idle_s", _float_range(0.02, 10.0), "0.15",
              "Seconds without launches or waits after which a container counts as idle (elastic: its share may be "

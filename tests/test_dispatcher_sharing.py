@@ -53,16 +53,18 @@ class FakeRegion:
 def node(caps: dict[str, int], took: dict[str, int], sampled: bool | None):
     regions = {k: FakeRegion(took[k]) for k in caps}
     allocs = {k: SimpleNamespace(id=k, compute_limit=cap, gpu_uuid=GPU, identified=False) for k, cap in caps.items()}
-    profiler = SimpleNamespace(samples=0, sample_at=0.0, sampled_s=0.0, usage={}, hurry=lambda until: None,
+    profiler = SimpleNamespace(samples=0, sample_at=0.0, sampled_s=0.0, usage={}, hurried=[],
                                last=Samples(gpus=(GpuSample(GPU, process_util_sampled=sampled),)))
+    profiler.hurry = profiler.hurried.append
     d = Dispatcher(SimpleNamespace(allocations=allocs), SimpleNamespace(open_region=lambda k: regions[k]), profiler,
                    None)
     return d, regions, profiler
 
 
 def run(d: Dispatcher, regions: dict[str, FakeRegion], profiler, shares: dict[str, float], seconds: float) -> None:
-    """Tick every 50 ms; every 250 ms the profiler saw each container use `shares` % of the GPU."""
-    t = 1000.0
+    """Tick every 50 ms, on from the last run's time; every 250 ms the profiler saw each container use `shares` %
+    of the GPU."""
+    t = d._last if d.ticks else 1000.0
     integral = {k: 0.0 for k in shares}
     for i in range(int(seconds / 0.05)):
         t += 0.05
@@ -76,6 +78,7 @@ def run(d: Dispatcher, regions: dict[str, FakeRegion], profiler, shares: dict[st
             profiler.sampled_s += 0.25
             profiler.usage = {k: SimpleNamespace(gpu_util_integral=v) for k, v in integral.items()}
         d.tick(t)
+    assert d._last == t
 
 
 TOK30, TOK70 = int(0.30e9 * 0.05), int(0.70e9 * 0.05)  # tokens per 50 ms tick at 30 % and 70 %
@@ -134,3 +137,24 @@ def test_a_window_that_began_before_a_container_started_teaches_nothing():
     profiler.usage = {"a": SimpleNamespace(gpu_util_integral=90.0 * 0.25)}
     d.tick(t)
     assert d.state["a"].k == 1.0
+
+
+@pytest.mark.parametrize("sampled, policies, hurried", [
+    (False, ("strict", "strict"), True),     # factors are learnt from the profiler's windows
+    (None, ("strict", "strict"), True),      # not known yet: learnt until the driver is seen to sample by period
+    (True, ("strict", "strict"), False),     # factors stay 1: no window is used, the profiler keeps its own pace
+    (True, ("elastic", "elastic"), True),    # the boost reads the device's utilization per window
+    (True, ("elastic", "strict"), False),    # a strict container active: no boost
+])
+def test_the_profiler_is_hurried_only_where_its_windows_steer(sampled, policies, hurried):
+    d, regions, profiler = node({"a": 30, "b": 50}, {"a": TOK30, "b": TOK30}, sampled=sampled)
+    d._policy = lambda alloc: dict(zip("ab", policies))[alloc.id]
+    run(d, regions, profiler, {"a": 30.0, "b": 30.0}, 1.0)  # the driver's sampling is known by now
+    profiler.hurried.clear()
+    run(d, regions, profiler, {"a": 30.0, "b": 30.0}, 0.5)
+    assert bool(profiler.hurried) is hurried
+    regions["a"].took = regions["b"].took = 0  # nobody active: never hurried
+    run(d, regions, profiler, {"a": 0.0, "b": 0.0}, 0.5)
+    profiler.hurried.clear()
+    run(d, regions, profiler, {"a": 0.0, "b": 0.0}, 0.5)
+    assert profiler.hurried == []

@@ -1,5 +1,5 @@
 """The profiler service: every ALNAIR_PROFILE_INTERVAL_S (every ALNAIR_DISPATCH_PROFILE_INTERVAL_S while the
-dispatcher has an active capped container: it steers by these windows), one backend sample (in a worker thread),
+dispatcher steers an active capped container by these windows), one backend sample (in a worker thread),
 its processes mapped to allocations, each container's figures updated; each pod's `ai.centaurus.io/usage` annotation written at
 most once per ALNAIR_ANNOTATE_INTERVAL_S, plus a final write when a container ends (`final`, which the reconciler
 awaits before it removes the container's workspace).
