@@ -317,7 +317,8 @@ async def packing(shim: Path) -> dict:
             for r in rs:
                 r["shorter"] = 1 - r["together_s"] / seq
             res[mode] = {**rs[0], "runs": [{k: v for k, v in r.items() if k not in ("trace", "boost")} for r in rs],
-                         "together_s": statistics.median(r["together_s"] for r in rs)}
+                         "together_s": statistics.median(r["together_s"] for r in rs),
+                         "nvml": statistics.median(r["nvml"] for r in rs)}
             res[mode]["shorter"] = 1 - res[mode]["together_s"] / seq
         out["+".join(group)] = res
     print(f"\npacking (memory limit 24 GiB each; jobs sized to {ARGS.job_s:.0f} s alone, whole process)   "

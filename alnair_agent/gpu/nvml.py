@@ -75,9 +75,9 @@ class Attribution:
 class NvmlBackend:
     def __init__(self) -> None:
         self._handles: list[tuple[str, Any]] = []  # (uuid, handle) per GPU
-        self._last_sample_us: dict[str, int] = {}  # per GPU: timestamp of the newest process sample seen
         self._attribution: dict[str, Attribution] = {}
         self._pid_seen: dict[str, dict[int, int]] = {}  # per GPU: pid -> timestamp of its newest sample seen
+        # (the GPU's newest is their max: an entry is dropped only once it is far older than that)
         self._held: dict[str, tuple[float, dict[int, tuple[float, float]]]] = {}  # per sampled GPU: (asked at,
         # pid -> (sm %, memory-copy %))
         self._last_sample_at: float | None = None
@@ -201,8 +201,8 @@ class NvmlBackend:
 
     def _ask(self, uuid: str, h: Any, attribution: Attribution, listed: set[int]) -> dict[int, tuple[float, float]]:
         """Each process's (sm %, memory-copy %) from its samples newer than its own newest seen."""
-        newest = self._last_sample_us.get(uuid, 0)
         seen = self._pid_seen.setdefault(uuid, {})
+        newest = max(seen.values(), default=0)
         since = max(min([seen[p] for p in listed if p in seen] + [newest]), newest - PID_LOOKBACK_US, 0)
         samples = _field(lambda: pynvml.nvmlDeviceGetProcessUtilization(h, since)) or []
         fresh = [s for s in samples if int(s.timeStamp) > seen.get(int(s.pid), since)]
@@ -214,7 +214,6 @@ class NvmlBackend:
             # several samples of one process in the window: average them
             n, sm, mm = sums.get(pid, (0, 0.0, 0.0))
             sums[pid] = (n + 1, sm + float(s.smUtil), mm + float(s.memUtil))
-        self._last_sample_us[uuid] = newest
         for pid in [p for p in seen if p not in listed and seen[p] < newest - PID_LOOKBACK_US]:
             del seen[pid]  # ended long ago
         return {pid: (sm / n, mm / n) for pid, (n, sm, mm) in sums.items()}

@@ -211,9 +211,9 @@ class Allocator:
         rooms = self.rooms()
         waiting = self._not_yet_allocated()
         if waiting:  # never below 0: a report with a negative count is unreadable, the node then gets no pods
-            rooms = [fit.Room(r.uuid, r.index, max(0, r.memory_free - waiting[(r.uuid, RESOURCE_MEMORY)]),
-                              max(0, r.compute_free - waiting[(r.uuid, RESOURCE_COMPUTE)]), r.memory_total,
-                              r.compute_total) for r in rooms]
+            rooms = [r._replace(memory_free=max(0, r.memory_free - waiting[(r.uuid, RESOURCE_MEMORY)]),
+                                compute_free=max(0, r.compute_free - waiting[(r.uuid, RESOURCE_COMPUTE)]))
+                     for r in rooms]
         return rooms, self.pods_held()
 
     def _not_yet_allocated(self) -> Counter[tuple[str, str]]:

@@ -1,8 +1,8 @@
 """The profiler service: every ALNAIR_PROFILE_INTERVAL_S (every ALNAIR_DISPATCH_PROFILE_INTERVAL_S while the
-dispatcher steers an active capped container by these windows), one backend sample (in a worker thread),
-its processes mapped to allocations, each container's figures updated; each pod's `ai.centaurus.io/usage` annotation written at
-most once per ALNAIR_ANNOTATE_INTERVAL_S, plus a final write when a container ends (`final`, which the reconciler
-awaits before it removes the container's workspace).
+dispatcher steers an active capped container by these windows), one backend sample (in a worker thread), its
+processes mapped to allocations, each container's figures updated; each pod's `ai.centaurus.io/usage` annotation
+written at most once per ALNAIR_ANNOTATE_INTERVAL_S, plus a final write when a container ends (`final`, which the
+reconciler awaits before it removes the container's workspace).
 
 The annotation is one JSON object keyed by container name. It is merged: entries of containers this agent does
 not hold in memory (written before a restart, or by anyone else) are kept as found on the pod; only this
