@@ -204,15 +204,16 @@ async def test_sigkill_with_tenants_running_keeps_records_and_limits(root):
             # (identities learnt from pod-resources are part of the records)
             await wait_until(lambda: all(b'"pod_name": "t' in r for r in records(settings.workspace).values()), 5)
             before = records(settings.workspace)
-            limits = [(r.memory_limit, r.compute_limit) for r in tenants]
-            beats = [r.heartbeat_ns for r in tenants]
+            limits = [(r.read_agent_block()["memory_limit"], r.read_agent_block()["compute_limit"]) for r in tenants]
+            beats = [r.read_agent_block()["heartbeat_ns"] for r in tenants]
             kill(agent)
         count_before = len(kubelet.registrations)
         async with agent_process(settings):
             await registered(kubelet, timeout=20, since=count_before)
             assert records(settings.workspace) == before  # byte-identical
-            assert [(r.memory_limit, r.compute_limit) for r in tenants] == limits
-            await wait_until(lambda: all(r.heartbeat_ns > b for r, b in zip(tenants, beats, strict=True)), 5)
+            assert [(r.read_agent_block()["memory_limit"], r.read_agent_block()["compute_limit"]) for r in tenants] == limits
+            await wait_until(lambda: all(r.read_agent_block()["heartbeat_ns"] > b
+                                         for r, b in zip(tenants, beats, strict=True)), 5)
             held = kubelet_ids(kubelet)
             assert len(held) == len(set(held))
         for r in tenants:
@@ -351,8 +352,8 @@ async def test_container_filling_the_workspace_is_cut_back_and_others_unaffected
                 held.close()
             assert region_of(ws, hog).stat().st_size == L.REGION_SIZE
             other_region = Region.open(region_of(ws, other))
-            beat = other_region.heartbeat_ns
-            await wait_until(lambda: other_region.heartbeat_ns > beat, 5)
+            beat = other_region.read_agent_block()["heartbeat_ns"]
+            await wait_until(lambda: other_region.read_agent_block()["heartbeat_ns"] > beat, 5)
             other_region.close()
             assert count(agent, "container_files_removed", allocation=hog) >= 1
 
@@ -417,7 +418,7 @@ async def test_hostile_region_files_are_never_opened_and_logged_once(root):
             _plant(region_of(settings.workspace, alloc_id), kind, host_file, keep)
         fifo = region_of(settings.workspace, ids[HOSTILE.index("fifo")])
         good_region = Region.open(region_of(settings.workspace, good))
-        beat = good_region.heartbeat_ns
+        beat = good_region.read_agent_block()["heartbeat_ns"]
         deadline = time.monotonic() + 3.0  # six heartbeats, fifteen resync passes
         while time.monotonic() < deadline:
             # A FIFO nobody has open for reading refuses a non-blocking writer: the agent never opened it.
@@ -430,7 +431,7 @@ async def test_hostile_region_files_are_never_opened_and_logged_once(root):
             await asyncio.sleep(0.1)
         assert agent.proc.poll() is None
         assert host_file.read_bytes() == host_before
-        assert good_region.heartbeat_ns > beat  # the other containers are unaffected
+        assert good_region.read_agent_block()["heartbeat_ns"] > beat  # the other containers are unaffected
         good_region.close()
         for alloc_id, kind in zip(ids, HOSTILE, strict=True):
             n = count(agent, "region_unreadable", allocation=alloc_id)
@@ -452,9 +453,10 @@ async def test_container_that_zeroes_its_limits_gets_them_rewritten(root):
         assert limits == (2 << 30, 30)
         region._aput("memory_limit", 0)
         region._aput("compute_limit", 0)
-        await wait_until(lambda: (region.memory_limit, region.compute_limit) == limits, 3)
+        await wait_until(lambda: (region.read_agent_block()["memory_limit"],
+                                  region.read_agent_block()["compute_limit"]) == limits, 3)
         region.close()
-        assert count(agent, "region_limits_restored", allocation=alloc_id) >= 1
+        assert count(agent, "region_restored", allocation=alloc_id) >= 1
 
 
 # -- NVML faults ---------------------------------------------------------------------------------------------

@@ -298,8 +298,10 @@ class Reconciler:
         return self.pods is not None and self.pods.synced and self._pod(alloc) is None
 
     def beat(self) -> None:
-        """The heartbeat into every live region; limits the container overwrote are put back (the agent is their
-        only writer: a container that zeroes its own limits gets them rewritten within one beat)."""
+        """The heartbeat into every live region; agent fields the container overwrote are put back (the agent is
+        their only writer: a container that zeroes its own limits, or scribbles over its grant line, gets them
+        rewritten within one beat). Only the agent's own record of them counts (region.AgentBlock), and limits
+        that differ from the allocation's are set from the allocation."""
         now = time.clock_gettime_ns(time.CLOCK_MONOTONIC)
         for alloc_id, alloc in list(self.allocator.allocations.items()):
             region = self._region(alloc_id)
@@ -307,6 +309,10 @@ class Reconciler:
                 continue
             try:
                 region.beat(now)
+                changed = region.restore()
+                if changed:
+                    log.warning("region_restored", allocation=alloc_id, pod=alloc.ref(),
+                                fields={f: found for f, (found, _) in changed.items()})
                 if (region.memory_limit, region.compute_limit) != (alloc.memory_limit, alloc.compute_limit):
                     log.warning("region_limits_restored", allocation=alloc_id, pod=alloc.ref(),
                                 found=[region.memory_limit, region.compute_limit],

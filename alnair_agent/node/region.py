@@ -5,6 +5,14 @@ the slots was written by the container and is untrusted: values are bounds-check
 
 The agent reads and writes the file with pread/pwrite, never through a mapping: the container can truncate the
 file, and a mapped page past the end would kill the agent with SIGBUS. A short read is a RegionError instead.
+
+The file is writable by the container as a whole, the agent's own fields included. So the agent never trusts a
+field it wrote when it reads it back: what it wrote lives in memory (`AgentBlock`, one per allocation, shared by
+every service's handle on that region), every read of the agent block is one bounded pread whose values are only
+compared against that record (`restore` puts back what the container changed), and nothing the agent does waits on
+a value in the file (a grant sequence word a container left odd once froze the agent's event loop for good). Only
+after an agent restart, when memory is empty, is the agent block adopted from the file once, checked: a line that
+is torn or impossible is started afresh at the cap's rate.
 """
 
 from __future__ import annotations
@@ -65,6 +73,36 @@ def _slot_struct() -> tuple[struct.Struct, tuple[int, ...]]:
 _SLOT_STRUCT, _SLOT_READ = _slot_struct()
 
 
+def _block_struct(block: str, size: int) -> tuple[struct.Struct, tuple[str, ...]]:
+    """One struct for a whole block (padding as 'x') and its field names in order: one pread, one unpack."""
+    fields = sorted(next(fs for name, fs, _, _ in L.BLOCKS if name == block), key=lambda f: f.offset)
+    fmt, pos = "<", 0
+    for f in fields:
+        fmt += "x" * (f.offset - pos) + L.CTYPES[f.ctype][0]
+        pos = f.offset + L.CTYPES[f.ctype][1]
+    return struct.Struct(fmt + "x" * (size - pos)), tuple(f.name for f in fields)
+
+
+_AGENT_STRUCT, _AGENT_NAMES = _block_struct("alnair_region_agent", L.AGENT_BLOCK_SIZE)
+_LINE = ("tokens_granted", "granted_at_ns", "token_rate")
+# A grant rate above this is no rate the agent writes (the largest is a lone elastic borrower's, far below):
+# found in a file after a restart, it is a container's doing.
+MAX_TOKEN_RATE = 1000 * 100 * L.NS_PER_PERCENT
+_U32, _U64 = 0xFFFFFFFF, 0xFFFFFFFFFFFFFFFF
+
+
+@dataclass
+class AgentBlock:
+    """What the agent last wrote into one region's agent block: the truth for the agent, whatever the file says
+    now. Every field of the layout's agent block, by name."""
+
+    values: dict[str, int]
+
+    @classmethod
+    def fresh(cls) -> "AgentBlock":
+        return cls({name: 0 for name in _AGENT_NAMES})
+
+
 def _pids_struct() -> struct.Struct:
     """Every slot's pid in one unpack: the dispatcher reads each capped container's slots 20 times a second, and
     unpacking only the claimed ones (a few of 64) costs 40 % less."""
@@ -103,11 +141,13 @@ def rate_for_percent(percent: int) -> int:
 
 
 class Region:
-    """An open, mmap'd region file. Use `Region.create` for a new container, `Region.open` after a restart."""
+    """An open region file. Use `Region.create` for a new container, `Region.open` for one that exists (pass the
+    allocation's `AgentBlock` when the agent has one; without, the block is adopted from the file, checked)."""
 
-    def __init__(self, path: Path, fd: int) -> None:
+    def __init__(self, path: Path, fd: int, block: AgentBlock | None = None) -> None:
         self.path = path
         self._fd = fd
+        self.block = block if block is not None else AgentBlock.fresh()
 
     # -- lifetime -------------------------------------------------------------------------------------------
     @classmethod
@@ -155,7 +195,7 @@ class Region:
         region.set_grant_line(rate_for_percent(compute_limit))
 
     @classmethod
-    def open(cls, path: Path) -> "Region":
+    def open(cls, path: Path, block: AgentBlock | None = None) -> "Region":
         """Open an existing region, refusing anything but a plain file of the right size, magic and version.
 
         The container can put anything at this path (a link to a host file, a FIFO, a device node it made with
@@ -184,18 +224,34 @@ class Region:
         except BaseException:
             os.close(fd)
             raise
-        region = cls(path, fd)
+        region = cls(path, fd, block)
         try:
             magic, version = region._get(_HEADER, "magic"), region._get(_HEADER, "version")
+            if magic != L.MAGIC or version != L.VERSION:
+                raise RegionError(f"region {path}: magic 0x{magic:08x} version {version}, expected "
+                                  f"0x{L.MAGIC:08x} version {L.VERSION}")
+            if block is None:
+                region._adopt()
         except BaseException:
             region.close()
             raise
-        if magic != L.MAGIC or version != L.VERSION:
-            region.close()
-            raise RegionError(
-                f"region {path}: magic 0x{magic:08x} version {version}, expected 0x{L.MAGIC:08x} version {L.VERSION}"
-            )
         return region
+
+    def _adopt(self) -> None:
+        """Take the agent block from the file (an agent restart: nothing in memory), checked. The limits are taken
+        as found (the caller compares them with the allocation's record and rewrites them). A grant line that is
+        half-written (odd sequence), starts in the future or never, or runs at an impossible rate is written afresh
+        from now at the cap's rate, from what the container has already taken (so it neither banks nor owes);
+        a sound one is continued as it stands (the shim forfeits whatever it finds beyond one burst)."""
+        found = self.read_agent_block()
+        self.block.values.update(found)
+        seq, at, rate = found["grant_seq"], found["granted_at_ns"], found["token_rate"]
+        self.block.values["grant_seq"] = (seq + (seq & 1)) & _U32
+        now = monotonic_ns()
+        if seq & 1 or rate > MAX_TOKEN_RATE or not 0 < at <= now:
+            cap = found["compute_limit"] if 0 <= found["compute_limit"] <= 100 else 0
+            used = sum(s.tokens_taken + s.tokens_forfeited for s in self.slots())
+            self._write_line(min(used, _U64), now, rate_for_percent(cap))
 
     def close(self) -> None:
         if self._fd >= 0:
@@ -217,24 +273,40 @@ class Region:
         off, fmt = block[field]
         os.pwrite(self._fd, struct.pack(fmt, value), base + off)
 
-    def _aget(self, field: str) -> int:
-        return self._get(_AGENT, field, L.HEADER_SIZE)
-
     def _aput(self, field: str, value: int) -> None:
+        """Write one agent field, and remember it as the agent's own value."""
         self._put(_AGENT, field, value, L.HEADER_SIZE)
+        self.block.values[field] = value
 
-    # -- agent fields (the agent is their only writer) --------------------------------------------------------
+    def read_agent_block(self) -> dict[str, int]:
+        """The agent block as the file holds it now (one read; untrusted: the container may have written it)."""
+        return dict(zip(_AGENT_NAMES, _AGENT_STRUCT.unpack(self._read(L.HEADER_SIZE, _AGENT_STRUCT.size)),
+                        strict=True))
+
+    def restore(self) -> dict[str, tuple[int, int]]:
+        """Put back every agent field the file holds differently from what the agent wrote; returns them as
+        {field: (found, written)}. The grant line goes back whole, under its sequence lock."""
+        found = self.read_agent_block()
+        changed = {f: (v, self.block.values[f]) for f, v in found.items() if v != self.block.values[f]}
+        for f in changed:
+            if f != "grant_seq" and f not in _LINE:
+                self._aput(f, self.block.values[f])
+        if "grant_seq" in changed or any(f in changed for f in _LINE):
+            self._write_line(*(self.block.values[f] for f in _LINE))
+        return changed
+
+    # -- agent fields (the agent is their only writer; these are its own values, never the file's) -------------
     @property
     def memory_limit(self) -> int:
-        return self._aget("memory_limit")
+        return self.block.values["memory_limit"]
 
     @property
     def compute_limit(self) -> int:
-        return self._aget("compute_limit")
+        return self.block.values["compute_limit"]
 
     @property
     def heartbeat_ns(self) -> int:
-        return self._aget("heartbeat_ns")
+        return self.block.values["heartbeat_ns"]
 
     def set_limits(self, memory_limit: int, compute_limit: int) -> None:
         """Change the limits of a live region; a new compute limit continues the grant line at its rate."""
@@ -249,7 +321,7 @@ class Region:
 
     @property
     def sharers(self) -> int:
-        return self._aget("sharers")
+        return self.block.values["sharers"]
 
     def set_sharers(self, n: int) -> None:
         """How many other containers run on this GPU now (0: alone). Under time-slicing a kernel's measured time
@@ -262,12 +334,9 @@ class Region:
         self._aput("heartbeat_ns", monotonic_ns() if now_ns is None else now_ns)
 
     def grant_line(self) -> tuple[int, int, int]:
-        """(tokens_granted, granted_at_ns, token_rate), read consistently under the sequence lock."""
-        while True:
-            seq = self._aget("grant_seq")
-            line = tuple(self._aget(f) for f in ("tokens_granted", "granted_at_ns", "token_rate"))
-            if seq % 2 == 0 and seq == self._aget("grant_seq"):
-                return line  # type: ignore[return-value]
+        """(tokens_granted, granted_at_ns, token_rate) as the agent last wrote it."""
+        v = self.block.values
+        return v["tokens_granted"], v["granted_at_ns"], v["token_rate"]
 
     def granted(self, now_ns: int) -> int:
         tokens, at, rate = self.grant_line()
@@ -278,13 +347,17 @@ class Region:
         if rate < 0:
             raise ValueError(f"token rate must be >= 0, got {rate}")
         now = monotonic_ns() if now_ns is None else now_ns
-        tokens = self.granted(now) if self._aget("granted_at_ns") else 0
-        seq = self._aget("grant_seq")
-        self._aput("grant_seq", (seq + 1) & 0xFFFFFFFF)
+        tokens = self.granted(now) if self.block.values["granted_at_ns"] else 0
+        self._write_line(min(tokens, _U64), now, rate)
+
+    def _write_line(self, tokens: int, at: int, rate: int) -> None:
+        """The grant line under its sequence lock (odd while written), the sequence continuing the agent's own."""
+        seq = self.block.values["grant_seq"]
+        self._aput("grant_seq", (seq + 1) & _U32)
         self._aput("tokens_granted", tokens)
-        self._aput("granted_at_ns", now)
+        self._aput("granted_at_ns", at)
         self._aput("token_rate", rate)
-        self._aput("grant_seq", (seq + 2) & 0xFFFFFFFF)
+        self._aput("grant_seq", (seq + 2) & _U32)
 
     # -- slots (written by the container: untrusted) --------------------------------------------------------
     def slots(self) -> list[SlotReading]:

@@ -24,7 +24,7 @@ import structlog
 
 from alnair_agent.constants import ALLOCATION_FILE_NAME, CONTAINER_FOLDER_NAME, REGION_FILE_NAME, RESOURCES
 from alnair_agent.node import region_layout as L
-from alnair_agent.node.region import Region, RegionError
+from alnair_agent.node.region import AgentBlock, Region, RegionError
 
 log = structlog.get_logger(__name__)
 
@@ -136,6 +136,9 @@ class Workspace:
         # Regions found bad, by allocation: (what the path looked like, the error). Not re-opened, nor logged
         # again, until the path changes.
         self._bad: dict[str, tuple[tuple[int, ...], RegionError]] = {}
+        # What the agent wrote into each region's agent block, by allocation: one record shared by every service's
+        # handle on that region, since the file itself is the container's to scribble on (region.py).
+        self._blocks: dict[str, AgentBlock] = {}
 
     def ensure(self) -> None:
         """Create the root if needed (0700) and check it is a writable folder; WorkspaceError in one line if not."""
@@ -181,6 +184,7 @@ class Workspace:
             os.chmod(run, RUN_MODE)  # whatever the umask
             region = Region.create(run / REGION_FILE_NAME, alloc.memory_limit, alloc.compute_limit)
             self.save(alloc)
+            self._blocks[alloc.id] = region.block
         except BaseException:
             # A full disk (or anything else) leaves nothing behind: no half-made folder, no open descriptor.
             if region is not None:
@@ -221,12 +225,13 @@ class Workspace:
         if bad is not None and bad[0] == sig:
             raise bad[1]
         try:
-            region = Region.open(path)
+            region = Region.open(path, self._blocks.get(alloc_id))
         except RegionError as e:
             log.warning("region_unreadable", allocation=alloc_id, error=str(e))
             self._bad[alloc_id] = (sig, e)
             raise
         self._bad.pop(alloc_id, None)
+        self._blocks[alloc_id] = region.block
         return region
 
     def sweep(self, alloc_id: str) -> int:
@@ -304,6 +309,7 @@ class Workspace:
         """Remove the folder and everything in it. The container may have left folders it made unreadable
         (mode 000): they are opened up first. Links are removed, never followed."""
         self._bad.pop(alloc_id, None)
+        self._blocks.pop(alloc_id, None)
         self._rmtree(self.path(alloc_id))
 
     @staticmethod
