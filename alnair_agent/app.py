@@ -10,7 +10,6 @@ import structlog
 
 from alnair_agent.node.allocator import Allocator, PodSource
 from alnair_agent.config import MAX_UNITS_PER_GPU, ConfigError, Settings
-from alnair_agent.dispatcher.control import Gains
 from alnair_agent.dispatcher.service import Dispatcher
 from alnair_agent.kube.events import EventSink
 from alnair_agent.kubelet.deviceplugin import DevicePluginService
@@ -79,8 +78,7 @@ class Agent:
             kwargs = {} if self.unseen_grace_s is None else {"unseen_grace_s": self.unseen_grace_s}
             self.profiler = Profiler(self.backend, self.allocator, workspace, self.kubernetes.pod_states,
                                      self.kubernetes.annotations, s.profile_interval_s, s.annotate_interval_s,
-                                     proc_root=self.proc_root,
-                                     busy_interval_s=s.dispatch_profile_interval_s if s.dispatcher == "on" else None)
+                                     proc_root=self.proc_root)
             self.reconciler = Reconciler(self.allocator, workspace, self.list_held, self.kubernetes.pod_states,
                                          self.kubernetes.annotations, s.resync_interval_s, usage=self.profiler,
                                          **kwargs)
@@ -100,9 +98,8 @@ class Agent:
             ]
             if s.dispatcher == "on":
                 self.dispatcher = Dispatcher(self.allocator, workspace, self.profiler, self.kubernetes.pod_states,
-                                             s.dispatch_interval_s, s.compute_policy,
-                                             Gains(s.dispatch_gain, s.dispatch_fast_gain, s.dispatch_max_factor,
-                                                   s.dispatch_idle_s))
+                                             s.dispatch_interval_s, s.compute_policy, s.turn_period_s,
+                                             s.dispatch_idle_s)
                 services.append(("dispatcher", self.dispatcher.run()))
             services += [(name, factory()) for name, factory in self.kubernetes.services]  # type: ignore[operator]
             if s.metrics_port:

@@ -201,28 +201,20 @@ VARIABLES: tuple[Variable, ...] = (
              "Least seconds between two writes of a pod's ai.centaurus.io/usage annotation (plus a final write "
              "when a container ends)."),
     Variable("ALNAIR_DISPATCHER", "dispatcher", _choice("on", "off"), "on",
-             "on: the dispatcher moves each capped container's grant line so its measured share converges to its "
-             "cap; off: each grant line stays at the plain cap rate (the shim alone)."),
+             "on: the dispatcher lays out each GPU's turns (every capped container a window of its cap's part of "
+             "the period, none overlapping) and lends idle time to elastic containers; off: no turns are laid out, "
+             "each shim keeps its cap's part of the default period for itself (the shim alone: containers' windows "
+             "may overlap)."),
     Variable("ALNAIR_COMPUTE_POLICY", "compute_policy", _choice("strict", "elastic"), "strict",
              "strict: a compute cap is a ceiling; elastic: a container may use GPU time no other container on its "
              "GPU wants, and is back at its cap within 200 ms once one does. A pod overrides it with the "
              "annotation ai.centaurus.io/compute-policy (same values)."),
     Variable("ALNAIR_DISPATCH_INTERVAL_S", "dispatch_interval_s", _float_range(0.01, 1.0), "0.05",
-             "Seconds between two dispatcher ticks (region counters read, targets recomputed, grant lines moved)."),
-    Variable("ALNAIR_DISPATCH_GAIN", "dispatch_gain", _float_range(0.05, 1.0), "0.5",
-             "Integral gain of the dispatcher, per profiler window, on the log of a container's share error."),
-    Variable("ALNAIR_DISPATCH_FAST_GAIN", "dispatch_fast_gain", _float_range(0.05, 1.0), "0.9",
-             "The same gain for the first windows after a container starts or the set of active containers on "
-             "its GPU changes (the fast ramp)."),
-    Variable("ALNAIR_DISPATCH_MAX_FACTOR", "dispatch_max_factor", _float_range(1.0, 50.0), "8.0",
-             "Anti-windup bound: the most tokens per GPU ns a container may be granted (the shim's estimates count "
-             "time queued behind other processes, so a container under contention needs more than its cap)."),
-    Variable("ALNAIR_DISPATCH_PROFILE_INTERVAL_S", "dispatch_profile_interval_s", _float_range(0.05, 60.0), "0.25",
-             "Seconds between profiler samples while the dispatcher steers an active capped container by them (its "
-             "charge factor is learnt from them, or, where the GPU's per-process figures cannot teach it, every "
-             "active container there is elastic and the boost reads the device's utilization per window): a cap "
-             "settles within a few of these windows. At other times the profiler samples every "
-             "ALNAIR_PROFILE_INTERVAL_S. The shorter of the two applies."),
+             "Seconds between two dispatcher ticks (region counters read, turns laid out, leases renewed or "
+             "revoked)."),
+    Variable("ALNAIR_TURN_PERIOD_S", "turn_period_s", _float_range(0.005, 1.0), "0.05",
+             "The period of each GPU's turns: every capped container gets its cap's part of each period, so a "
+             "container waits at most one period minus its window for its turn; shorter periods switch more often."),
     Variable("ALNAIR_DISPATCH_IDLE_S", "dispatch_idle_s", _float_range(0.02, 10.0), "0.15",
              "Seconds without launches or waits after which a container counts as idle (elastic: its share may be "
              "lent; its first launch after that takes it back)."),
@@ -263,11 +255,8 @@ class Settings:
     dispatcher: str = "on"
     compute_policy: str = "strict"
     dispatch_interval_s: float = 0.05
-    dispatch_gain: float = 0.5
-    dispatch_fast_gain: float = 0.9
-    dispatch_max_factor: float = 8.0
+    turn_period_s: float = 0.05
     dispatch_idle_s: float = 0.15
-    dispatch_profile_interval_s: float = 0.25
 
     @property
     def memory_unit_bytes(self) -> int:

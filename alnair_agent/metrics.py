@@ -138,22 +138,19 @@ class AgentCollector(Collector):
         gpu_s = CounterMetricFamily("alnair_container_gpu_seconds", "GPU time the container used",
                                     labels=CONTAINER_LABELS)
         throttled = CounterMetricFamily("alnair_container_throttled_seconds",
-                                        "Time the container's processes waited for compute tokens",
+                                        "Time the container's processes waited for their turn on the GPU",
                                         labels=CONTAINER_LABELS)
-        grant = GaugeMetricFamily("alnair_container_grant_rate_ratio",
-                                  "Dispatcher: the container's token grant rate, GPU-seconds (as the shim charges) per "
-                                  "second", labels=CONTAINER_LABELS)
-        share = GaugeMetricFamily("alnair_container_dispatch_share_ratio",
-                                  "Dispatcher: the container's measured share of its GPU, last profiler window",
-                                  labels=CONTAINER_LABELS)
+        turn = GaugeMetricFamily("alnair_container_turn_ratio",
+                                 "Dispatcher: the container's window as a part of its GPU's turn period",
+                                 labels=CONTAINER_LABELS)
+        lent = GaugeMetricFamily("alnair_container_lent", "Dispatcher: 1 while the container is lent its whole GPU "
+                                 "(elastic)", labels=CONTAINER_LABELS)
         d = getattr(a, "dispatcher", None)
         for alloc in a.allocator.allocations.values():
             labels = [index.get(alloc.gpu_uuid, ""), alloc.gpu_uuid, alloc.namespace, alloc.pod_name, alloc.container]
-            c = d.state.get(alloc.id) if d is not None else None
-            if c is not None:
-                grant.add_metric(labels, c.rate / 1e9)
-                if c.measured is not None:
-                    share.add_metric(labels, c.measured / 100)
+            if d is not None and alloc.id in d.turns:
+                turn.add_metric(labels, d.turns[alloc.id])
+                lent.add_metric(labels, 1.0 if alloc.id in d.lent else 0.0)
             limit.add_metric(labels, alloc.memory_limit)
             cap.add_metric(labels, alloc.compute_limit / 100)
             u = p.usage.get(alloc.id) if p is not None else None
@@ -164,7 +161,7 @@ class AgentCollector(Collector):
             used.add_metric(labels, u.memory_now_bytes)
             gpu_s.add_metric(labels, u.gpu_seconds)
             throttled.add_metric(labels, u.throttled_s)
-        yield from (util, memcpy, used, limit, cap, gpu_s, throttled, grant, share)
+        yield from (util, memcpy, used, limit, cap, gpu_s, throttled, turn, lent)
 
 
 class MetricsServer:

@@ -1,9 +1,9 @@
 /* Internal interface between the shim's modules:
  *   hooks.c   the hook table, the real-function table, the dlsym and cuGetProcAddress routes
  *   init.c    one-time initialisation (environment, region), fork handling, the one warning line
- *   region.c  the shared region: slot claim, dead-slot reclaim, container-wide sums, the grant line
+ *   region.c  the shared region: slot claim, dead-slot reclaim, container-wide sums, the turns
  *   memory.c  allocation and free hooks, the per-pointer size table, memory-info hooks (CUDA and NVML)
- *   launch.c  launch hooks: tokens, per-function cost estimates, the in-flight bound, capture tracking */
+ *   launch.c  launch hooks: the turn gate, per-function cost estimates, the in-flight bound, capture tracking */
 #ifndef ALNAIR_H
 #define ALNAIR_H
 
@@ -93,9 +93,13 @@ struct alnair_region_slot *alnair_slot_retry(void); /* alnair_slot(), claiming a
 void alnair_region_after_fork_child(void);
 uint64_t alnair_memory_used_all(void);     /* sum of memory_used over the slots, saturating */
 int alnair_reclaim_dead_slots(void);        /* returns how many were reclaimed */
-int64_t alnair_tokens_available(uint64_t now); /* granted(now) - sum(taken + forfeited) */
-int alnair_grant_line_trusted(void); /* 0 when this thread's last reading came from a line stuck half-written */
-uint64_t alnair_token_rate(void);
+/* The container's turns: it may launch in [epoch + k*period + offset, + length), and at any time before
+ * free_until. Read under turn_seq with a few tries at most (never a wait on a value the container can set); a
+ * region without a schedule, or with one no agent writes, gives the cap's part of the default period. */
+struct alnair_turn {
+    uint64_t epoch, period, offset, length, free_until;
+};
+void alnair_turn_read(struct alnair_turn *t);
 /* Device memory charged for each context (ALNAIR_CONTEXT_BYTES, read once at init). */
 #ifndef ALNAIR_DEFAULT_CONTEXT_BYTES
 #define ALNAIR_DEFAULT_CONTEXT_BYTES (256ull << 20)

@@ -1,4 +1,16 @@
-/* Launches: tokens (GPU-time ns) are taken from the region before each launch, and the work in flight is bounded.
+/* Launches: each capped container launches only in its turns, and the shim knows what its launches cost.
+ *
+ * Turns (region.c reads them): the agent gives the container a window in a period common to its GPU; the windows of
+ * one GPU's containers do not overlap. A metered launch goes on when the clock is in the window and the work this
+ * thread has queued, plus this launch, is estimated to end before the window does; otherwise the thread sleeps until
+ * its next window. So the turn is handed over drained: the driver never interleaves two capped contexts, and the
+ * container's GPU time is its windows' time, whatever the program's shape (a loop that synchronizes, launch-bound
+ * small kernels, long kernels). A kernel longer than the whole window is launched at a window's start with nothing
+ * queued, and what it runs past the window's end (overrun_ns) is paid back by skipping as much of the next windows
+ * (process-wide). An elastic container lent the GPU (turn_free_until_ns) launches at any time until the lease ends.
+ * Each stream's queue is tracked as a virtual finish time: each launch moves it to max(it, now) + cost; a fence that
+ * completes bounds it by the work charged since that fence. Work that ran longer than it was charged (a true-up or
+ * a sample found it) ran past where the gate thought the queue would end: it is owed as well, like an overrun.
  *
  * Cost of a launch = the shim's estimate of its GPU time, per (CUfunction, grid class) (per CUgraphExec for graph
  * launches); the grid class is the bit length of the block count, since a kernel's time grows with its waves:
@@ -7,47 +19,40 @@
  *   - each thread keeps at most one sample in flight: an event pair around one launch (the first launch of a
  *     (function, class) not yet measured, then 1 in SAMPLE_EVERY launches); when its end event has completed, the
  *     elapsed time updates that estimate (moving average, 1/4 weight to the new sample). A sample is never given up
- *     for being slow: a 300 ms kernel is measured when it ends.
+ *     for being slow: a 300 ms kernel is measured when it ends. In its own turns a context has the GPU to itself, so
+ *     the event pair times the kernel alone.
  *   - a launch with no estimate is charged a guess: the neighbouring grid class's estimate scaled by 2 (or 1/2),
- *     else the mean of recent samples (DEFAULT_COST_NS at first). When its sample completes, the difference
- *     between what it ran and what it was charged is taken (or credited) at once, so a program that launches a
- *     never-seen kernel every time pays for each (launches of the same kernel and size that went out on a guess
- *     while the sampler was busy are settled by that sample too). A launch with nothing known at all waits (at most
- *     SAMPLE_WAIT_NS) for the thread's sample in flight, so an unknown kernel is never queued many times on a guess.
+ *     else the mean of recent samples (DEFAULT_COST_NS at first). When its sample completes, the difference is
+ *     trued up. A launch with nothing known at all waits (at most SAMPLE_WAIT_NS) for the thread's sample in
+ *     flight, so an unknown kernel is never queued many times on a guess.
  *   - true-up: every FENCE_EVERY launches (or FENCE_EVERY_NS of estimated work) the thread records a fence event on
  *     the stream. When a fence was recorded while the previous fence on the same stream was still pending, the GPU
- *     ran the work between them back to back, so their elapsed time is exactly the GPU time of that work: the
- *     difference to what was charged is taken as a debt (added to this slot's tokens_taken) or given back as credit
- *     to this process's prepaid balance (only for intervals in which this thread made every launch on that
- *     stream, and that hold no launch a sample already corrected). Estimates steer; the true-up keeps a saturated
- *     queue honest.
- *   - in-flight bound: a thread never has more than INFLIGHT_MAX_NS (one token burst) of charged work, nor more than
- *     NFENCE fences, not yet completed by the GPU; past that it sleeps until the GPU catches up. Without this an
- *     enqueue-time meter lets a tenant bank seconds of work in the driver's queue.
- * Shared GPU: while the agent says other containers run on this GPU (agent.sharers > 0), the GPU time-slices
- * between their contexts and an event pair around a kernel also holds the other contexts' slices that came between
- * its events. Then a kernel is charged its floor (the shortest time recently sampled for its function and size,
- * which drifts up by 1/16 of the gap at each longer sample, so a kernel that really got longer is followed), and a
- * fence interval that ran longer than charged adds no debt (its excess is the others' time); credits still apply.
- * Tokens: a process-wide prepaid balance is drawn with one atomic per launch; when it goes negative the thread takes
- * from the region's grant line whatever is available (up to the debt plus CHUNK_NS, forfeiting anything above
- * TOKEN_BURST_NS), and naps between takes; every process in debt naps the same time whatever it owes, so siblings
- * with long and short kernels share the line instead of the most frequent poller taking it all. No lock anywhere
- * on this path; wait time goes to wait_ns. Per-thread events are destroyed when the thread exits.
+ *     ran the work between them back to back, so their elapsed time is exactly the GPU time of that work (only for
+ *     intervals in which this thread made every launch on that stream, holding no launch a sample already
+ *     corrected). The slot's gpu_ns counts charged time plus what true-ups found more, less what they found less.
+ *   - in-flight bound: a thread never has more than INFLIGHT_MAX_NS of charged work, nor more than NFENCE fences,
+ *     not yet completed by the GPU; past that it sleeps until the GPU catches up.
+ * No lock anywhere on this path; wait time goes to wait_ns. Per-thread events are destroyed when the thread exits.
  * Stream capture: the driver forbids event queries while a global-mode capture is under way (any thread) or a
  * non-relaxed one in the querying thread; only then does the shim stop querying its events. Launches into a
- * capturing stream take no tokens: the graph launch pays. A capture is forgotten when its stream is no longer
+ * capturing stream wait for no turn: the graph launch does. A capture is forgotten when its stream is no longer
  * capturing after cuStreamEndCapture, whatever that returned.
  * With no compute limit the launch only bumps the slot's launch counter (when there is a region) and calls on. A
  * process without a region slot (all held by live processes) has its metered launches refused. */
 #define _GNU_SOURCE
 #include <string.h>
+#include <sys/prctl.h>
 
 #include "hook_protos.h"
 
 #define DEFAULT_COST_NS 20000ull
 #define MIN_COST_NS 1000ull
-#define CHUNK_NS 1000000ull
+#define CREDIT_MAX_NS 100000000ull /* true-up credit kept against later charges, at most */
+#define NAP_MAX_NS 2000000ull      /* a thread waiting for its turn re-reads the schedule this often at least */
+/* A launch whose work is estimated to end this little past the window's end still goes: otherwise a window of
+ * 1 ms kernels that began a wake-up late loses its last kernel's worth every period (7 % of a 15 ms window); the
+ * next container's turn starts at most this late. */
+#define WINDOW_SLACK_NS 200000ull
 /* Overridable for diagnostic builds only (make CFLAGS="-O2 -DSAMPLE_EVERY=4096u ..."): bench/metering_cost.py */
 #ifndef SAMPLE_EVERY
 #define SAMPLE_EVERY 64u
@@ -64,7 +69,7 @@
 #define NFENCE 16u
 #define NCORR 16u
 #define NPEND 8u
-#define INFLIGHT_MAX_NS ALNAIR_TOKEN_BURST_NS
+#define INFLIGHT_MAX_NS 20000000ull
 #define WAIT_GIVE_UP_NS 2000000000ull /* no GPU progress this long: stop waiting on our own events */
 #define SAMPLE_WAIT_NS 200000000ull   /* an unknown launch waits this long at most for the sample in flight */
 #define EST_WAYS 4u
@@ -75,7 +80,10 @@
 #define CAPTURE_MODE_RELAXED 2
 #define CAPTURE_STATUS_ACTIVE 1
 
-static _Atomic int64_t g_balance;        /* prepaid tokens of this process (already in our slot's tokens_taken) */
+static _Atomic int64_t g_credit;         /* GPU ns charged that true-ups found the GPU did not run: off later charges */
+static _Atomic uint64_t g_debt;          /* ns of overrun past window ends not yet paid back by skipping */
+static _Atomic uint64_t g_paid_window;   /* the window (its start, ns) whose beginning the debt was paid from */
+static _Atomic uint64_t g_paid_shift;    /* ... and how much of it was skipped */
 static _Atomic int g_captures;           /* stream captures under way in this process */
 static _Atomic int g_global_captures;    /* of them in global mode: no thread may query an event meanwhile */
 static _Atomic uint64_t g_guess_ns = DEFAULT_COST_NS; /* a launch nothing is known about: recent samples' mean */
@@ -88,8 +96,7 @@ static _Atomic uint64_t g_guess_ns = DEFAULT_COST_NS; /* a launch nothing is kno
  * new key reads that key's ns (0 until measured). */
 struct est {
     _Atomic uint64_t key;
-    _Atomic uint64_t ns;    /* 0: not measured yet */
-    _Atomic uint64_t floor; /* shortest recent sample (0: none): the charge while the GPU is shared */
+    _Atomic uint64_t ns; /* 0: not measured yet */
     _Atomic uint32_t used;
     uint32_t pad;
 };
@@ -146,7 +153,6 @@ static struct est *est_insert(uint64_t k)
     if (!atomic_compare_exchange_strong(&victim->key, &old, 0))
         return NULL; /* another thread took this way just now: the guess applies this once */
     atomic_store_explicit(&victim->ns, 0, memory_order_relaxed);
-    atomic_store_explicit(&victim->floor, 0, memory_order_relaxed);
     atomic_store_explicit(&victim->used, atomic_fetch_add(&g_est_clock, 1) + 1, memory_order_relaxed);
     atomic_store_explicit(&victim->key, k, memory_order_release);
     return victim;
@@ -181,6 +187,7 @@ struct fence {
     CUevent ev;
     uint64_t charged; /* this thread's charged total when recorded */
     CUstream stream;
+    struct stream_ctr *sc; /* its stream's counters (NULL: the table is full) */
     int backed; /* the previous fence on this stream was still pending when this one was recorded */
     int has_seq;
     uint64_t seq;  /* launches on this stream, by every thread of the process, when recorded */
@@ -192,6 +199,7 @@ struct fence {
 struct stream_ctr {
     _Atomic uintptr_t key;
     _Atomic uint64_t launches;
+    _Atomic uint64_t vft; /* when the GPU is estimated to finish the work queued on this stream (monotonic ns) */
 };
 #define STREAM_SLOTS 1024u
 static struct stream_ctr g_streams[STREAM_SLOTS];
@@ -258,10 +266,14 @@ static void make_exit_key(void)
 
 void alnair_launch_after_fork_child(void)
 {
-    atomic_store(&g_balance, 0);
+    atomic_store(&g_credit, 0);
+    atomic_store(&g_debt, 0);
+    atomic_store(&g_paid_window, 0);
+    atomic_store(&g_paid_shift, 0);
     atomic_store(&g_captures, 0);
     atomic_store(&g_global_captures, 0);
     memset(g_caps, 0, sizeof g_caps);
+    memset(g_streams, 0, sizeof g_streams); /* the parent's queues are not the child's */
     memset(&T, 0, sizeof T); /* the parent's events are not ours; other threads' TLS is reset by generation */
     T.gen = atomic_load(&alnair_fork_gen);
 }
@@ -273,13 +285,6 @@ static inline int metered(void)
         return 0;
     uint32_t c = __atomic_load_n(&r->agent.compute_limit, __ATOMIC_RELAXED);
     return c - 1u < 99u; /* 1..99 percent */
-}
-
-/* Other containers run on this GPU (the agent says so): kernels' sampled times include their time slices. */
-static inline int gpu_shared(void)
-{
-    struct alnair_region *r = alnair_region;
-    return r != NULL && __atomic_load_n(&r->agent.sharers, __ATOMIC_RELAXED) != 0;
 }
 
 static inline void count_launch(void)
@@ -297,70 +302,123 @@ static inline int queries_ok(void)
     return atomic_load_explicit(&g_global_captures, memory_order_relaxed) == 0 && T.strict_captures == 0;
 }
 
-/* ---- tokens ------------------------------------------------------------------------------------------------ */
-static void forfeit_excess(struct alnair_region_slot *s, int64_t avail, uint64_t now)
+/* ---- GPU time counted, turns waited for ------------------------------------------------------------------ */
+/* Add `ns` of GPU time to this process's slot, less any credit true-ups found (the counter only grows). */
+static void account(uint64_t ns)
 {
-    uint64_t excess = (uint64_t)avail - ALNAIR_TOKEN_BURST_NS;
-    RADD(s->tokens_forfeited, excess);
-    /* Another process may have forfeited the same excess at the same moment: give back what went below the burst
-     * (a correction within microseconds of the add; the counter is otherwise only ever grown). */
-    int64_t after = alnair_tokens_available(now);
-    if (after < (int64_t)ALNAIR_TOKEN_BURST_NS) {
-        uint64_t back = (uint64_t)((int64_t)ALNAIR_TOKEN_BURST_NS - after);
-        if (back > excess)
-            back = excess;
-        RSUB(s->tokens_forfeited, back);
+    int64_t c = atomic_load_explicit(&g_credit, memory_order_relaxed);
+    while (c > 0 && ns > 0) {
+        uint64_t take = (uint64_t)c < ns ? (uint64_t)c : ns;
+        if (atomic_compare_exchange_weak(&g_credit, &c, c - (int64_t)take)) {
+            ns -= take;
+            break;
+        }
     }
+    struct alnair_region_slot *s = alnair_slot();
+    if (ns > 0 && s != NULL)
+        RADD(s->gpu_ns, ns);
 }
 
-/* The balance went negative: take tokens from the grant line until it is paid. Whatever is available is taken at
- * once, even less than the debt (the rest is waited for), so a process with long kernels is never starved by a
- * sibling that takes every small amount the line grows by. */
-static __attribute__((noinline)) void refill(void)
+static __thread int T_slack_set __attribute__((tls_model("initial-exec")));
+
+/* `ns` of this process's work held the GPU past where its turns allowed: paid back by skipping as much of its next
+ * windows (and counted in the slot's overrun_ns). */
+static void owe(uint64_t ns)
 {
     struct alnair_region_slot *s = alnair_slot();
-    if (s == NULL)
-        return;
-    uint64_t t0 = 0, now = 0;
-    for (;;) {
-        int64_t bal = atomic_load_explicit(&g_balance, memory_order_relaxed);
-        if (bal >= 0)
+    if (s != NULL)
+        RADD(s->overrun_ns, ns);
+    atomic_fetch_add(&g_debt, ns);
+}
+
+static void nap_until(uint64_t until, uint64_t now)
+{
+    if (!T_slack_set) {
+        /* the kernel's default 50 us timer slack would start every turn that late: 1 us (once per thread) */
+        prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0);
+        T_slack_set = 1;
+    }
+    uint64_t d = until > now ? until - now : 0;
+    alnair_sleep_ns(d > NAP_MAX_NS ? NAP_MAX_NS : d < 1000u ? 1000u : d);
+}
+
+/* The part of the window starting at `ws` (length `len`) that the process's debt skips: taken from the debt once
+ * per window, by whichever thread comes first. */
+static uint64_t debt_shift(uint64_t ws, uint64_t len)
+{
+    uint64_t w = atomic_load_explicit(&g_paid_window, memory_order_acquire);
+    if (w == ws)
+        return atomic_load_explicit(&g_paid_shift, memory_order_relaxed);
+    if (w > ws || atomic_load_explicit(&g_debt, memory_order_relaxed) == 0)
+        return 0;
+    if (!atomic_compare_exchange_strong(&g_paid_window, &w, ws))
+        return atomic_load_explicit(&g_paid_shift, memory_order_relaxed);
+    uint64_t debt = atomic_load_explicit(&g_debt, memory_order_relaxed), pay = debt < len ? debt : len;
+    atomic_fetch_sub(&g_debt, pay);
+    atomic_store_explicit(&g_paid_shift, pay, memory_order_release);
+    return pay;
+}
+
+static void poll_fences(void);
+
+/* Wait until this launch of `cost` ns may go: in the container's window with room for it after what this thread
+ * has queued, or under an elastic lease. Returns the ns waited. */
+static uint64_t turn_gate(uint64_t cost, struct stream_ctr *sc)
+{
+    uint64_t t0 = 0, now = alnair_now_ns();
+    for (int polled = 0;; now = alnair_now_ns()) {
+        struct alnair_turn t;
+        alnair_turn_read(&t);
+        if (now < t.free_until || t.length >= t.period) {
+            if (atomic_load_explicit(&g_debt, memory_order_relaxed) != 0)
+                atomic_store_explicit(&g_debt, 0, memory_order_relaxed); /* owed to nobody while lent the GPU */
             break;
-        uint64_t owe = (uint64_t)-bal;
-        now = alnair_now_ns();
-        int64_t avail = alnair_tokens_available(now);
-        if (avail > (int64_t)ALNAIR_TOKEN_BURST_NS && alnair_grant_line_trusted()) {
-            forfeit_excess(s, avail, now);
-            avail = alnair_tokens_available(now);
-        }
-        if (avail > 0) {
-            uint64_t grab = owe + CHUNK_NS;
-            if ((uint64_t)avail < grab)
-                grab = (uint64_t)avail;
-            RADD(s->tokens_taken, grab);
-            if (atomic_fetch_add(&g_balance, (int64_t)grab) + (int64_t)grab >= 0)
-                break;
-            /* partly paid: sleep until more has come */
         }
         if (t0 == 0)
             t0 = now;
-        /* Every waiting process naps the same time (a quarter of the time the line takes to grow a chunk), whatever
-         * it owes: the one with the largest debt polls as often as the one with the smallest, so the tokens are
-         * shared about evenly among them instead of going to whoever checks most often. */
-        uint64_t rate = alnair_token_rate();
-        uint64_t nap = rate ? (uint64_t)((unsigned __int128)CHUNK_NS * 1000000000u / rate / 4) : 1000000u;
-        alnair_sleep_ns(nap < 20000u ? 20000u : nap > 1000000u ? 1000000u : nap);
+        uint64_t epoch = t.epoch <= now ? t.epoch : 0;
+        uint64_t ws = epoch + (now - epoch) / t.period * t.period + t.offset;
+        if (ws > now && ws >= t.period)
+            ws -= t.period; /* the window may have begun in the previous period and still run */
+        if (now >= ws + t.length)
+            ws += t.period;
+        if (t.length == 0) {
+            nap_until(now + NAP_MAX_NS, now); /* no window at all: only a lease or a new schedule lets it go */
+            continue;
+        }
+        uint64_t we = ws + t.length, start = ws + debt_shift(ws, t.length);
+        if (now < start) {
+            nap_until(start, now);
+            continue;
+        }
+        uint64_t vft = sc != NULL ? atomic_load_explicit(&sc->vft, memory_order_relaxed) : 0;
+        uint64_t backlog = vft > now ? vft - now : 0, left = we - now;
+        if (backlog + cost <= left + WINDOW_SLACK_NS)
+            break;
+        if (backlog > 0 && !polled && queries_ok()) {
+            poll_fences(); /* the queue may have drained further than its estimate says */
+            polled = 1;
+            continue;
+        }
+        if (backlog == 0 && cost > t.length) {
+            owe(cost - left); /* never fits a window: run it now with nothing queued, skip its overrun later */
+            break;
+        }
+        nap_until(we + (t.period - t.length), now); /* the next window's start */
+        polled = 0;
     }
-    if (t0 != 0)
-        RADD(s->wait_ns, now - t0);
-}
-
-static inline void take_tokens(uint64_t cost)
-{
-    int64_t left = atomic_fetch_sub_explicit(&g_balance, (int64_t)cost, memory_order_relaxed) - (int64_t)cost;
-    if (LIKELY(left >= 0))
-        return;
-    refill();
+    if (sc != NULL) {
+        uint64_t v = atomic_load_explicit(&sc->vft, memory_order_relaxed);
+        while (!atomic_compare_exchange_weak(&sc->vft, &v, (v > now ? v : now) + cost)) {
+        }
+    }
+    if (t0 == 0)
+        return 0;
+    uint64_t waited = now - t0;
+    struct alnair_region_slot *s = alnair_slot();
+    if (waited > 0 && s != NULL)
+        RADD(s->wait_ns, waited);
+    return waited;
 }
 
 /* ---- events of our own --------------------------------------------------------------------------------------- */
@@ -422,20 +480,15 @@ static uint64_t elapsed_ns(CUevent a, CUevent b)
     return (uint64_t)((double)ms * 1e6);
 }
 
-/* `fence`: the interval between two fences; on a GPU shared with other containers its excess over what was charged
- * is (at least partly) their time slices, so it adds no debt. A sample that settles a guess always does: it is the
- * only measure of that kernel, and charging it whole is the cautious side. */
-static void true_up(uint64_t actual, uint64_t charged, int fence)
+/* What the GPU ran against what was charged: more is counted now (and owed in window time), less is credited
+ * against later charges. */
+static void true_up(uint64_t actual, uint64_t charged)
 {
     if (actual > charged) {
-        if (fence && gpu_shared())
-            return;
-        struct alnair_region_slot *s = alnair_slot();
-        if (s != NULL)
-            RADD(s->tokens_taken, actual - charged);
-    } else if (atomic_load_explicit(&g_balance, memory_order_relaxed) < (int64_t)ALNAIR_TOKEN_BURST_NS) {
-        atomic_fetch_add(&g_balance, (int64_t)(charged - actual)); /* credit, never banked past one burst */
-    }
+        account(actual - charged);
+        owe(actual - charged); /* it held the GPU that much longer than the gate allowed for */
+    } else if (atomic_load_explicit(&g_credit, memory_order_relaxed) < (int64_t)CREDIT_MAX_NS)
+        atomic_fetch_add(&g_credit, (int64_t)(charged - actual));
 }
 
 /* A fence interval (prev, mine] holding a launch whose guess a sample already corrected is not trued up again. */
@@ -459,7 +512,7 @@ static void poll_fences(void)
                 f->seq - T.prev_seq == f->mine - T.prev_mine && !corrected_in(T.prev_mine, f->mine)) {
                 uint64_t actual = elapsed_ns(T.f[T.prev_idx].ev, f->ev);
                 if (actual != UINT64_MAX)
-                    true_up(actual, f->charged - T.prev_charged, 1);
+                    true_up(actual, f->charged - T.prev_charged);
             }
             T.prev_valid = 1;
             T.prev_idx = T.fhead;
@@ -472,6 +525,15 @@ static void poll_fences(void)
             T.prev_valid = 0;
         }
         T.completed_charged = f->charged;
+        /* the work before this fence is done: when every launch on its stream since was this thread's, what is
+         * queued there now is at most what this thread charged since */
+        if (f->sc != NULL && f->has_seq &&
+            atomic_load_explicit(&f->sc->launches, memory_order_relaxed) - f->seq == T.done - f->mine) {
+            uint64_t bound = alnair_now_ns() + (T.charged - f->charged);
+            uint64_t v = atomic_load_explicit(&f->sc->vft, memory_order_relaxed);
+            while (v > bound && !atomic_compare_exchange_weak(&f->sc->vft, &v, bound)) {
+            }
+        }
         T.fhead = (T.fhead + 1) % NFENCE;
         T.fcount--;
     }
@@ -526,6 +588,7 @@ static void record_fence(CUstream s, int pt, struct stream_ctr *sc)
         return;
     f->charged = T.charged;
     f->stream = s;
+    f->sc = sc;
     f->backed = backed;
     f->has_seq = sc != NULL;
     f->seq = sc ? atomic_load_explicit(&sc->launches, memory_order_relaxed) : 0;
@@ -556,7 +619,7 @@ static void poll_sample(void)
     uint64_t g = atomic_load_explicit(&g_guess_ns, memory_order_relaxed);
     atomic_store_explicit(&g_guess_ns, (7 * g + ns) / 8, memory_order_relaxed);
     if (T.s_guess) {
-        true_up(ns, T.s_cost, 0);
+        true_up(ns, T.s_cost);
         T.corr[T.ncorr++ % NCORR] = T.s_idx;
     }
     for (unsigned i = 0; i < T.npend;) { /* launches of the same kernel and size that ran on a guess meanwhile */
@@ -564,7 +627,7 @@ static void poll_sample(void)
             i++;
             continue;
         }
-        true_up(ns, T.pend[i].cost, 0);
+        true_up(ns, T.pend[i].cost);
         T.corr[T.ncorr++ % NCORR] = T.pend[i].idx;
         T.pend[i] = T.pend[--T.npend];
     }
@@ -573,8 +636,6 @@ static void poll_sample(void)
         return;
     uint64_t old = atomic_load_explicit(&e->ns, memory_order_relaxed);
     atomic_store_explicit(&e->ns, old && !T.s_guess ? (3 * old + ns) / 4 : ns, memory_order_relaxed);
-    uint64_t fl = atomic_load_explicit(&e->floor, memory_order_relaxed);
-    atomic_store_explicit(&e->floor, fl == 0 || ns <= fl ? ns : fl + (ns - fl) / 16, memory_order_relaxed);
 }
 
 static void wait_sample(void)
@@ -597,6 +658,7 @@ struct pre {
     uint64_t key;
     uint64_t cost;
     CUstream stream;
+    struct stream_ctr *sc;
     int pt, sampled, skip, guess;
 };
 
@@ -633,11 +695,6 @@ static __attribute__((noinline)) int pre_launch(struct pre *p, uintptr_t fn, uin
         return 0;
     struct est *e = est_lookup(p->key);
     uint64_t est = e ? atomic_load_explicit(&e->ns, memory_order_relaxed) : 0, near = 0;
-    if (est != 0 && gpu_shared()) {
-        uint64_t fl = atomic_load_explicit(&e->floor, memory_order_relaxed);
-        if (fl != 0 && fl < est)
-            est = fl;
-    }
     if (est == 0) {
         p->guess = 1;
         near = est_neighbour(fn, cls);
@@ -645,15 +702,16 @@ static __attribute__((noinline)) int pre_launch(struct pre *p, uintptr_t fn, uin
             est_insert(p->key);
     }
     p->cost = est ? est : near ? near : atomic_load_explicit(&g_guess_ns, memory_order_relaxed);
-    take_tokens(p->cost);
     int quiet = queries_ok();
+    if (quiet && est == 0 && near == 0 && T.s_busy)
+        wait_sample(); /* nothing known about this kernel: measure the one in flight before guessing again */
     if (quiet && T.fcount > 0 && T.charged - T.completed_charged > INFLIGHT_MAX_NS)
         wait_inflight(INFLIGHT_MAX_NS, NFENCE);
+    p->sc = stream_find(s, pt);
+    turn_gate(p->cost, p->sc); /* last: nothing sleeps between the gate's yes and the launch */
     T.launches++;
     if (quiet && T.s_busy && est == 0)
         poll_sample(); /* a new size class wants the sampler: is the sample in flight done? */
-    if (quiet && est == 0 && near == 0 && T.s_busy)
-        wait_sample(); /* nothing known about this kernel: measure the one in flight before guessing again */
     if (quiet && !T.s_busy && (est == 0 || T.launches % SAMPLE_EVERY == 0) && ensure_ctx() == 0 &&
         get_event(&T.s_start) == 0 && get_event(&T.s_end) == 0 && record(T.s_start, s, pt) == 0)
         p->sampled = 1;
@@ -665,11 +723,13 @@ static __attribute__((noinline)) void post_launch(struct pre *p, CUresult rc)
     count_launch();
     if (p->skip)
         return;
+    struct stream_ctr *sc = p->sc;
     if (rc != CUDA_SUCCESS) {
-        atomic_fetch_add(&g_balance, (int64_t)p->cost); /* nothing ran: the tokens stay ours */
+        if (sc != NULL) /* nothing was queued */
+            atomic_fetch_sub_explicit(&sc->vft, p->cost, memory_order_relaxed);
         return;
     }
-    struct stream_ctr *sc = stream_find(p->stream, p->pt);
+    account(p->cost);
     if (sc != NULL)
         atomic_fetch_add_explicit(&sc->launches, 1, memory_order_relaxed);
     T.done++;

@@ -1,11 +1,10 @@
 /* The region: the container's shared file (or, when that is refused, a private in-process stand-in built from
- * ALNAIR_MEMORY_LIMIT / ALNAIR_COMPUTE_LIMIT), slot claim, dead-slot reclaim, container-wide sums, the grant line.
+ * ALNAIR_MEMORY_LIMIT / ALNAIR_COMPUTE_LIMIT), slot claim, dead-slot reclaim, container-wide sums, the turns.
  *
  * Slot protocol (the shim's side of alnair_agent/region_layout.py):
  *   claim    CAS pid 0 -> -mypid (negative: being set up, the agent ignores it), write start_time and
- *            memory_used = 0, then store pid = mypid. Token and launch counters are never zeroed: a new owner
- *            continues the old owner's counters, so the container's sum of taken + forfeited never falls (a
- *            reclaimed slot must not hand its consumption back as fresh tokens); readers see the pid change.
+ *            memory_used = 0, then store pid = mypid. The counters are never zeroed: a new owner continues the
+ *            old owner's, so the container's sums never fall (readers take differences and see the pid change).
  *   reclaim  a slot whose owner is dead (kill(pid, 0) fails with ESRCH, a zombie, or its start time differs from
  *            /proc/<pid>/stat field 22: the pid was reused) is taken by CAS pid -> -mypid, its memory_used set to 0,
  *            then pid = 0. Done at claim time and whenever an allocation would otherwise exceed the limit.
@@ -126,10 +125,7 @@ static struct alnair_region *private_region(uint64_t memory_limit, uint32_t comp
     r->header.slot_size = ALNAIR_REGION_SLOT_SIZE;
     r->agent.memory_limit = memory_limit;
     r->agent.compute_limit = compute_limit;
-    /* the shim runs its own grant line: it extrapolates by itself, nothing needs to tick */
-    r->agent.tokens_granted = 0;
-    r->agent.granted_at_ns = alnair_now_ns();
-    r->agent.token_rate = (uint64_t)compute_limit * ALNAIR_NS_PER_PERCENT;
+    /* no schedule (turn_period_ns 0): the cap's part of the default period, on the clock, nothing needs to tick */
     return r;
 }
 
@@ -255,7 +251,7 @@ struct alnair_region_slot *alnair_slot_slow(void)
             mine = claim_free_slot(r, me, start);
             if (mine == NULL) {
                 /* Every slot is held by a live process. A process the others cannot see must not hold GPU memory
-                 * or take tokens (that would be a hole in the container's limits): it is refused both (no
+                 * or launch metered kernels (that would be a hole in the container's limits): it is refused both (no
                  * context, no allocation, no metered launch) until a slot frees up; alnair_slot_retry claims it
                  * then. One warning says so. */
                 if (!overflow_warned)
@@ -302,7 +298,7 @@ void alnair_region_after_fork_child(void)
     memset(&alnair_overflow_slot, 0, sizeof alnair_overflow_slot);
 }
 
-/* ---- sums and the grant line ------------------------------------------------------------------------------ */
+/* ---- sums ------------------------------------------------------------------------------ */
 static inline uint64_t sat_add(uint64_t a, uint64_t b)
 {
     uint64_t c;
@@ -323,79 +319,50 @@ uint64_t alnair_memory_used_all(void)
     return sum;
 }
 
-uint64_t alnair_token_rate(void)
+/* ---- turns -------------------------------------------------------------------------------------------------
+ * The agent writes the turn fields under turn_seq (odd while it writes). A reader takes a few tries at a
+ * consistent, even reading and never waits longer: a word left odd (an agent that died mid-write, or the container
+ * itself scribbling over its region) only leaves this thread on the last schedule it read. A schedule no agent
+ * writes (a window outside its period, a period past 10 s) counts as none: the cap's part of the default period. */
+static __thread struct alnair_turn last_turn __attribute__((tls_model("initial-exec")));
+static __thread int last_turn_valid __attribute__((tls_model("initial-exec")));
+
+static void default_turn(struct alnair_region *r, struct alnair_turn *t)
 {
-    struct alnair_region *r = alnair_region;
-    return r ? RLOAD(r->agent.token_rate) : 0;
+    uint32_t c = RLOAD(r->agent.compute_limit);
+    t->epoch = 0;
+    t->period = ALNAIR_DEFAULT_TURN_PERIOD_NS;
+    t->offset = 0;
+    t->length = c - 1u < 99u ? (uint64_t)c * (ALNAIR_DEFAULT_TURN_PERIOD_NS / 100u) : ALNAIR_DEFAULT_TURN_PERIOD_NS;
+    t->free_until = 0;
 }
 
-/* The sequence value an agent left odd when it died (or stalled) mid-write (0: none seen). */
-static _Atomic uint32_t stuck_seq;
-/* This thread's last consistent reading of the grant line: used while the line is stuck half-written, so a torn
- * line (say a new tokens_granted with an old granted_at_ns) is never taken at its word. */
-static __thread struct {
-    uint64_t tokens, at, rate;
-    int valid, trusted;
-} line __attribute__((tls_model("initial-exec")));
-
-int alnair_grant_line_trusted(void)
-{
-    return line.trusted;
-}
-
-int64_t alnair_tokens_available(uint64_t now)
+void alnair_turn_read(struct alnair_turn *t)
 {
     struct alnair_region *r = alnair_region;
-    uint64_t tokens, at, rate, t0 = 0;
-    int torn = 0;
-    for (unsigned spins = 0;; spins++) {
-        uint32_t s1 = RLOAD(r->agent.grant_seq);
-        tokens = RLOAD(r->agent.tokens_granted);
-        at = RLOAD(r->agent.granted_at_ns);
-        rate = RLOAD(r->agent.token_rate);
-        uint32_t s2 = RLOAD(r->agent.grant_seq);
-        if (s1 == s2 && !(s1 & 1))
-            break;
-        if (s1 == s2 && s1 == atomic_load_explicit(&stuck_seq, memory_order_relaxed)) {
-            torn = 1;
-            break;
-        }
-        if (spins < 64)
+    for (unsigned tries = 0; tries < 4; tries++) {
+        uint32_t s1 = RLOAD(r->agent.turn_seq);
+        struct alnair_turn x = {RLOAD(r->agent.turn_epoch_ns), RLOAD(r->agent.turn_period_ns),
+                                RLOAD(r->agent.turn_offset_ns), RLOAD(r->agent.turn_length_ns),
+                                RLOAD(r->agent.turn_free_until_ns)};
+        uint32_t s2 = RLOAD(r->agent.turn_seq);
+        if (s1 != s2 || (s1 & 1))
             continue;
-        alnair_sleep_ns(1000); /* the agent is mid-write (or died there): never spin a core */
-        uint64_t t = alnair_now_ns();
-        if (t0 == 0)
-            t0 = t;
-        else if (t - t0 > 2000000 && s1 == s2) {
-            /* odd for 2 ms and unchanged: the writer died or stalled mid-write. Never stall on it. */
-            atomic_store_explicit(&stuck_seq, s1, memory_order_relaxed);
-            torn = 1;
-            break;
+        if (x.period == 0) {
+            uint64_t free_until = x.free_until;
+            default_turn(r, &x);
+            x.free_until = free_until;
+        } else if (x.period > 10000000000ull || x.offset >= x.period || x.length > x.period) {
+            default_turn(r, &x);
         }
+        last_turn = x;
+        last_turn_valid = 1;
+        *t = x;
+        return;
     }
-    if (!torn) {
-        line.tokens = tokens;
-        line.at = at;
-        line.rate = rate;
-        line.valid = 1;
-        line.trusted = 1;
-    } else if (line.valid) {
-        tokens = line.tokens; /* keep following the last consistent line: the cap neither lapses nor jumps */
-        at = line.at;
-        rate = line.rate;
-        line.trusted = 0;
-    } else {
-        line.trusted = 0; /* nothing better: use it as it stands, but forfeit nothing on its word */
+    if (!last_turn_valid) {
+        default_turn(r, &last_turn);
+        last_turn_valid = 1;
     }
-    unsigned __int128 grown = now > at ? (unsigned __int128)rate * (now - at) / 1000000000u : 0;
-    unsigned __int128 granted = (unsigned __int128)tokens + grown;
-    unsigned __int128 used = 0;
-    for (unsigned i = 0; i < ALNAIR_REGION_MAX_SLOTS; i++)
-        used += (unsigned __int128)RLOAD(r->slots[i].tokens_taken) + RLOAD(r->slots[i].tokens_forfeited);
-    __int128 d = (__int128)granted - (__int128)used;
-    if (d > INT64_MAX)
-        return INT64_MAX;
-    if (d < INT64_MIN)
-        return INT64_MIN;
-    return (int64_t)d;
+    *t = last_turn;
 }

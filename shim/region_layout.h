@@ -7,7 +7,7 @@
 #include <stdint.h>
 
 #define ALNAIR_REGION_MAGIC 0x524E4C41u
-#define ALNAIR_REGION_VERSION 1u
+#define ALNAIR_REGION_VERSION 2u
 #define ALNAIR_REGION_MAX_SLOTS 64u
 #define ALNAIR_REGION_HEADER_SIZE 64u
 #define ALNAIR_REGION_AGENT_BLOCK_SIZE 64u
@@ -15,8 +15,7 @@
 #define ALNAIR_REGION_SLOTS_OFFSET 128u
 #define ALNAIR_REGION_SIZE 4224u
 #define ALNAIR_HEARTBEAT_STALE_NS 2000000000ull
-#define ALNAIR_TOKEN_BURST_NS 20000000ull
-#define ALNAIR_NS_PER_PERCENT 10000000ull
+#define ALNAIR_DEFAULT_TURN_PERIOD_NS 50000000ull
 #define ALNAIR_COMPUTE_UNLIMITED 0u
 #define ALNAIR_MEMORY_UNLIMITED 0ull
 
@@ -40,23 +39,24 @@ _Static_assert(offsetof(struct alnair_region_header, slot_size) == 20, "alnair_r
 struct alnair_region_agent {
     uint64_t memory_limit; /* bytes of GPU memory the container may hold; 0 = no limit */
     uint32_t compute_limit; /* percent of one GPU, 1..100; 0 = no compute limit */
-    uint32_t grant_seq; /* sequence lock over the grant line: odd while the agent writes it */
+    uint32_t turn_seq; /* sequence lock over the turn fields below: odd while the agent writes them */
     uint64_t heartbeat_ns; /* CLOCK_MONOTONIC ns of the agent's last tick; 0 = never */
-    uint64_t tokens_granted; /* grant line: tokens (GPU ns) granted up to granted_at_ns */
-    uint64_t granted_at_ns; /* grant line: CLOCK_MONOTONIC ns the line starts at */
-    uint64_t token_rate; /* grant line: tokens (GPU ns) granted per wall second */
-    uint32_t sharers; /* other containers the dispatcher saw running on this GPU at its last tick; while > 0 the shim charges each kernel its shortest recent time, not its mean */
-    uint8_t _pad52[12];
+    uint64_t turn_epoch_ns; /* turns: CLOCK_MONOTONIC ns at which period 0 begins */
+    uint64_t turn_period_ns; /* turns: the GPU's period; 0 = no schedule (the cap's part of DEFAULT_TURN_PERIOD_NS, at offset 0) */
+    uint64_t turn_offset_ns; /* turns: where this container's window begins in each period */
+    uint64_t turn_length_ns; /* turns: its window's length (>= the period: always its turn) */
+    uint64_t turn_free_until_ns; /* turns: until this CLOCK_MONOTONIC ns it may launch at any time (an elastic container lent the GPU; 0 = never) */
 };
 _Static_assert(sizeof(struct alnair_region_agent) == 64, "alnair_region_agent size");
 _Static_assert(offsetof(struct alnair_region_agent, memory_limit) == 0, "alnair_region_agent.memory_limit");
 _Static_assert(offsetof(struct alnair_region_agent, compute_limit) == 8, "alnair_region_agent.compute_limit");
-_Static_assert(offsetof(struct alnair_region_agent, grant_seq) == 12, "alnair_region_agent.grant_seq");
+_Static_assert(offsetof(struct alnair_region_agent, turn_seq) == 12, "alnair_region_agent.turn_seq");
 _Static_assert(offsetof(struct alnair_region_agent, heartbeat_ns) == 16, "alnair_region_agent.heartbeat_ns");
-_Static_assert(offsetof(struct alnair_region_agent, tokens_granted) == 24, "alnair_region_agent.tokens_granted");
-_Static_assert(offsetof(struct alnair_region_agent, granted_at_ns) == 32, "alnair_region_agent.granted_at_ns");
-_Static_assert(offsetof(struct alnair_region_agent, token_rate) == 40, "alnair_region_agent.token_rate");
-_Static_assert(offsetof(struct alnair_region_agent, sharers) == 48, "alnair_region_agent.sharers");
+_Static_assert(offsetof(struct alnair_region_agent, turn_epoch_ns) == 24, "alnair_region_agent.turn_epoch_ns");
+_Static_assert(offsetof(struct alnair_region_agent, turn_period_ns) == 32, "alnair_region_agent.turn_period_ns");
+_Static_assert(offsetof(struct alnair_region_agent, turn_offset_ns) == 40, "alnair_region_agent.turn_offset_ns");
+_Static_assert(offsetof(struct alnair_region_agent, turn_length_ns) == 48, "alnair_region_agent.turn_length_ns");
+_Static_assert(offsetof(struct alnair_region_agent, turn_free_until_ns) == 56, "alnair_region_agent.turn_free_until_ns");
 
 /* 64 bytes at offset 128 + slot * size */
 struct alnair_region_slot {
@@ -65,9 +65,9 @@ struct alnair_region_slot {
     uint64_t start_time; /* owner's start time (/proc/<pid>/stat field 22), to tell pid reuse */
     uint64_t memory_used; /* bytes of GPU memory the owner holds now (a level, not a counter) */
     uint64_t launches; /* counter: kernel and graph launches */
-    uint64_t tokens_taken; /* counter: tokens (GPU ns) taken before launching */
-    uint64_t tokens_forfeited; /* counter: unclaimed tokens over TOKEN_BURST_NS given up */
-    uint64_t wait_ns; /* counter: ns spent waiting for tokens */
+    uint64_t gpu_ns; /* counter: GPU time (ns) of the owner's metered launches, as the shim estimated and trued up its kernels */
+    uint64_t overrun_ns; /* counter: ns of its work that ran past the end of its windows (paid back by skipping as much of its next ones) */
+    uint64_t wait_ns; /* counter: ns spent waiting for its turn */
     uint64_t copy_bytes; /* counter: bytes moved by the owner's memory copies (host<->device, device<->device) */
 };
 _Static_assert(sizeof(struct alnair_region_slot) == 64, "alnair_region_slot size");
@@ -76,8 +76,8 @@ _Static_assert(offsetof(struct alnair_region_slot, flags) == 4, "alnair_region_s
 _Static_assert(offsetof(struct alnair_region_slot, start_time) == 8, "alnair_region_slot.start_time");
 _Static_assert(offsetof(struct alnair_region_slot, memory_used) == 16, "alnair_region_slot.memory_used");
 _Static_assert(offsetof(struct alnair_region_slot, launches) == 24, "alnair_region_slot.launches");
-_Static_assert(offsetof(struct alnair_region_slot, tokens_taken) == 32, "alnair_region_slot.tokens_taken");
-_Static_assert(offsetof(struct alnair_region_slot, tokens_forfeited) == 40, "alnair_region_slot.tokens_forfeited");
+_Static_assert(offsetof(struct alnair_region_slot, gpu_ns) == 32, "alnair_region_slot.gpu_ns");
+_Static_assert(offsetof(struct alnair_region_slot, overrun_ns) == 40, "alnair_region_slot.overrun_ns");
 _Static_assert(offsetof(struct alnair_region_slot, wait_ns) == 48, "alnair_region_slot.wait_ns");
 _Static_assert(offsetof(struct alnair_region_slot, copy_bytes) == 56, "alnair_region_slot.copy_bytes");
 

@@ -1,10 +1,9 @@
-"""The dispatcher service: every ALNAIR_DISPATCH_INTERVAL_S, per GPU, read each capped container's region
-counters (tokens taken, time waited, launches), take the profiler's newest per-container GPU share when there is
-one, and move each container's grant line (control.py has the law).
+"""The dispatcher service: every ALNAIR_DISPATCH_INTERVAL_S, per GPU, read each capped container's region counters
+(launches, time waited for its turn, GPU time), lay out the GPU's turns and write each container's window and lease
+(control.py has the rules).
 
-The agent is the grant line's only writer: the allocator writes it at admission, the dispatcher afterwards, both on
-the event loop. The shim keeps extrapolating the last line when the agent is gone (never a stall, never uncapped),
-and a restarted agent picks up from the rate it finds in each region. Everything read from a region is
+The agent is the only writer of the turns. They run on the clock, so when the agent stops the last windows stay in
+force (never a stall, never uncapped) and leases run out within LEASE_TICKS ticks. Everything read from a region is
 untrusted: a region that cannot be opened, or whose counters fall or leap, only affects its own container.
 """
 
@@ -19,7 +18,7 @@ from typing import TYPE_CHECKING, TypeVar
 import structlog
 
 from alnair_agent.dispatcher import control as C
-from alnair_agent.node.region import Region, RegionError
+from alnair_agent.node.region import Region, RegionError, Turn, monotonic_ns
 
 if TYPE_CHECKING:
     from alnair_agent.node.allocator import Allocator
@@ -31,8 +30,6 @@ log = structlog.get_logger(__name__)
 T = TypeVar("T")
 
 REOPEN_S = 1.0  # a region that could not be opened is tried again after this long
-CHANGE = 0.005  # a rate within this fraction of the one written is not written again
-HURRY_S = 2.0  # the profiler keeps its short interval this long after the last tick that needed it
 
 
 def parse_policy(value: str | None, default: str) -> tuple[str, bool]:
@@ -46,35 +43,36 @@ def parse_policy(value: str | None, default: str) -> tuple[str, bool]:
 class Dispatcher:
     def __init__(self, allocator: "Allocator", workspace: "Workspace", profiler: "Profiler | None",
                  pods: "PodStates | None", interval_s: float = 0.05, policy: str = C.STRICT,
-                 gains: C.Gains = C.Gains()) -> None:
+                 period_s: float = 0.05, idle_s: float = 0.15) -> None:
         self.allocator = allocator
         self.workspace = workspace
         self.profiler = profiler
         self.pods = pods
         self.interval_s = interval_s
         self.policy = policy
-        self.gains = gains
+        self.period_ns = int(period_s * 1e9)
+        self.idle_s = idle_s
         self.state: dict[str, C.Container] = {}  # allocation id -> control state
+        self.gpus: dict[str, C.Gpu] = {}
+        self.lent: set[str] = set()  # allocations lent their GPU at the last tick
+        self.turns: dict[str, float] = {}  # allocation -> its window as a part of the period, at the last tick
         self._regions: dict[str, Region] = {}
         self._refused: dict[str, float] = {}  # allocation id -> monotonic s of the last failed open
         self._bad_policy: set[tuple[str, str]] = set()
         self._profiler_samples = 0
-        self._profiler_at: float | None = None
-        self._util_seen: dict[str, tuple[float, float]] = {}  # allocation -> (gpu_util_integral, sampled_s)
-        self.gpus: dict[str, C.Gpu] = {}
         self._uncapped: dict[str, tuple[int, float]] = {}  # uncapped allocation -> (launches, monotonic s they grew)
         self._last = time.monotonic()
         self.ticks = 0
 
     async def run(self) -> None:
-        log.info("dispatcher_started", interval_s=self.interval_s, policy=self.policy, gain=self.gains.gain,
-                 fast_gain=self.gains.fast_gain, max_factor=self.gains.max_factor, idle_s=self.gains.idle_s)
+        log.info("dispatcher_started", interval_s=self.interval_s, policy=self.policy,
+                 period_s=self.period_ns / 1e9, idle_s=self.idle_s)
         try:
             while True:
                 started = time.monotonic()
                 try:
                     self.tick(started)
-                except Exception:  # noqa: BLE001 - a dispatcher fault must not stop the agent; the shim keeps the line
+                except Exception:  # noqa: BLE001 - a dispatcher fault must not stop the agent; turns stay in force
                     log.exception("dispatcher_tick_failed")
                 await asyncio.sleep(max(0.0, self.interval_s - (time.monotonic() - started)))
         finally:
@@ -85,7 +83,6 @@ class Dispatcher:
         now = time.monotonic() if now is None else now
         dt, self._last = max(now - self._last, 1e-6), now
         self.ticks += 1
-        g = self.gains
         by_gpu: dict[str, list[C.Container]] = {}
         uncapped: dict[str, set[str]] = {}  # GPU -> containers without a cap that launched there lately
         live = set()
@@ -102,52 +99,47 @@ class Dispatcher:
             self._forget(alloc_id)
         for alloc_id in [i for i in self._uncapped if i not in self.allocator.allocations]:
             self._forget(alloc_id)
-        actives = {gpu: C.note_active(self.gpus.setdefault(gpu, C.Gpu()), cs, now, g) for gpu, cs in by_gpu.items()}
-        if self.profiler is not None and any(self._steers_by_windows(gpu, by_gpu[gpu], a) for gpu, a in actives.items()):
-            self.profiler.hurry(now + HURRY_S)  # shares are measured from the profiler's windows: short ones
-        # after the changes above: a window that began before a change is not learnt from
-        self._take_profile(by_gpu)
-        for gpu, containers in by_gpu.items():
-            C.targets(containers, now, g)
-            state = self.gpus[gpu]
-            C.update_scale(state, containers, now, dt, g)
-            C.update_boost(state, containers, now, g)
-            running = actives[gpu] | uncapped.get(gpu, set())
+        utils = self._device_utils()
+        now_ns = monotonic_ns()
+        self.lent, self.turns = set(), {}
+        for gpu_uuid, containers in by_gpu.items():
+            gpu = self.gpus.get(gpu_uuid)
+            if gpu is None:
+                gpu = self.gpus[gpu_uuid] = C.Gpu(epoch_ns=now_ns)
+            others = uncapped.get(gpu_uuid, set())
+            active = frozenset(c.key for c in containers if c.active(now, self.idle_s)) | others
+            C.note_active(gpu, active, now)
+            if gpu_uuid in utils:
+                C.note_device_util(gpu, *utils[gpu_uuid])
+            C.update_lending(gpu, containers, bool(others), now)
+            lent = C.lent(gpu, containers, bool(others))
+            self.lent |= lent
+            lease_end = now_ns + int(C.LEASE_TICKS * self.interval_s * 1e9)
+            windows = C.layout(containers, self.period_ns)
             for c in containers:
-                self._write(c, state.scale, state.boost)
-                # Where factors are learnt from exact per-process shares they already correct the inflated charges
-                # of a shared GPU; the shim's floor charges are for GPUs whose shares cannot be learnt (see control).
-                self._tell_sharers(c, 0 if state.learn else len(running - {c.key}))
-
-    def _steers_by_windows(self, gpu: str, containers: list[C.Container], active: frozenset[str]) -> bool:
-        """Whether this GPU's control needs the profiler's short windows now: its active containers' factors are
-        learnt from them, or (where they cannot be learnt) every active one is elastic and the boost reads the
-        device's utilization per window. A GPU of strict containers whose factors stay 1 needs none, and the
-        hurried profiler costs the agent ~1.5 % of a core with 32 containers."""
-        if not active:
-            return False
-        return self.gpus[gpu].learn or all(c.policy == C.ELASTIC for c in containers if c.key in active)
+                offset, length = windows[c.key]
+                self.turns[c.key] = length / self.period_ns
+                turn = Turn(gpu.epoch_ns, self.period_ns, offset, length, lease_end if c.key in lent else 0)
+                self._put(c.key, lambda r, t=turn: r.set_turn(t))
+        for gpu_uuid in [g for g in self.gpus if g not in by_gpu]:
+            del self.gpus[gpu_uuid]
 
     def _observe(self, alloc: "Allocation", now: float, dt: float) -> C.Container | None:
-        first = alloc.id not in self.state
-        read = self._read(alloc.id, now, lambda r: (r.slots(), r.grant_line()[2] if first else 0))
-        if read is None:
+        slots = self._read(alloc.id, now, lambda r: r.slots())
+        if slots is None:
             return None
-        slots, line_rate = read
         c = self.state.get(alloc.id)
         if c is None:
             c = self.state[alloc.id] = C.Container(alloc.id, float(alloc.compute_limit))
-            if line_rate > 0:  # an agent restart: carry on from the factor the line in force implies
-                c.k = min(max(line_rate / c.cap_rate, C.K_MIN), self.gains.max_factor)
-                c.rate = line_rate
         c.cap = float(alloc.compute_limit)
         c.policy = self._policy(alloc)
-        C.observe_counters(c, now, dt, sum(s.tokens_taken for s in slots), sum(s.wait_ns for s in slots),
-                           sum(s.launches for s in slots), self.gains.max_factor)
+        C.observe_counters(c, now, dt, sum(s.launches for s in slots), sum(s.wait_ns for s in slots),
+                           sum(s.gpu_ns for s in slots))
         return c
 
     def _uncapped_active(self, alloc: "Allocation", now: float) -> bool:
-        """A container without a compute cap still time-slices the GPU with the capped ones: launched lately?"""
+        """A container without a compute cap runs outside the turns (the driver time-slices it with the capped
+        ones): launched lately?"""
         launches = self._read(alloc.id, now, lambda r: sum(s.launches for s in r.slots()))
         if launches is None:
             return False
@@ -155,52 +147,16 @@ class Dispatcher:
         if before is None or launches != before[0]:
             self._uncapped[alloc.id] = (launches, now if before is not None else -1e18)
             return before is not None
-        return now - before[1] <= self.gains.idle_s
+        return now - before[1] <= self.idle_s
 
-    def _tell_sharers(self, c: C.Container, n: int) -> None:
-        """Tell the container's shim how many others run on its GPU (it then charges kernels their floor)."""
-        if n != c.sharers and self._put(c.key, lambda r: r.set_sharers(n)):
-            c.sharers = n
-
-    def _take_profile(self, by_gpu: dict[str, list[C.Container]]) -> None:
-        """The profiler's newest window, once per profiler sample: each container's measured share."""
+    def _device_utils(self) -> dict[str, tuple[float, float]]:
+        """The profiler's newest device utilization per GPU, once per profiler sample: {uuid: (percent, at)}."""
         p = self.profiler
         if p is None or p.samples == self._profiler_samples:
-            return
+            return {}
         self._profiler_samples = p.samples
-        t1, t0 = p.sample_at, self._profiler_at
-        self._profiler_at = t1
-        seen = {s.uuid: s for s in p.last.gpus}
-        for gpu, containers in by_gpu.items():
-            state = self.gpus.setdefault(gpu, C.Gpu())
-            sample = seen.get(gpu)
-            util = sample.gpu_util if sample is not None else None
-            state.device_util = util if util is not None and math.isfinite(util) else None
-            if sample is not None and sample.process_util_sampled is True and state.learn:
-                state.learn = False  # one draw per period: shares only hold over long averages, never per window
-                log.info("dispatcher_factors_fixed", gpu=gpu, reason="per-process utilization is sampled by period")
-                for c in containers:
-                    c.k, c.trim = 1.0, 1.0
-            if not state.learn:
-                continue
-            for c in containers:
-                u = p.usage.get(c.key)
-                if u is None:
-                    continue
-                before = self._util_seen.get(c.key)
-                self._util_seen[c.key] = (u.gpu_util_integral, p.sampled_s)
-                if before is None or t0 is None or p.sampled_s <= before[1]:
-                    continue
-                share = (u.gpu_util_integral - before[0]) / (p.sampled_s - before[1])
-                if math.isfinite(share):
-                    C.observe_share(c, t0, t1, min(max(share, 0.0), 100.0), self.gains)
-
-    def _write(self, c: C.Container, scale: float = 1.0, boost: float = 1.0) -> None:
-        rate = C.rate_for(c, self.gains, scale, boost)
-        if c.rate and abs(rate - c.rate) <= CHANGE * c.rate:
-            return
-        if self._put(c.key, lambda r: r.set_grant_line(rate)):
-            c.rate = rate
+        return {g.uuid: (g.gpu_util, p.sample_at) for g in p.last.gpus
+                if g.gpu_util is not None and math.isfinite(g.gpu_util)}
 
     # -- regions and policies ------------------------------------------------------------------------------------
     def _read(self, alloc_id: str, now: float, read: Callable[[Region], T]) -> T | None:
@@ -215,7 +171,7 @@ class Dispatcher:
             self._drop_region(alloc_id, now, str(e))
             return None
 
-    def _put(self, alloc_id: str, write: Callable[[Region], None]) -> bool:
+    def _put(self, alloc_id: str, write: Callable[[Region], object]) -> bool:
         """`write` to the allocation's open region; False when it is not open or the write failed (then dropped)."""
         region = self._regions.get(alloc_id)
         if region is None:
@@ -253,7 +209,6 @@ class Dispatcher:
     def _forget(self, alloc_id: str) -> None:
         self.state.pop(alloc_id, None)
         self._uncapped.pop(alloc_id, None)
-        self._util_seen.pop(alloc_id, None)
         region = self._regions.pop(alloc_id, None)
         if region is not None:
             region.close()

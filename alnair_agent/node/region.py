@@ -1,4 +1,4 @@
-"""The agent's side of the region file: create it, publish limits, grant line and heartbeat, read the slots.
+"""The agent's side of the region file: create it, publish limits, turns and heartbeat, read the slots.
 
 The layout comes from `alnair_agent.node.region_layout`; nothing here hard-codes an offset. Everything read from
 the slots was written by the container and is untrusted: values are bounds-checked before anyone uses them.
@@ -10,9 +10,9 @@ The file is writable by the container as a whole, the agent's own fields include
 field it wrote when it reads it back: what it wrote lives in memory (`AgentBlock`, one per allocation, shared by
 every service's handle on that region), every read of the agent block is one bounded pread whose values are only
 compared against that record (`restore` puts back what the container changed), and nothing the agent does waits on
-a value in the file (a grant sequence word a container left odd once froze the agent's event loop for good). Only
-after an agent restart, when memory is empty, is the agent block adopted from the file once, checked: a line that
-is torn or impossible is started afresh at the cap's rate.
+a value in the file (a sequence word a container left odd once froze the agent's event loop for good). Only after
+an agent restart, when memory is empty, is the agent block adopted from the file once, checked: turns that are
+torn or impossible are dropped until the dispatcher publishes the GPU's again.
 """
 
 from __future__ import annotations
@@ -65,8 +65,7 @@ def _slot_struct() -> tuple[struct.Struct, tuple[int, ...]]:
         pos = f.offset + L.CTYPES[f.ctype][1]
         names.append(f.name)
     fmt += "x" * (L.SLOT_SIZE - pos)
-    wanted = ("pid", "start_time", "memory_used", "launches", "tokens_taken", "tokens_forfeited", "wait_ns",
-              "copy_bytes")
+    wanted = ("pid", "start_time", "memory_used", "launches", "gpu_ns", "overrun_ns", "wait_ns", "copy_bytes")
     return struct.Struct(fmt), tuple(names.index(n) for n in wanted)
 
 
@@ -84,11 +83,38 @@ def _block_struct(block: str, size: int) -> tuple[struct.Struct, tuple[str, ...]
 
 
 _AGENT_STRUCT, _AGENT_NAMES = _block_struct("alnair_region_agent", L.AGENT_BLOCK_SIZE)
-_LINE = ("tokens_granted", "granted_at_ns", "token_rate")
-# A grant rate above this is no rate the agent writes (the largest is a lone elastic borrower's, far below):
-# found in a file after a restart, it is a container's doing.
-MAX_TOKEN_RATE = 1000 * 100 * L.NS_PER_PERCENT
-_U32, _U64 = 0xFFFFFFFF, 0xFFFFFFFFFFFFFFFF
+_TURN = ("turn_epoch_ns", "turn_period_ns", "turn_offset_ns", "turn_length_ns", "turn_free_until_ns")
+# No period the agent writes is longer (config bounds ALNAIR_TURN_PERIOD_S), nor any lease: found in a file after
+# a restart, such a value is a container's doing.
+MAX_TURN_PERIOD_NS = 10_000_000_000
+MAX_LEASE_NS = 10_000_000_000
+_U32 = 0xFFFFFFFF
+
+
+@dataclass(frozen=True)
+class Turn:
+    """A container's turns on its GPU: it may launch during [epoch + k*period + offset, ... + length) for every k,
+    and at any time before free_until (monotonic ns). period 0: no schedule (the shim takes its cap's part of the
+    default period at offset 0)."""
+
+    epoch_ns: int = 0
+    period_ns: int = 0
+    offset_ns: int = 0
+    length_ns: int = 0
+    free_until_ns: int = 0
+
+    def fields(self) -> dict[str, int]:
+        return dict(zip(_TURN, (self.epoch_ns, self.period_ns, self.offset_ns, self.length_ns, self.free_until_ns),
+                        strict=True))
+
+    def sound(self, now_ns: int) -> bool:
+        """A schedule the agent could have written: a period within bounds, a window inside it (or the whole of
+        it), an epoch not in the future and a lease not far beyond now."""
+        if self.period_ns == 0:
+            return self.offset_ns == self.length_ns == self.epoch_ns == 0 and self.free_until_ns <= now_ns + MAX_LEASE_NS
+        return (self.period_ns <= MAX_TURN_PERIOD_NS and self.offset_ns < self.period_ns
+                and self.length_ns <= self.period_ns and self.epoch_ns <= now_ns
+                and self.free_until_ns <= now_ns + MAX_LEASE_NS)
 
 
 @dataclass
@@ -124,8 +150,8 @@ class SlotReading:
     start_time: int
     memory_used: int
     launches: int
-    tokens_taken: int
-    tokens_forfeited: int
+    gpu_ns: int
+    overrun_ns: int
     wait_ns: int
     copy_bytes: int = 0
 
@@ -133,11 +159,6 @@ class SlotReading:
 def monotonic_ns() -> int:
     """CLOCK_MONOTONIC in ns: the clock the shim reads too (same kernel, so the same epoch)."""
     return time.clock_gettime_ns(time.CLOCK_MONOTONIC)
-
-
-def rate_for_percent(percent: int) -> int:
-    """Token rate (GPU ns per wall second) of a cap of `percent` % of one GPU, before feedback correction."""
-    return percent * L.NS_PER_PERCENT
 
 
 class Region:
@@ -152,7 +173,8 @@ class Region:
     # -- lifetime -------------------------------------------------------------------------------------------
     @classmethod
     def create(cls, path: Path, memory_limit: int, compute_limit: int) -> "Region":
-        """Write a fresh region with these limits (bytes; percent, 0 = none) and an initial grant line."""
+        """Write a fresh region with these limits (bytes; percent, 0 = none) and no turns yet (the shim's default
+        window for its cap until the dispatcher lays out the GPU's turns)."""
         if memory_limit < 0:
             raise ValueError(f"memory_limit must be >= 0 bytes, got {memory_limit}")
         if not 0 <= compute_limit <= 100:
@@ -176,8 +198,8 @@ class Region:
         return region
 
     def _fill(self, memory_limit: int, compute_limit: int) -> None:
-        """Write the header, limits and initial grant line into a new file. ENOSPC shows here, not later: the
-        whole file is allocated first (a sparse file could fail on the container's first write instead)."""
+        """Write the header and the limits into a new file. ENOSPC shows here, not later: the whole file is
+        allocated first (a sparse file could fail on the container's first write instead)."""
         region = self
         try:
             os.posix_fallocate(self._fd, 0, L.REGION_SIZE)
@@ -192,7 +214,6 @@ class Region:
         region._put(_HEADER, "slot_size", L.SLOT_SIZE)
         region._aput("memory_limit", memory_limit)
         region._aput("compute_limit", compute_limit)
-        region.set_grant_line(rate_for_percent(compute_limit))
 
     @classmethod
     def open(cls, path: Path, block: AgentBlock | None = None) -> "Region":
@@ -239,19 +260,15 @@ class Region:
 
     def _adopt(self) -> None:
         """Take the agent block from the file (an agent restart: nothing in memory), checked. The limits are taken
-        as found (the caller compares them with the allocation's record and rewrites them). A grant line that is
-        half-written (odd sequence), starts in the future or never, or runs at an impossible rate is written afresh
-        from now at the cap's rate, from what the container has already taken (so it neither banks nor owes);
-        a sound one is continued as it stands (the shim forfeits whatever it finds beyond one burst)."""
+        as found (the caller compares them with the allocation's record and rewrites them). Turns that are
+        half-written (odd sequence) or that no agent writes (see Turn.sound) are replaced by no schedule (the
+        shim's default window for its cap) until the dispatcher publishes the GPU's; sound ones stay in force."""
         found = self.read_agent_block()
         self.block.values.update(found)
-        seq, at, rate = found["grant_seq"], found["granted_at_ns"], found["token_rate"]
-        self.block.values["grant_seq"] = (seq + (seq & 1)) & _U32
-        now = monotonic_ns()
-        if seq & 1 or rate > MAX_TOKEN_RATE or not 0 < at <= now:
-            cap = found["compute_limit"] if 0 <= found["compute_limit"] <= 100 else 0
-            used = sum(s.tokens_taken + s.tokens_forfeited for s in self.slots())
-            self._write_line(min(used, _U64), now, rate_for_percent(cap))
+        seq = found["turn_seq"]
+        self.block.values["turn_seq"] = (seq + (seq & 1)) & _U32
+        if seq & 1 or not self.turn().sound(monotonic_ns()):
+            self._write_turn(Turn())
 
     def close(self) -> None:
         if self._fd >= 0:
@@ -285,14 +302,14 @@ class Region:
 
     def restore(self) -> dict[str, tuple[int, int]]:
         """Put back every agent field the file holds differently from what the agent wrote; returns them as
-        {field: (found, written)}. The grant line goes back whole, under its sequence lock."""
+        {field: (found, written)}. The turn fields go back whole, under their sequence lock."""
         found = self.read_agent_block()
         changed = {f: (v, self.block.values[f]) for f, v in found.items() if v != self.block.values[f]}
         for f in changed:
-            if f != "grant_seq" and f not in _LINE:
+            if f != "turn_seq" and f not in _TURN:
                 self._aput(f, self.block.values[f])
-        if "grant_seq" in changed or any(f in changed for f in _LINE):
-            self._write_line(*(self.block.values[f] for f in _LINE))
+        if "turn_seq" in changed or any(f in changed for f in _TURN):
+            self._write_turn(self.turn())
         return changed
 
     # -- agent fields (the agent is their only writer; these are its own values, never the file's) -------------
@@ -309,7 +326,7 @@ class Region:
         return self.block.values["heartbeat_ns"]
 
     def set_limits(self, memory_limit: int, compute_limit: int) -> None:
-        """Change the limits of a live region; a new compute limit continues the grant line at its rate."""
+        """Change the limits of a live region (the dispatcher lays out the turns for a new compute limit)."""
         if memory_limit < 0:
             raise ValueError(f"memory_limit must be >= 0 bytes, got {memory_limit}")
         if not 0 <= compute_limit <= 100:
@@ -317,47 +334,32 @@ class Region:
         self._aput("memory_limit", memory_limit)
         if compute_limit != self.compute_limit:
             self._aput("compute_limit", compute_limit)
-            self.set_grant_line(rate_for_percent(compute_limit))
-
-    @property
-    def sharers(self) -> int:
-        return self.block.values["sharers"]
-
-    def set_sharers(self, n: int) -> None:
-        """How many other containers run on this GPU now (0: alone). Under time-slicing a kernel's measured time
-        includes the other contexts' slices; told this, the shim charges kernels their uncontended time."""
-        if not 0 <= n <= 0xFFFFFFFF:
-            raise ValueError(f"sharers must be 0..2**32-1, got {n}")
-        self._aput("sharers", n)
 
     def beat(self, now_ns: int | None = None) -> None:
         self._aput("heartbeat_ns", monotonic_ns() if now_ns is None else now_ns)
 
-    def grant_line(self) -> tuple[int, int, int]:
-        """(tokens_granted, granted_at_ns, token_rate) as the agent last wrote it."""
+    def turn(self) -> Turn:
+        """The container's turns as the agent last wrote them."""
         v = self.block.values
-        return v["tokens_granted"], v["granted_at_ns"], v["token_rate"]
+        return Turn(*(v[f] for f in _TURN))
 
-    def granted(self, now_ns: int) -> int:
-        tokens, at, rate = self.grant_line()
-        return tokens + rate * max(0, now_ns - at) // 1_000_000_000
+    def set_turn(self, turn: Turn) -> bool:
+        """Publish the container's turns (under the sequence lock); False when they are already these."""
+        if turn.period_ns < 0 or not 0 <= turn.offset_ns <= max(turn.period_ns - 1, 0) \
+                or not 0 <= turn.length_ns <= turn.period_ns or min(turn.epoch_ns, turn.free_until_ns) < 0:
+            raise ValueError(f"not a schedule: {turn}")
+        if turn == self.turn():
+            return False
+        self._write_turn(turn)
+        return True
 
-    def set_grant_line(self, rate: int, now_ns: int | None = None) -> None:
-        """Continue the grant line from now at `rate` tokens per second (no tokens lost or added at the seam)."""
-        if rate < 0:
-            raise ValueError(f"token rate must be >= 0, got {rate}")
-        now = monotonic_ns() if now_ns is None else now_ns
-        tokens = self.granted(now) if self.block.values["granted_at_ns"] else 0
-        self._write_line(min(tokens, _U64), now, rate)
-
-    def _write_line(self, tokens: int, at: int, rate: int) -> None:
-        """The grant line under its sequence lock (odd while written), the sequence continuing the agent's own."""
-        seq = self.block.values["grant_seq"]
-        self._aput("grant_seq", (seq + 1) & _U32)
-        self._aput("tokens_granted", tokens)
-        self._aput("granted_at_ns", at)
-        self._aput("token_rate", rate)
-        self._aput("grant_seq", (seq + 2) & _U32)
+    def _write_turn(self, turn: Turn) -> None:
+        """The turn fields under their sequence lock (odd while written), the sequence continuing the agent's own."""
+        seq = self.block.values["turn_seq"]
+        self._aput("turn_seq", (seq + 1) & _U32)
+        for f, v in turn.fields().items():
+            self._aput(f, v)
+        self._aput("turn_seq", (seq + 2) & _U32)
 
     # -- slots (written by the container: untrusted) --------------------------------------------------------
     def slots(self) -> list[SlotReading]:

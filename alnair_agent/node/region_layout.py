@@ -12,15 +12,17 @@ Writers: the header and the agent block are written by the agent only (the shim 
 claimed by one process of the container (compare-and-swap on `pid`) and written by that process only. Counters
 only grow; readers take differences.
 
-Compute tokens are nanoseconds of GPU time. The container's grant is a line in time, published by the agent
-under a sequence lock (`grant_seq` odd while the agent writes):
-
-    granted(now) = tokens_granted + token_rate * (now - granted_at_ns) / 1e9
-
-and what is left is `granted(now) - sum over slots of (tokens_taken + tokens_forfeited)`. A process takes
-tokens by adding to its own slot's `tokens_taken` before it launches; when more than `TOKEN_BURST_NS` is left
-unclaimed it adds the excess to its own `tokens_forfeited`, so idle time never banks a burst. Because the line
-extrapolates by itself, a dead or restarting agent leaves the last rate in force: never a stall, never uncapped.
+Compute is shared by turns. The agent gives each capped container of a GPU a window in a period common to the GPU
+(`turn_epoch_ns`, `turn_period_ns`): the container may launch kernels during [epoch + k*period + offset,
+epoch + k*period + offset + length), published under a sequence lock (`turn_seq` odd while the agent writes it). The
+windows of one GPU's containers do not overlap, so the driver never interleaves two capped contexts and a
+container's GPU time is its windows' time by construction: a cap of c % is a window of c % of the period. The shim
+stops launching when its queued work would run past its window's end, so a turn hands the GPU over drained; work it
+could not help running past the end (a kernel longer than the window) is paid back by skipping that much of its
+next windows. An elastic container may be lent the whole period (`turn_free_until_ns`: until then it may launch at
+any time); the lease is short and the agent renews it, so when the agent stops the windows rule again. Because the
+schedule runs on the clock, a dead or restarting agent leaves the last windows in force: never a stall, never
+uncapped.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import sys
 from dataclasses import dataclass
 
 MAGIC = 0x524E4C41  # b"ALNR" read as a little-endian u32
-VERSION = 1
+VERSION = 2  # 2: turns (windows in a period) replace the token grant line of version 1
 MAX_SLOTS = 64
 HEADER_SIZE = 64
 AGENT_BLOCK_SIZE = 64
@@ -39,10 +41,9 @@ REGION_SIZE = SLOTS_OFFSET + MAX_SLOTS * SLOT_SIZE
 
 # The agent's heartbeat is stale when older than this (monotonic ns); the shim then keeps the last grant line.
 HEARTBEAT_STALE_NS = 2_000_000_000
-# Unclaimed tokens beyond this are forfeited, so an idle container cannot bank GPU time (GPU-time ns).
-TOKEN_BURST_NS = 20_000_000
-# Token rate (GPU-time ns per wall second) of a container capped at `percent` % of one GPU, before correction.
-NS_PER_PERCENT = 10_000_000
+# The period of a region whose agent has published no schedule (turn_period_ns 0), or of the private region a shim
+# builds from ALNAIR_COMPUTE_LIMIT: the container's window is then its cap's part of this period, at offset 0.
+DEFAULT_TURN_PERIOD_NS = 50_000_000
 # compute_limit value meaning "no compute cap": launches pass straight through.
 COMPUTE_UNLIMITED = 0
 # memory_limit value meaning "no memory cap".
@@ -70,13 +71,15 @@ HEADER_FIELDS = (
 AGENT_FIELDS = (
     Field("memory_limit", "uint64_t", 0, "bytes of GPU memory the container may hold; 0 = no limit"),
     Field("compute_limit", "uint32_t", 8, "percent of one GPU, 1..100; 0 = no compute limit"),
-    Field("grant_seq", "uint32_t", 12, "sequence lock over the grant line: odd while the agent writes it"),
+    Field("turn_seq", "uint32_t", 12, "sequence lock over the turn fields below: odd while the agent writes them"),
     Field("heartbeat_ns", "uint64_t", 16, "CLOCK_MONOTONIC ns of the agent's last tick; 0 = never"),
-    Field("tokens_granted", "uint64_t", 24, "grant line: tokens (GPU ns) granted up to granted_at_ns"),
-    Field("granted_at_ns", "uint64_t", 32, "grant line: CLOCK_MONOTONIC ns the line starts at"),
-    Field("token_rate", "uint64_t", 40, "grant line: tokens (GPU ns) granted per wall second"),
-    Field("sharers", "uint32_t", 48, "other containers the dispatcher saw running on this GPU at its last tick; "
-          "while > 0 the shim charges each kernel its shortest recent time, not its mean"),
+    Field("turn_epoch_ns", "uint64_t", 24, "turns: CLOCK_MONOTONIC ns at which period 0 begins"),
+    Field("turn_period_ns", "uint64_t", 32, "turns: the GPU's period; 0 = no schedule (the cap's part of "
+          "DEFAULT_TURN_PERIOD_NS, at offset 0)"),
+    Field("turn_offset_ns", "uint64_t", 40, "turns: where this container's window begins in each period"),
+    Field("turn_length_ns", "uint64_t", 48, "turns: its window's length (>= the period: always its turn)"),
+    Field("turn_free_until_ns", "uint64_t", 56, "turns: until this CLOCK_MONOTONIC ns it may launch at any time "
+          "(an elastic container lent the GPU; 0 = never)"),
 )
 
 SLOT_FIELDS = (
@@ -85,9 +88,11 @@ SLOT_FIELDS = (
     Field("start_time", "uint64_t", 8, "owner's start time (/proc/<pid>/stat field 22), to tell pid reuse"),
     Field("memory_used", "uint64_t", 16, "bytes of GPU memory the owner holds now (a level, not a counter)"),
     Field("launches", "uint64_t", 24, "counter: kernel and graph launches"),
-    Field("tokens_taken", "uint64_t", 32, "counter: tokens (GPU ns) taken before launching"),
-    Field("tokens_forfeited", "uint64_t", 40, "counter: unclaimed tokens over TOKEN_BURST_NS given up"),
-    Field("wait_ns", "uint64_t", 48, "counter: ns spent waiting for tokens"),
+    Field("gpu_ns", "uint64_t", 32, "counter: GPU time (ns) of the owner's metered launches, as the shim "
+          "estimated and trued up its kernels"),
+    Field("overrun_ns", "uint64_t", 40, "counter: ns of its work that ran past the end of its windows (paid back "
+          "by skipping as much of its next ones)"),
+    Field("wait_ns", "uint64_t", 48, "counter: ns spent waiting for its turn"),
     Field("copy_bytes", "uint64_t", 56, "counter: bytes moved by the owner's memory copies (host<->device, "
           "device<->device)"),
 )
@@ -108,8 +113,7 @@ CONSTANTS = (
     ("ALNAIR_REGION_SLOTS_OFFSET", f"{SLOTS_OFFSET}u"),
     ("ALNAIR_REGION_SIZE", f"{REGION_SIZE}u"),
     ("ALNAIR_HEARTBEAT_STALE_NS", f"{HEARTBEAT_STALE_NS}ull"),
-    ("ALNAIR_TOKEN_BURST_NS", f"{TOKEN_BURST_NS}ull"),
-    ("ALNAIR_NS_PER_PERCENT", f"{NS_PER_PERCENT}ull"),
+    ("ALNAIR_DEFAULT_TURN_PERIOD_NS", f"{DEFAULT_TURN_PERIOD_NS}ull"),
     ("ALNAIR_COMPUTE_UNLIMITED", f"{COMPUTE_UNLIMITED}u"),
     ("ALNAIR_MEMORY_UNLIMITED", f"{MEMORY_UNLIMITED}ull"),
 )

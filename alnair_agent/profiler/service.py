@@ -1,6 +1,7 @@
-"""The profiler service: every ALNAIR_PROFILE_INTERVAL_S (every ALNAIR_DISPATCH_PROFILE_INTERVAL_S while the
-dispatcher steers an active capped container by these windows), one backend sample (in a worker thread), its
-processes mapped to allocations, each container's figures updated; each pod's `ai.centaurus.io/usage` annotation
+"""The profiler service: every ALNAIR_PROFILE_INTERVAL_S, one backend sample (in a worker thread), its processes
+mapped to allocations, each container's figures updated (a compute-capped container's GPU utilization
+from the GPU time its shim counted in its turns, the same truth the dispatcher's turns give it; see
+`_metered_utils`); each pod's `ai.centaurus.io/usage` annotation
 written at most once per ALNAIR_ANNOTATE_INTERVAL_S, plus a final write when a container ends (`final`, which the
 reconciler awaits before it removes the container's workspace).
 
@@ -13,6 +14,7 @@ entry is kept until its pod is gone, so later writes for the pod's other contain
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,23 +55,20 @@ class _Collected:
     waits: dict[str, list[tuple[tuple[int, int, int], int]]]  # allocation -> slots' wait counters
     copies: dict[str, list[tuple[tuple[int, int, int], int]]]  # allocation -> slots' copy_bytes counters
     region_memory: dict[str, int]  # allocation -> bytes its slots claim (fallback when NVML says nothing)
+    gpu_time: dict[str, list[tuple[tuple[int, int, int], int]]]  # allocation -> slots' gpu_ns counters
     at: float = 0.0  # monotonic s the sample was taken (the end of its window), for the dispatcher
 
 
 class Profiler:
     def __init__(self, backend: GpuBackend, allocator: "Allocator", workspace: "Workspace",
                  pods: "PodStates | None", annotations: "AnnotationSink | None", interval_s: float = 1.0,
-                 annotate_interval_s: float = 30.0, proc_root: Path = Path("/proc"),
-                 busy_interval_s: float | None = None) -> None:
+                 annotate_interval_s: float = 30.0, proc_root: Path = Path("/proc")) -> None:
         self.backend = backend
         self.allocator = allocator
         self.workspace = workspace
         self.pods = pods
         self.annotations = annotations
         self.interval_s = interval_s
-        self.busy_interval_s = interval_s if busy_interval_s is None else min(busy_interval_s, interval_s)
-        self._busy_until = -1e18  # monotonic s until which samples come every busy_interval_s (see hurry)
-        self._woken = asyncio.Event()
         self.annotate_interval_s = annotate_interval_s
         self.mapper = PidMapper(ProcReader(proc_root))
         self.usage: dict[str, ContainerUsage] = {}  # allocation id -> figures
@@ -83,6 +82,7 @@ class Profiler:
         self.samples = 0
         self.sampled_s = 0.0
         self.sample_at = 0.0
+        self._regions_at: float | None = None  # monotonic s the slots were last read (the metered rates' window)
 
     # -- what the reconciler calls -----------------------------------------------------------------------------
     def seen(self, alloc: "Allocation") -> None:
@@ -139,31 +139,8 @@ class Profiler:
         finally:
             self.close()
 
-    def hurry(self, until: float) -> None:
-        """Sample every busy_interval_s until monotonic `until` (the dispatcher steers capped containers by the
-        profiler's windows); a slower wait already begun is cut short."""
-        if self.busy_interval_s >= self.interval_s:
-            return
-        if until > self._busy_until:
-            was_busy = time.monotonic() < self._busy_until
-            self._busy_until = until
-            if not was_busy:
-                self._woken.set()
-
-    def current_interval(self, now: float) -> float:
-        return self.busy_interval_s if now < self._busy_until else self.interval_s
-
     async def _until_next(self, started: float) -> None:
-        """Wait until the current interval has passed since `started`, re-reading the interval when hurried."""
-        while True:
-            left = self.current_interval(time.monotonic()) - (time.monotonic() - started)
-            if left <= 0:
-                return
-            self._woken.clear()
-            try:
-                await asyncio.wait_for(self._woken.wait(), left)
-            except TimeoutError:
-                return
+        await asyncio.sleep(max(0.0, self.interval_s - (time.monotonic() - started)))
 
     async def tick(self) -> None:
         snap = self._snapshot()
@@ -183,6 +160,7 @@ class Profiler:
             if alloc is not None:
                 copied[alloc_id] = self._entry(alloc).add_copies(collected.copies.get(alloc_id, []))
         dma = self._copy_shares(collected.samples, copied)
+        metered = self._metered_utils(collected, snap)
         for alloc_id in snap.alloc_ids:
             alloc = self.allocator.allocations.get(alloc_id)
             if alloc is None:
@@ -191,12 +169,13 @@ class Profiler:
             u.add_waits(collected.waits.get(alloc_id, []))
             procs = per_alloc.get(alloc_id, [])
             share = dma.get(alloc_id, 0.0)
-            if (procs or share) and dt > 0:
+            mine = metered.get(alloc_id)
+            if (procs or share or mine) and dt > 0:
                 memory = sum(p.used_memory_bytes or 0 for p in procs)
                 if not memory:
                     memory = collected.region_memory.get(alloc_id, 0)
-                u.add(now, dt, sum(p.sm_util or 0.0 for p in procs), sum(p.mem_util or 0.0 for p in procs) + share,
-                      memory)
+                util = mine if mine is not None else sum(p.sm_util or 0.0 for p in procs)
+                u.add(now, dt, util, sum(p.mem_util or 0.0 for p in procs) + share, memory)
             else:
                 u.idle()
         if dt > 0:
@@ -207,6 +186,37 @@ class Profiler:
         self._publish_due(now_mono)
 
     # -- internals ---------------------------------------------------------------------------------------------
+    def _metered_utils(self, collected: _Collected, snap: _Snapshot) -> dict[str, float]:
+        """Per compute-capped allocation, its GPU utilization (%) since the last read of the slots: the GPU time its
+        shim counted (its kernels, timed in its own turns, where no other capped context runs) over the wall time.
+        NVML's per-process figure cannot give this on a time-sliced GPU (the H200 gives each ~1/6 s period to one
+        process: a draw, not a share). Where the capped containers of a GPU together claim more than NVML's device
+        utilization (exact: the time any kernel ran), e.g. elastic ones lent the GPU together, whose kernels'
+        timings then hold each other's slices, each is scaled down by the same factor."""
+        last, self._regions_at = self._regions_at, collected.at
+        raw: dict[str, float] = {}
+        for alloc_id in snap.alloc_ids:
+            alloc = self.allocator.allocations.get(alloc_id)
+            if alloc is None or not 0 < alloc.compute_limit < 100:
+                continue
+            grown = self._entry(alloc).gpu_time.grown(collected.gpu_time.get(alloc_id, []))
+            if last is not None and collected.at > last:
+                raw[alloc_id] = min(100.0 * grown / ((collected.at - last) * 1e9), 100.0)
+        device = {g.uuid: g.gpu_util for g in collected.samples.gpus}
+        claimed: dict[str, float] = {}
+        for alloc_id, util in raw.items():
+            gpu = self.allocator.allocations[alloc_id].gpu_uuid
+            claimed[gpu] = claimed.get(gpu, 0.0) + util
+        out = {}
+        for alloc_id, util in raw.items():
+            gpu = self.allocator.allocations[alloc_id].gpu_uuid
+            exact = device.get(gpu)
+            if exact is not None and math.isfinite(exact) and claimed[gpu] > exact:
+                util *= max(exact, 0.0) / claimed[gpu]
+            if util > 0:
+                out[alloc_id] = util
+        return out
+
     def _copy_shares(self, samples: Samples, copied: dict[str, int]) -> dict[str, float]:
         """Per allocation, its part of its GPU's memory-copy utilization that no process's own (kernel) memory
         utilization explains: copy-engine transfers, which NVML attributes to no process. Split by the bytes each
@@ -284,6 +294,7 @@ class Profiler:
         slots: list[SlotPid] = []
         waits: dict[str, list[tuple[tuple[int, int, int], int]]] = {}
         copies: dict[str, list[tuple[tuple[int, int, int], int]]] = {}
+        gpu_time: dict[str, list[tuple[tuple[int, int, int], int]]] = {}
         region_memory: dict[str, int] = {}
         for alloc_id in snap.alloc_ids:
             region = self._region(alloc_id)
@@ -298,6 +309,7 @@ class Profiler:
                 slots.append(SlotPid(alloc_id, s.pid, s.start_time, snap.pod_uids.get(alloc_id, "")))
             waits[alloc_id] = [((s.index, s.pid, s.start_time), s.wait_ns) for s in readings]
             copies[alloc_id] = [((s.index, s.pid, s.start_time), s.copy_bytes) for s in readings]
+            gpu_time[alloc_id] = [((s.index, s.pid, s.start_time), s.gpu_ns) for s in readings]
         places: dict[int, str] = {}
         unattributed: dict[str, int] = {g.uuid: 0 for g in samples.gpus}
         for p in samples.processes:
@@ -308,7 +320,7 @@ class Profiler:
                 unattributed[p.gpu_uuid] = unattributed.get(p.gpu_uuid, 0) + 1
             else:
                 places[p.pid] = place.alloc_id
-        return _Collected(samples, places, unattributed, waits, copies, region_memory, at)
+        return _Collected(samples, places, unattributed, waits, copies, region_memory, gpu_time, at)
 
     def _drop_gone_pods(self) -> None:
         if self.pods is None or not self.pods.synced:

@@ -29,8 +29,10 @@ FIELDS: tuple[Field, ...] = (
     Field("state", "text", "`running`, or `ended` once the container has ended (final write)."),
     Field("memory_limit_bytes", "bytes", "GPU memory limit the shim enforced (0: none)."),
     Field("compute_limit_percent", "%", "Compute cap the shim enforced (0: none)."),
-    Field("gpu_util_mean", "% of the GPU", "Mean of the container's own GPU (SM) utilization while its processes "
-          "were on the GPU."),
+    Field("gpu_util_mean", "% of the GPU", "Mean of the container's own GPU utilization while its processes "
+          "were on the GPU. A compute-capped container: the GPU time its kernels ran in its turns, as the shim timed "
+          "them, scaled down where the capped containers of its GPU together claim more than NVML's device "
+          "utilization; any other: NVML's per-process SM utilization."),
     Field("gpu_util_max", "% of the GPU", "Highest sampled GPU utilization of the container."),
     Field("memcpy_util_mean", "% of the GPU", "Mean memory-copy utilization of the container while its processes "
           "were on the GPU: their kernels' memory traffic (NVML per process) plus its share, by bytes copied, of the "
@@ -38,7 +40,7 @@ FIELDS: tuple[Field, ...] = (
     Field("memcpy_util_max", "% of the GPU", "Highest sampled memory-copy utilization."),
     Field("memory_max_bytes", "bytes", "Most GPU memory its processes held at once (NVML, else the shim's count)."),
     Field("gpu_seconds", "s", "GPU time: the integral of its GPU utilization over time (1 s at 100 % = 1)."),
-    Field("throttled_seconds", "s", "Time its processes waited for compute tokens (held back by its cap)."),
+    Field("throttled_seconds", "s", "Time its processes waited for their turn on the GPU (held back by its cap)."),
     Field("observed_seconds", "s", "Time its processes were seen on the GPU (the means are over this)."),
     Field("first_seen", "RFC 3339", "When the agent admitted the container."),
     Field("last_seen", "RFC 3339", "Last sample that saw one of its processes on the GPU (null: none yet)."),
@@ -59,6 +61,28 @@ def _parse_time(v: Any) -> float | None:
         return datetime.fromisoformat(v.replace("Z", "+00:00")).timestamp()
     except ValueError:
         return None
+
+
+@dataclass
+class SlotCounter:
+    """One counter of a container's region slots, keyed by (index, pid, start_time): what grew since the last
+    read. Counters only grow but a slot may be reused by a new process; the first read only sets the baseline
+    (what was counted before it is not this window's)."""
+
+    seen: dict[tuple[int, int, int], int] = field(default_factory=dict)
+    started: bool = False
+
+    def grown(self, slots: list[tuple[tuple[int, int, int], int]]) -> int:
+        grown, live = 0, {}
+        for key, value in slots:
+            before = self.seen.get(key)
+            if before is not None and value > before:
+                grown += value - before
+            elif before is None and self.started:
+                grown += value  # a process that started (and counted) since the last read
+            live[key] = value if before is None else max(value, before)
+        self.seen, self.started = live, True
+        return grown
 
 
 @dataclass
@@ -84,8 +108,8 @@ class ContainerUsage:
     # the latest sample, for /metrics
     gpu_util_now: float = 0.0
     memcpy_util_now: float = 0.0
-    copy_seen: dict[tuple[int, int, int], int] = field(default_factory=dict)
-    copy_seen_any: bool = False  # the first read only sets the baseline: bytes copied before it are not this tick's
+    copies: SlotCounter = field(default_factory=SlotCounter)  # the slots' copy_bytes
+    gpu_time: SlotCounter = field(default_factory=SlotCounter)  # the slots' gpu_ns (metered launches)
     memory_now_bytes: int = 0
     resumed: bool = False  # figures of an earlier agent run looked for (see resume)
 
@@ -118,16 +142,7 @@ class ContainerUsage:
 
     def add_copies(self, slots: list[tuple[tuple[int, int, int], int]]) -> int:
         """Region slots' copy_bytes counters ((index, pid, start_time), bytes): the bytes copied since last read."""
-        grown, live = 0, {}
-        for key, copied in slots:
-            before = self.copy_seen.get(key)
-            if before is not None and copied > before:
-                grown += copied - before
-            elif before is None and self.copy_seen_any:
-                grown += copied  # a process that started (and copied) since the last read
-            live[key] = copied if before is None else max(copied, before)
-        self.copy_seen, self.copy_seen_any = live, True
-        return grown
+        return self.copies.grown(slots)
 
     @property
     def gpu_seconds(self) -> float:

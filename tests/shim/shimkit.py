@@ -49,6 +49,14 @@ def _env(build: Build, tmp: Path, preload: bool, region: Path | None, extra: dic
     return env
 
 
+def one_gpu(tmp: Path) -> dict[str, str]:
+    """Environment that puts processes on one simulated GPU whose time they share (its timeline file): without it
+    each process's streams run on a GPU of their own."""
+    timelines = tmp / "timelines"
+    timelines.mkdir(exist_ok=True)
+    return {"SIMCUDA_TIMELINE_DIR": str(timelines), "NVIDIA_VISIBLE_DEVICES": "GPU-sim-0"}
+
+
 class Runner:
     """Runs simapp under the shim (or not) against the simulated driver."""
 

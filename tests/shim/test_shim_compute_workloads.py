@@ -12,8 +12,8 @@ import time
 import pytest
 
 from alnair_agent.node import region_layout as L
-from alnair_agent.node.region import Region, monotonic_ns, rate_for_percent
-from shimkit import release, wait_holding
+from alnair_agent.node.region import Region, Turn, monotonic_ns
+from shimkit import one_gpu, release, wait_holding
 
 
 def share(res, nth: int = 0) -> float:
@@ -23,11 +23,14 @@ def share(res, nth: int = 0) -> float:
 
 
 def test_kernels_longer_than_the_sample_wait_are_measured(runner, make_region):
-    """300 ms kernels under 20 %: the sample outlives the 200 ms wait and is still used when it ends."""
+    """300 ms kernels under 20 %: the sample outlives the 200 ms wait and is still used when it ends; each kernel
+    is far longer than the 10 ms window, and what it runs past the window is paid back by skipping windows."""
     region = make_region(compute_limit=20)
-    res = runner.run("init", "run:3000:300000000", region=region, timeout=60)
+    res = runner.run("init", "run:4500:300000000", region=region, timeout=60)
     gpu = share(res)
-    assert gpu <= 0.34, res.lines  # 100 % before: every launch was charged 20 us
+    assert 0.14 <= gpu <= 0.27, res.lines  # 100 % once (every launch charged 20 us); 13 % on the H200 (issue 18)
+    [slot] = Region.open(region).slots()
+    assert slot.overrun_ns > 1e9
 
 
 def test_thousands_of_distinct_kernels_stay_capped(runner, make_region):
@@ -93,11 +96,13 @@ def test_a_capture_ended_from_the_wrong_thread_still_counts(runner, make_region)
     assert 0.15 <= share(res) <= 0.42
 
 
-def test_siblings_with_long_and_short_kernels_both_progress(runner, make_region):
-    """A 5 ms-kernel process beside a 100 us one in one container: neither starves, together about the cap."""
+def test_siblings_with_long_and_short_kernels_both_progress(runner, make_region, tmp_path):
+    """A 5 ms-kernel process beside a 100 us one in one container, on one GPU: neither starves, together about the
+    cap."""
     region = make_region(compute_limit=40)
-    slow = runner.start("init", "run:3000:5000000", "hold", region=region)
-    fast = runner.start("init", "run:3000:100000", "hold", region=region)
+    gpu = one_gpu(tmp_path)
+    slow = runner.start("init", "run:3000:5000000", "hold", region=region, env=gpu)
+    fast = runner.start("init", "run:3000:100000", "hold", region=region, env=gpu)
     shares = []
     try:
         for p in (slow, fast):
@@ -112,34 +117,30 @@ def test_siblings_with_long_and_short_kernels_both_progress(runner, make_region)
     assert sum(shares) <= 0.6, shares
 
 
-def test_a_grant_line_stalled_half_written_freezes_nothing(runner, make_region):
-    """The agent stalls half-way through a grant-line write (new tokens, old start) for 0.5 s: the shim keeps
-    following the last consistent line (no windfall to forfeit), and runs on at the cap once the write ends."""
+def test_turns_stalled_half_written_freeze_nothing(runner, make_region):
+    """The agent stalls half-way through a turn write (a new offset, the old length) for 0.5 s: the shim keeps
+    the last consistent turns it read, and follows the new ones once the write ends."""
     region = make_region(compute_limit=30)
-    rate = rate_for_percent(30)
     r = Region.open(region)
-    r.set_grant_line(rate, now_ns=monotonic_ns() - 60_000_000_000)  # a line that started a minute ago
+    r.set_turn(Turn(monotonic_ns(), 50_000_000, 0, 15_000_000))
     p = runner.start("init", "run:1000:1000000", "run:2000:1000000", "hold", region=region)
     try:
         time.sleep(0.5)
-        seq_off = L.absolute_offset("alnair_region_agent", "grant_seq")
-        tok_off = L.absolute_offset("alnair_region_agent", "tokens_granted")
+        seq_off = L.absolute_offset("alnair_region_agent", "turn_seq")
         with open(region, "r+b") as f, mmap.mmap(f.fileno(), L.REGION_SIZE) as mm:
             seq = struct.unpack_from("<I", mm, seq_off)[0]
-            now = monotonic_ns()
-            tokens = r.granted(now)
             struct.pack_into("<I", mm, seq_off, seq + 1)  # being written...
-            struct.pack_into("<Q", mm, tok_off, tokens)  # ...the new tokens, the old start time
+            struct.pack_into("<Q", mm, L.absolute_offset("alnair_region_agent", "turn_offset_ns"), 30_000_000)
             time.sleep(0.5)
-            struct.pack_into("<Q", mm, L.absolute_offset("alnair_region_agent", "granted_at_ns"), now)
-            struct.pack_into("<I", mm, seq_off, seq + 2)  # done
+            struct.pack_into("<Q", mm, L.absolute_offset("alnair_region_agent", "turn_length_ns"), 20_000_000)
+            struct.pack_into("<I", mm, seq_off, seq + 2)  # done: 40 % from 30 ms in
         lines = wait_holding(p)
     finally:
         release(p)
     runs = [dict(w.split("=") for w in ln.split() if "=" in w) for ln in lines if ln.startswith("run ")]
     shares = [int(x["gpu_ns"]) / int(x["wall_ns"]) for x in runs]
-    assert 0.15 <= shares[0] <= 0.45, shares
-    assert 0.15 <= shares[1] <= 0.45, shares  # 0 before: the windfall forfeited left the line 18 s in debt
+    assert 0.2 <= shares[0] <= 0.4, shares
+    assert 0.3 <= shares[1] <= 0.5, shares
 
 
 def test_per_thread_events_are_destroyed_when_threads_exit(runner, make_region):
@@ -167,23 +168,12 @@ def test_a_process_without_a_slot_cannot_launch_unseen(runner, make_region):
     assert res.stats.get("cuLaunchKernel", 0) == 0
 
 
-@pytest.mark.parametrize("sharers", [0, 1])
-def test_a_time_sliced_gpu_charges_kernels_their_own_time_when_the_agent_says_it_is_shared(runner, make_region,
-                                                                                          sharers):
-    """Every 3rd 1 ms kernel waits 3 ms for another context's slice (SIMCUDA_FOREIGN_SLICE), as on a GPU that
-    time-slices processes: the event pairs and fence intervals around it hold the other's time. Told the GPU is
-    shared (agent.sharers), the shim charges each kernel its floor and takes no fence debt: the process gets its
-    30 % of real kernel time. Not told, it is charged the others' slices too and gets far less (the issue's H200
-    pair and three-tenant runs)."""
-    path = make_region(compute_limit=30, name=f"region{sharers}")
-    r = Region.open(path)
-    try:
-        r.set_sharers(sharers)
-    finally:
-        r.close()
-    res = runner.run("init", "run:4000:1000000", region=path, env={"SIMCUDA_FOREIGN_SLICE": "3000000:3"}, timeout=60)
-    gpu = share(res)
-    if sharers:
-        assert 0.24 <= gpu <= 0.36, res.lines
-    else:
-        assert gpu <= 0.22, res.lines
+def test_a_loop_that_synchronizes_and_a_launch_bound_one_stay_at_their_caps(runner, make_region):
+    """What a token meter got wrong (issue 18): a loop that waits for the GPU every 20 kernels, and a launch-bound
+    loop of small kernels with host time between them. In turns each gets its cap's part of what it does alone."""
+    for op in ("loop:2000:500000:20:0", "loop:2000:20000:0:30000"):
+        alone = runner.run("init", op, preload=False).line("run")
+        region = make_region(compute_limit=30, name=f"r{op.split(':')[3]}")
+        capped = runner.run("init", op, region=region).line("run")
+        rel = (int(capped["launches"]) / int(capped["wall_ns"])) / (int(alone["launches"]) / int(alone["wall_ns"]))
+        assert 0.24 <= rel <= 0.36, (op, rel, alone, capped)

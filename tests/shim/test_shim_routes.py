@@ -30,7 +30,7 @@ def test_each_route_is_intercepted(runner, make_region, route):
         assert res.stats.get(fn + sfx, 0) == n, (fn + sfx, res.stats)
     [slot] = Region.open(region).slots()
     assert slot.launches == 5 + 3 + 2 + 4 + 1  # the one captured into the graph counts as a launch too
-    assert slot.tokens_taken > 0 and slot.memory_used == 0
+    assert slot.gpu_ns > 0 and slot.memory_used == 0
 
 
 # (requested version, per-thread flag) -> the real variant the lookup must reach, through our hook

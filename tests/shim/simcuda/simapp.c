@@ -559,6 +559,23 @@ static void run_op(const char *op, int argc, char **argv, int i)
         printf("run launches=%llu bad=%llu gpu_ns=%llu wall_ns=%llu cpu_ns=%llu\n", (unsigned long long)n,
                (unsigned long long)bad, (unsigned long long)(n * b), (unsigned long long)wall,
                (unsigned long long)used);
+    } else if (sscanf(op, "loop:%llu:%llu:%llu:%llu", &a, &b, &c, &d) == 4) {
+        /* loop:MS:DUR:SYNC:HOST  DUR-ns kernels for MS ms of wall time; every SYNC-th launch waits for the GPU (0:
+         * never), and HOST ns of host work (a spin) come before each launch: a loop that synchronizes, a
+         * launch-bound one (small kernels, host time between them) */
+        uint64_t t0 = mono(), n = 0, bad = 0;
+        while (mono() - t0 < a * 1000000ull) {
+            for (uint64_t h = mono(); d && mono() - h < d;) {
+            }
+            bad += launch("launch", b, NULL) != CUDA_SUCCESS;
+            n++;
+            if (c && n % c == 0)
+                api.StreamSync(NULL);
+        }
+        api.StreamSync(NULL);
+        uint64_t wall = mono() - t0;
+        printf("run launches=%llu bad=%llu gpu_ns=%llu wall_ns=%llu cpu_ns=0\n", (unsigned long long)n,
+               (unsigned long long)bad, (unsigned long long)(n * b), (unsigned long long)wall);
     } else if (sscanf(op, "threads:%llu:%llu:%llu", &c, &a, &b) == 3) {
         /* threads:N:MS:DUR  N threads launch DUR-ns kernels on the one legacy stream for MS ms */
         pthread_t th[64];

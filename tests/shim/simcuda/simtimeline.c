@@ -25,6 +25,7 @@ static uint64_t *myslot;  /* this process's slot, or NULL */
 static pid_t mypid;
 static pthread_mutex_t tlmu = PTHREAD_MUTEX_INITIALIZER;
 static int tried;
+static double switch_loss = 0.05; /* SIMCUDA_SWITCH_LOSS: the GPU time lost while contexts are time-sliced */
 
 #define LOAD(p) __atomic_load_n((p), __ATOMIC_ACQUIRE)
 #define STORE(p, v) __atomic_store_n((p), (v), __ATOMIC_RELEASE)
@@ -33,6 +34,12 @@ static int tried;
 static void open_timeline(void)
 {
     const char *dir = getenv("SIMCUDA_TIMELINE_DIR"), *gpus = getenv("NVIDIA_VISIBLE_DEVICES");
+    const char *loss = getenv("SIMCUDA_SWITCH_LOSS");
+    if (loss != NULL && *loss != 0) {
+        double v = strtod(loss, NULL);
+        if (v >= 0.0 && v < 1.0)
+            switch_loss = v;
+    }
     if (dir == NULL || *dir == 0 || gpus == NULL || *gpus == 0)
         return;
     char uuid[128], path[PATH_MAX];
@@ -105,22 +112,15 @@ static void book(uint64_t *buckets, uint64_t start, uint64_t end, uint64_t ns)
     }
 }
 
-static uint64_t bucket_get(const uint64_t *b, uint64_t k)
-{
-    uint64_t v = LOAD(b);
-    return (v >> 32) == (k & 0xffffffffull) ? (v & 0xffffffffull) : 0;
-}
-
 /* Time-slicing, as a GPU without MPS does it, on a timeline booked in advance. A kernel runs at speed
- *     max(1 / n, 1 - U)
- * where n counts the processes with work on the GPU now (itself included) and U is the share of the GPU the
- * other processes used over the last RECENT buckets: processes that all want the whole GPU split it equally
- * (1/n each), and one that wants less leaves the rest to the others (a process at 30 % beside a greedy one: the
- * greedy one runs at 0.7, the other at 0.5 for 60 % of the time). A kernel at speed s ends dur / s after its start
- * and its dur ns of GPU time are booked evenly over that span, so the events around it see the stretched time a
- * time-sliced kernel shows. A process's own kernels run one after another (its lane_end). Speeds are fixed when a
- * kernel is booked, so a change in who is busy is felt within one in-flight horizon. */
-#define RECENT 5u
+ *     1 / n   (x (1 - SIMCUDA_SWITCH_LOSS) while n > 1)
+ * where n counts the processes with work on the GPU when it starts (itself included): processes that have work at
+ * the same time split the GPU equally, and lose SIMCUDA_SWITCH_LOSS (default 0.05) of its time to switching between
+ * their contexts, as the H200 does (two or three matmul contexts together do 4-6 % less work than one); one alone
+ * runs at full speed. A kernel at speed s ends dur / s after its start and its dur ns of GPU time are booked evenly
+ * over that span, so the events around it see the stretched time a time-sliced kernel shows. A process's own
+ * kernels run one after another (its lane_end). Speeds are fixed when a kernel is booked, so a change in who is
+ * busy is felt within one in-flight horizon. */
 uint64_t simtl_book(uint64_t earliest, uint64_t dur, uint64_t mem_bytes, enum simtl_kind kind)
 {
     pid_t me = getpid();
@@ -138,10 +138,7 @@ uint64_t simtl_book(uint64_t earliest, uint64_t dur, uint64_t mem_bytes, enum si
     }
     if (tl == NULL || dur == 0)
         return earliest;
-    uint64_t start = earliest, n = 1, others = 0;
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    uint64_t now = (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec, kn = now / SIMTL_BUCKET_NS;
+    uint64_t start = earliest, n = 1;
     if (myslot != NULL) {
         uint64_t lane = LOAD(&myslot[3]);
         if (lane > start)
@@ -151,16 +148,14 @@ uint64_t simtl_book(uint64_t earliest, uint64_t dur, uint64_t mem_bytes, enum si
         uint64_t *s = slot_at(i);
         if (s == myslot || LOAD(&s[0]) == 0)
             continue;
-        if (LOAD(&s[3]) > now)
+        if (LOAD(&s[3]) > start)
             n++;
-        for (uint64_t k = kn - RECENT; k < kn; k++)
-            others += bucket_get(&s[SLOT_HDR_WORDS + k % SIMTL_BUCKETS], k);
     }
     if (myslot == NULL) /* no slot of its own (all taken): it still shares the GPU */
         n++;
-    double speed = 1.0 - (double)others / (double)(RECENT * SIMTL_BUCKET_NS);
-    if (speed < 1.0 / (double)n)
-        speed = 1.0 / (double)n;
+    double speed = 1.0 / (double)n;
+    if (n > 1)
+        speed *= 1.0 - switch_loss;
     uint64_t end = start + (uint64_t)((double)dur / speed);
     if (myslot != NULL) {
         uint64_t lane = LOAD(&myslot[3]);
