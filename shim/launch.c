@@ -635,7 +635,10 @@ static void poll_sample(void)
     if (e == NULL)
         return;
     uint64_t old = atomic_load_explicit(&e->ns, memory_order_relaxed);
-    atomic_store_explicit(&e->ns, old && !T.s_guess ? (3 * old + ns) / 4 : ns, memory_order_relaxed);
+    /* a moving average, except that a sample far under the estimate is taken at once: an estimate made while the
+     * GPU was shared with another context holds its slices, and would keep this one stopping early in its turns */
+    atomic_store_explicit(&e->ns, old && !T.s_guess && 10 * ns > 7 * old ? (3 * old + ns) / 4 : ns,
+                          memory_order_relaxed);
 }
 
 static void wait_sample(void)

@@ -1,7 +1,10 @@
-"""The dispatcher end to end, without a GPU: real processes under the real shim run kernels on the simulated
-driver's shared GPU timeline; the real agent (simulated backend reading that timeline, profiler, dispatcher) admits
-them through the kubelet emulator. What each container really got is read from the timeline itself (the truth),
-not from the agent."""
+"""The turns end to end, without a GPU: real processes under the real shim run kernels on the simulated driver's
+shared GPU timeline (which time-slices processes and loses 5 % of the GPU to switching while several have work, as
+the H200 does); the real agent (simulated backend reading that timeline, profiler, dispatcher) admits them through
+the kubelet emulator. What each container really got is read from the timeline itself, or from its own throughput
+against the same program alone (the truth), not from the agent. Program shapes: kernels back to back (`mm`), a loop
+that waits for the GPU every 20 kernels (`sync`), and a launch-bound loop of small kernels with host time between
+them (`small`)."""
 
 from __future__ import annotations
 
@@ -25,7 +28,13 @@ from alnair_agent.kubelet.emulator import KubeletEmulator
 pytestmark = pytest.mark.timeout(90)
 
 ROOT = Path(__file__).resolve().parents[1]
-KERNEL_NS = 1_000_000  # the tenants' kernels: 1 ms, back to back
+KERNEL_NS = 500_000  # the tenants' kernels: 0.5 ms
+SHAPES = {  # simapp operations for MS ms of each program shape
+    "mm": lambda ms: f"run:{ms}:{KERNEL_NS}",
+    "sync": lambda ms: f"loop:{ms}:{KERNEL_NS}:20:0",
+    "small": lambda ms: f"loop:{ms}:20000:0:30000",
+    "gaps": lambda ms: f"gaps:{ms}:1000000:1000000",  # busy about half the time: a job that packs
+}
 RECORDERS: dict[Path, "Recorder"] = {}
 
 
@@ -66,12 +75,13 @@ class Tenant:
                     "ALNAIR_CONTEXT_BYTES": "0", "SIMCUDA_TIMELINE_DIR": str(timelines)}
         self.app = build.sim / "simapp"
         self.procs: list[asyncio.subprocess.Process] = []
+        self.runs: list[dict[str, str]] = []  # each process's `run` line
         self.recorder = RECORDERS.setdefault(self.timeline, Recorder(self.timeline))
         if self.recorder.task is None:
             self.recorder.task = asyncio.create_task(self.recorder.run())
 
-    async def start(self, ms: int, *extra: str) -> asyncio.subprocess.Process:
-        p = await asyncio.create_subprocess_exec(str(self.app), "init", "ctx", *extra, f"run:{ms}:{KERNEL_NS}",
+    async def start(self, ms: int, *extra: str, shape: str = "mm") -> asyncio.subprocess.Process:
+        p = await asyncio.create_subprocess_exec(str(self.app), "init", "ctx", *extra, SHAPES[shape](ms),
                                                  env=self.env, stdout=asyncio.subprocess.PIPE,
                                                  stderr=asyncio.subprocess.PIPE)
         self.procs.append(p)
@@ -81,6 +91,13 @@ class Tenant:
         for p in self.procs:
             out, err = await p.communicate()
             assert p.returncode == 0, err.decode()
+            self.runs += [dict(w.split("=", 1) for w in ln.split() if "=" in w)
+                          for ln in out.decode().splitlines() if ln.startswith("run ")]
+
+    def rate(self) -> float:
+        """Launches per second of its (one) process: its throughput."""
+        [run] = self.runs
+        return int(run["launches"]) / (int(run["wall_ns"]) / 1e9)
 
     def share(self, t0_ns: int, t1_ns: int) -> float:
         """Percent of the GPU this tenant's processes got over [t0, t1] (whole 10 ms buckets), from the timeline
@@ -88,6 +105,9 @@ class Tenant:
         return self.recorder.share({p.pid for p in self.procs}, t0_ns, t1_ns)
 
     def series(self, t0_ns: int, t1_ns: int, step_ns: int) -> list[float]:
+        """Shares per `step_ns` from the first whole bucket after t0 (steps of whole buckets: a 50 ms step is one
+        turn period, whatever its phase)."""
+        t0_ns = -(-t0_ns // TL.BUCKET_NS) * TL.BUCKET_NS
         return [self.share(t, t + step_ns) for t in range(t0_ns, t1_ns - step_ns + 1, step_ns)]
 
 
@@ -151,15 +171,35 @@ RUN_MS = 10_000  # each "over 10 s" figure is the tenants' whole run, start-up a
 SECOND = 1_000_000_000
 
 
-async def run_together(tenants: list[Tenant], ms: int = RUN_MS) -> tuple[int, int]:
+async def run_together(tenants: list[Tenant], ms: int = RUN_MS, shape: str = "mm") -> tuple[int, int]:
     t0 = now_ns()
     for t in tenants:
-        await t.start(ms)
+        await t.start(ms, shape=shape)
     await asyncio.gather(*(t.wait() for t in tenants))
     t1 = now_ns()
     for r in {t.recorder for t in tenants}:
         r.poll()
     return t0, t1
+
+
+async def alone_rate(build: Build, timelines: Path, shape: str, ms: int) -> float:
+    """The program's throughput alone on a simulated GPU of its own, without the shim (what 100 % means)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ALNAIR_", "SIMCUDA_", "LD_"))}
+    env.update({"LD_LIBRARY_PATH": str(build.sim), "SIMCUDA_TIMELINE_DIR": str(timelines),
+                ENV_VISIBLE_DEVICES: "GPU-alone"})
+    p = await asyncio.create_subprocess_exec(str(build.sim / "simapp"), "init", "ctx", SHAPES[shape](ms), env=env,
+                                             stdout=asyncio.subprocess.PIPE)
+    out, _ = await p.communicate()
+    [run] = [dict(w.split("=", 1) for w in ln.split() if "=" in w) for ln in out.decode().splitlines()
+             if ln.startswith("run ")]
+    return int(run["launches"]) / (int(run["wall_ns"]) / 1e9)
+
+
+def within_scaled(shares: list[float], caps: tuple[int, ...], points: float = 3.0) -> bool:
+    """The issue's rule: each share within `points` of its cap, the caps scaled by what the GPU delivered to them
+    together when that is less than their sum (the same factor for all, and at least 0.9)."""
+    f = min(1.0, sum(shares) / sum(caps))
+    return f >= 0.9 and all(abs(s - c * f) <= points for s, c in zip(shares, caps, strict=True))
 
 
 async def test_caps_alone_hold_within_3_points(root, api, build, timelines):
@@ -170,46 +210,80 @@ async def test_caps_alone_hold_within_3_points(root, api, build, timelines):
         await registered(kubelet)
         tenants = [await admit(api, kubelet, build, timelines, f"cap{c}", c) for c in caps]
         assert len({t.gpu for t in tenants}) == len(caps)  # spread: one GPU each
-        t0, t1 = await run_together(tenants)
+        t0, t1 = await run_together(tenants, 6_000)
         shares = [t.share(t0, t1) for t in tenants]
-        print("caps", caps, "shares over 10 s", fmt(shares))
-        for t in tenants:
-            print("  per s", fmt(t.series(t0, t1, SECOND)))
+        print("caps", caps, "shares over 6 s", fmt(shares))
         for cap, share in zip(caps, shares):
             assert abs(share - cap) <= 3, (cap, share)
 
 
+@pytest.mark.parametrize("shape", ["sync", "small"])
+async def test_a_cap_alone_holds_for_programs_that_wait_or_are_launch_bound(root, api, build, timelines, shape):
+    """Throughput against the same program alone on a whole GPU: a cap of 30 % is 30 % of what it does alone (alone
+    just before and just after, one at a time: a launch-bound loop's pace is its host CPU's, which this 2-core
+    machine shares with the agent)."""
+    settings = settings_for(root, timelines)
+    async with api.api_client() as client, running_agent(settings, kubernetes_for(client)), \
+            KubeletEmulator(settings.device_plugin_dir, settings.pod_resources_socket) as kubelet:
+        await registered(kubelet)
+        t = await admit(api, kubelet, build, timelines, "t30", 30)
+        before = await alone_rate(build, timelines, shape, 2_000)
+        await run_together([t], 4_000, shape)
+        base = (before + await alone_rate(build, timelines, shape, 2_000)) / 2
+    rel = 100 * t.rate() / base
+    print(shape, "cap 30: throughput", round(rel, 1), "% of alone")
+    assert abs(rel - 30) <= 3, rel
+
+
 async def test_three_tenants_20_30_50_each_within_3_points(root, api, build, timelines):
     settings = settings_for(root, timelines)
-    async with api.api_client() as client, running_agent(settings, kubernetes_for(client)) as running, \
+    async with api.api_client() as client, running_agent(settings, kubernetes_for(client)), \
             KubeletEmulator(settings.device_plugin_dir, settings.pod_resources_socket) as kubelet:
         await registered(kubelet)
         caps = (20, 30, 50)
         tenants = [await admit(api, kubelet, build, timelines, f"t{c}", c) for c in caps]
         assert len({t.gpu for t in tenants}) == 1
-        t0, t1 = await run_together(tenants)
+        t0, t1 = await run_together(tenants, 6_000)
         shares = [t.share(t0, t1) for t in tenants]
-        print("20/30/50 shares over 10 s", fmt(shares), "factors",
-              [round(c.k, 2) for c in running.agent.dispatcher.state.values()])
+        print("20/30/50 shares over 6 s", fmt(shares))
         for t in tenants:
             print("  per s", fmt(t.series(t0, t1, SECOND)))
-        for cap, share in zip(caps, shares):
-            assert abs(share - cap) <= 3, (cap, share)
+        assert within_scaled(shares, caps), shares
 
 
-async def test_two_tenants_30_70_split_3_to_7(root, api, build, timelines):
+@pytest.mark.parametrize("shape", ["mm", "sync"])
+async def test_two_tenants_30_70_split_3_to_7(root, api, build, timelines, shape):
+    """Each within 3 points of its cap (scaled by what the GPU delivers to two contexts), the ratio within 10 % of
+    3 : 7; and the pods' own figures (each container's GPU utilization as the agent reports it, its
+    gpu_util_integral over its observed time between two points of the run) within 3 points of what it did."""
     settings = settings_for(root, timelines)
     async with api.api_client() as client, running_agent(settings, kubernetes_for(client)) as running, \
             KubeletEmulator(settings.device_plugin_dir, settings.pod_resources_socket) as kubelet:
         await registered(kubelet)
         a = await admit(api, kubelet, build, timelines, "a", 30)
         b = await admit(api, kubelet, build, timelines, "b", 70)
-        t0, t1 = await run_together([a, b])
+
+        def figures() -> tuple[int, dict[str, tuple[float, float]]]:
+            allocs = running.agent.allocator.allocations
+            return now_ns(), {allocs[k].pod_name: (u.gpu_util_integral, u.observed_s)
+                              for k, u in running.agent.profiler.usage.items()}
+
+        run = asyncio.create_task(run_together([a, b], 7_000, shape))
+        await asyncio.sleep(2.0)
+        ta, before = figures()
+        await asyncio.sleep(4.0)
+        tb, after = figures()
+        t0, t1 = await run
         sa, sb = a.share(t0, t1), b.share(t0, t1)
-        print("30/70 shares over 10 s", round(sa, 2), round(sb, 2), "ratio", round(sa / sb, 3), "(3/7 = 0.429)",
-              "factors", [round(c.k, 2) for c in running.agent.dispatcher.state.values()])
+        print(shape, "30/70 shares over 7 s", round(sa, 2), round(sb, 2), "ratio", round(sa / sb, 3), "(3/7 = 0.429)")
         print("  per s", fmt(a.series(t0, t1, SECOND)), fmt(b.series(t0, t1, SECOND)))
-        assert abs(sa / sb / (3 / 7) - 1) <= 0.05
+        assert abs(sa / sb / (3 / 7) - 1) <= 0.10
+        assert within_scaled([sa, sb], (30, 70)), (sa, sb)
+        for name, t in (("a", a), ("b", b)):
+            reported = (after[name][0] - before[name][0]) / max(after[name][1] - before[name][1], 1e-9)
+            did = t.share(ta, tb)
+            print("  usage", name, "reported", round(reported, 1), "did", round(did, 1))
+            assert abs(reported - did) <= 3, (name, reported, did)
 
 
 async def test_elastic_lone_tenant_uses_the_gpu_and_gives_it_back_within_200_ms(root, api, build, timelines):
@@ -227,21 +301,36 @@ async def test_elastic_lone_tenant_uses_the_gpu_and_gives_it_back_within_200_ms(
         await asyncio.gather(lender.wait(), other.wait())
         lender.recorder.poll()
         alone = lender.share(t0 + SECOND, tb)
-        step = 50_000_000
+        step = 50_000_000  # one turn period: a share per period
         after = lender.series(tb, tb + 2 * SECOND, step)
+        newcomer = other.series(tb, tb + 2 * SECOND, step)
+        first = next(i for i, x in enumerate(newcomer) if x > 0)  # its first kernels (after its process start-up)
         print("elastic: alone", round(alone, 1), "% (1 s after start to the second start); per 50 ms after:",
-              fmt(after[:12]), "...; the other per 50 ms", fmt(other.series(tb, tb + SECOND, step)))
+              fmt(after[:12]), "...; the other per 50 ms", fmt(newcomer[:12]))
         assert alone >= 95
-        # from 200 ms after the second tenant's process started, every 50 ms window: back at (or under) its cap
-        assert all(x <= 30 + 3 for x in after[4:]), str([round(x) for x in after])
-        assert sum(after[4:]) / len(after[4:]) >= 20  # held at its cap, not starved
+        # within 200 ms (4 periods) of the newcomer's first kernels: it has >= 90 % of its cap and the lender <= 33
+        settled = first + 4
+        assert all(x >= 0.9 * 70 for x in newcomer[settled:settled + 20]), fmt(newcomer)
+        assert all(x <= 33 for x in after[settled:settled + 20]), fmt(after)
+
+
+async def test_elastic_jobs_that_leave_the_gpu_idle_pack(root, api, build, timelines):
+    """Two elastic jobs that keep the GPU busy about half the time: lent the GPU together (its device utilization
+    leaves room), each runs near its pace alone, not at the half its window would give it."""
+    settings = settings_for(root, timelines)
+    async with api.api_client() as client, running_agent(settings, kubernetes_for(client)), \
+            KubeletEmulator(settings.device_plugin_dir, settings.pod_resources_socket) as kubelet:
+        await registered(kubelet)
+        jobs = [await admit(api, kubelet, build, timelines, f"job{i}", 50, policy="elastic") for i in range(2)]
+        base, _ = await asyncio.gather(alone_rate(build, timelines, "gaps", 6_000), run_together(jobs, 6_000, "gaps"))
+    rel = [100 * j.rate() / base for j in jobs]
+    print("elastic gaps jobs together:", fmt(rel), "% of alone each")
+    assert all(r >= 75 for r in rel), rel  # in their windows alone: ~50 each
 
 
 async def test_agent_restart_mid_run_leaves_every_cap_held(root, api, build, timelines):
-    """Two tenants under contention (30 and 50 on one GPU); the agent stops 3 s in and is back 2.5 s later (its
-    heartbeat goes stale): both caps hold over the run (+-3) and while no agent runs (+-6: the line in force is
-    the last correction, and nothing corrects it); the new agent carries on from the
-    rates it finds in the regions."""
+    """Two tenants on one GPU (30 and 50); the agent stops 3 s in and is back 2.5 s later (its heartbeat goes
+    stale): the turns run on the clock, so both caps hold over the run and while no agent runs."""
     settings = settings_for(root, timelines)
     async with api.api_client() as client, \
             KubeletEmulator(settings.device_plugin_dir, settings.pod_resources_socket) as kubelet:
@@ -254,26 +343,24 @@ async def test_agent_restart_mid_run_leaves_every_cap_held(root, api, build, tim
             await b.start(RUN_MS)
             await asyncio.sleep(3.0)
         down = now_ns()
-        await asyncio.sleep(2.5)  # no agent, heartbeat stale (> 2 s): the shim keeps the last line
-        async with api.api_client() as client2, running_agent(settings, kubernetes_for(client2)) as running:
+        await asyncio.sleep(2.5)  # no agent, heartbeat stale (> 2 s): the shims keep the last turns
+        async with api.api_client() as client2, running_agent(settings, kubernetes_for(client2)):
             up = now_ns()
             await asyncio.gather(a.wait(), b.wait())
             t1 = now_ns()
             a.recorder.poll()
-            rates = {k: c.rate for k, c in running.agent.dispatcher.state.items()}
         sa, sb = a.share(t0, t1), b.share(t0, t1)
         gap_a, gap_b = a.share(down, up), b.share(down, up)
         print("restart: shares over 10 s", round(sa, 1), round(sb, 1), "while no agent", round(gap_a, 1),
-              round(gap_b, 1), "rates after", rates)
+              round(gap_b, 1))
         print("  per s", fmt(a.series(t0, t1, SECOND)), fmt(b.series(t0, t1, SECOND)))
-        assert abs(sa - 30) <= 4 and abs(sb - 50) <= 4  # (start-up and the 2.5 s without an agent included)
-        # with no agent nothing corrects the line: the last one holds, within the loop's usual per-second spread
-        # (seen in a clean-clone CI run: 24.6 and 58.2 over the 2.5 s gap; the run as a whole held within 3)
-        assert abs(gap_a - 30) <= 10 and abs(gap_b - 50) <= 10
+        assert abs(sa - 30) <= 3 and abs(sb - 50) <= 3
+        assert abs(gap_a - 30) <= 3 and abs(gap_b - 50) <= 3
 
 
 async def test_bad_neighbours_disturb_nobody(root, api, build, timelines):
-    """A garbage region, a container whose processes died, one that takes no tokens: the good tenant's cap holds."""
+    """A garbage region, a container whose processes died, one that launches nothing: the good tenant's cap
+    holds."""
     settings = settings_for(root, timelines)
     async with api.api_client() as client, running_agent(settings, kubernetes_for(client)) as running, \
             KubeletEmulator(settings.device_plugin_dir, settings.pod_resources_socket) as kubelet:

@@ -1,190 +1,131 @@
-"""The dispatcher's control law on its own (no processes): factor estimation, anti-windup, elastic targets, and
-counters a container could forge."""
+"""The turns of one GPU (alnair_agent/dispatcher/control.py), without I/O: the layout of the windows, what the
+containers' counters say, and when elastic containers are lent the GPU."""
 
 from __future__ import annotations
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from alnair_agent.dispatcher import control as C
 from alnair_agent.dispatcher.service import parse_policy
 
-G = C.Gains()
+P = 50_000_000
 
 
-def fed(c: C.Container, t: float, taken: int) -> None:
-    C.observe_counters(c, t, 0.05, taken, 0, int(t * 1000), G.max_factor)
+def c(key: str, cap: float, policy: str = C.STRICT) -> C.Container:
+    return C.Container(key, cap, policy)
 
 
-def test_factor_converges_to_taken_over_used_and_is_bounded():
-    c = C.Container("a", 30)
-    taken = 0
-    for i in range(200):  # charged 2 tokens per GPU ns it really got: 60 % worth of tokens buys 30 %
-        t = i * 0.05
-        taken += int(0.6e9 * 0.05)
-        fed(c, t, taken)
-        if i and i % 5 == 0:
-            C.observe_share(c, t - 0.25, t, 30.0, G)
-    assert c.k == pytest.approx(2.0, rel=0.05)
-    C.targets([c], 10.0, G)
-    assert C.rate_for(c, G) == pytest.approx(0.6e9, rel=0.05)
-    for i in range(200, 400):  # absurd: tokens taken with nothing on the GPU -> no update below MIN_SHARE
-        t = i * 0.05
-        taken += int(9e9 * 0.05)
-        fed(c, t, taken)
-        if i % 5 == 0:
-            C.observe_share(c, t - 0.25, t, 1.0, G)
-    assert c.k <= G.max_factor  # anti-windup bound
+@given(st.lists(st.tuples(st.integers(1, 99), st.sampled_from(C.POLICIES)), min_size=1, max_size=12),
+       st.integers(5_000_000, 1_000_000_000))
+def test_windows_never_overlap_and_stay_inside_the_period(caps, period):
+    containers = [c(f"a{i:02}", cap, pol) for i, (cap, pol) in enumerate(caps)]
+    w = C.layout(containers, period)
+    spans = sorted((off, off + length) for off, length in w.values() if length)
+    for (a0, a1), (b0, b1) in zip(spans, spans[1:]):
+        assert a1 <= b0, spans
+    assert all(0 <= off < period and off + length <= period for off, length in w.values())
+    total = sum(cap for cap, _ in caps)
+    if total <= 100:  # what can be admitted on one GPU: every cap gets its part, at least
+        for x in containers:
+            assert w[x.key][1] >= int(period * x.cap / 100) - 1
 
 
-def test_forged_counters_count_as_nothing():
-    c = C.Container("a", 30)
-    C.observe_counters(c, 0.0, 0.05, 10**15, 0, 0, G.max_factor)
-    C.observe_counters(c, 0.05, 0.05, 5, 0, 0, G.max_factor)  # fell
-    assert c.taken_rate == 0
-    C.observe_counters(c, 0.1, 0.05, 2**63, 2**63, 0, G.max_factor)  # leapt
-    assert c.taken_rate <= 64 * G.max_factor * 1e9
-    assert C.K_MIN * c.cap_rate <= C.rate_for(c, G) <= C.LEND_ALL * C.NS_PER_PERCENT * G.max_factor
+@pytest.mark.parametrize("containers,want", [
+    ([c("a", 30)], {"a": 30}),                                    # strict: a ceiling, alone or not
+    ([c("a", 30, C.ELASTIC)], {"a": 100}),                        # a lone elastic one: the whole period
+    ([c("a", 30), c("b", 70)], {"a": 30, "b": 70}),
+    ([c("a", 20), c("b", 30), c("c", 50)], {"a": 20, "b": 30, "c": 50}),
+    ([c("a", 30), c("b", 50, C.ELASTIC)], {"a": 30, "b": 70}),    # the spare goes to the elastic one
+    ([c("a", 10, C.ELASTIC), c("b", 30, C.ELASTIC)], {"a": 25, "b": 75}),  # ... in proportion to the caps
+    ([c("a", 30), c("b", 30)], {"a": 30, "b": 30}),               # strict ones leave the spare idle
+])
+def test_layout_table(containers, want):
+    w = C.layout(containers, P)
+    assert {k: round(100 * length / P) for k, (_, length) in w.items()} == want
 
 
-def test_elastic_targets():
-    lender = C.Container("l", 30, C.ELASTIC)
-    lender.last_active = lender.last_hungry = 1.0
-    C.targets([lender], 1.0, G)
-    assert lender.target == C.LEND_ALL  # alone and wanting: the whole GPU
-    other = C.Container("o", 70, C.STRICT)
-    other.last_active, other.active_since = 1.0, 1.0  # just started, nothing measured yet: its cap is reserved
-    C.targets([lender, other], 1.0, G)
-    assert lender.target == 30 and other.target == 70
-    strict = C.Container("s", 30, C.STRICT)
-    strict.last_active = strict.last_hungry = 1.0
-    C.targets([strict], 1.0, G)
-    assert strict.target == 30  # strict: a ceiling
-    small = C.Container("x", 20, C.STRICT)  # active, measured using 10 %, not waiting: the rest can be lent
-    small.last_active, small.active_since, small.measured, small.measured_at = 1.0, 0.0, 10.0, 0.5
-    C.targets([lender, small], 1.0, G)
-    assert lender.target == pytest.approx(100 - C.SPARE_MARGIN - 10)
+def test_the_layout_is_stable_whatever_the_order():
+    a, b, d = c("a", 20), c("b", 30), c("d", 50)
+    assert C.layout([d, a, b], P) == C.layout([a, b, d], P)
 
 
-@pytest.mark.parametrize(("raw", "want"), [("", ("strict", True)), ("elastic", ("elastic", True)),
-                                           (" Strict ", ("strict", True)), ("greedy", ("strict", False))])
+def test_forged_counters_count_only_as_activity():
+    x = c("a", 30)
+    C.observe_counters(x, 0.0, 0.05, 10, 0, 0)
+    C.observe_counters(x, 0.05, 0.05, 5, 0, 0)  # fell: a reused slot, or a lie
+    assert x.last_active < 0 and x.launches == 5
+    C.observe_counters(x, 0.1, 0.05, 2**63, 2**63, 2**63)  # leapt
+    assert x.last_active == 0.1 and x.gpu_rate <= 64e9 and x.wait_frac <= 64
+
+
+def gpu_with(active: set[str], util: float | None = None, now: float = 10.0) -> C.Gpu:
+    g = C.Gpu(epoch_ns=0)
+    C.note_active(g, frozenset(active), now - 1.0)
+    if util is not None:
+        C.note_device_util(g, util, now - 0.5)
+    return g
+
+
+@pytest.mark.parametrize("containers,active,util,uncapped,want", [
+    ([c("a", 30, C.ELASTIC), c("b", 70)], {"a"}, None, False, {"a"}),            # alone: lent the GPU
+    ([c("a", 30, C.ELASTIC), c("b", 70)], {"a", "b"}, 10.0, False, set()),       # a strict one is active
+    ([c("a", 30), c("b", 70)], {"a"}, None, False, set()),                       # strict: never lent
+    ([c("a", 50, C.ELASTIC), c("b", 50, C.ELASTIC)], {"a", "b"}, 60.0, False, {"a", "b"}),  # GPU not full: both
+    ([c("a", 50, C.ELASTIC), c("b", 50, C.ELASTIC)], {"a", "b"}, 99.0, False, set()),  # full: their windows
+    ([c("a", 50, C.ELASTIC), c("b", 50, C.ELASTIC)], {"a", "b"}, None, False, set()),  # not known yet: windows
+    ([c("a", 30, C.ELASTIC)], {"a"}, None, True, set()),                         # an uncapped one runs beside it
+])
+def test_lending_table(containers, active, util, uncapped, want):
+    g = gpu_with(active, util)
+    C.update_lending(g, containers, uncapped, 10.0)
+    assert C.lent(g, containers, uncapped) == want
+
+
+def test_a_change_in_who_is_active_ends_every_lease_at_once():
+    cs = [c("a", 50, C.ELASTIC), c("b", 50, C.ELASTIC)]
+    g = gpu_with({"a", "b"}, 60.0)
+    C.update_lending(g, cs, False, 10.0)
+    assert C.lent(g, cs, False) == {"a", "b"}
+    assert C.note_active(g, frozenset({"a"}), 10.05)
+    C.update_lending(g, cs, False, 10.05)
+    assert C.lent(g, cs, False) == {"a"}  # alone now
+    assert C.note_active(g, frozenset({"a", "b"}), 10.1)
+    C.update_lending(g, cs, False, 10.1)
+    assert C.lent(g, cs, False) == set()  # the newcomer is back: windows until a utilization says otherwise
+
+
+def test_a_saturated_lending_is_held_off_for_longer_each_time():
+    """Windows leave the GPU half idle (lend it); lent together the pair fills it (windows again, and no new loan
+    for a hold that doubles each time)."""
+    cs = [c("a", 50, C.ELASTIC), c("b", 50, C.ELASTIC)]
+    g = gpu_with({"a", "b"})
+    t, ended, holds = 10.0, None, []
+    while len(holds) < 4:
+        t += 0.05
+        C.note_device_util(g, 99.0 if g.lending else 50.0, t)
+        was = g.lending
+        C.update_lending(g, cs, False, t)
+        if was and not g.lending:
+            ended = t
+        elif g.lending and not was and ended is not None:
+            holds.append(round(t - ended, 2))
+    assert holds == sorted(holds) and holds[-1] >= 7.5 * holds[0], holds
+
+
+def test_a_sample_taken_right_after_a_change_is_not_used():
+    g = gpu_with({"a"})
+    C.note_active(g, frozenset({"a", "b"}), 20.0)
+    C.note_device_util(g, 10.0, 20.1)  # still the old mix
+    assert g.device_util is None
+    C.note_device_util(g, 10.0, 20.0 + C.SETTLE_S)
+    assert g.device_util == 10.0
+
+
+@pytest.mark.parametrize("raw,want", [
+    (None, ("strict", True)), ("", ("strict", True)), ("elastic", ("elastic", True)), (" Elastic ", ("elastic", True)),
+    ("greedy", ("strict", False)), ("strict\x00", ("strict", False)),
+])
 def test_parse_policy(raw, want):
     assert parse_policy(raw, "strict") == want
-
-
-def _sharing(caps_rates_taken: list[tuple[float, float, float]], seconds: float, gpu: C.Gpu) -> list[C.Container]:
-    """Containers (cap, grant in % of the GPU, taken in %) that all wait most of each tick, fed for `seconds`."""
-    cs = [C.Container(str(i), cap) for i, (cap, _, _) in enumerate(caps_rates_taken)]
-    for c, (_, rate, _) in zip(cs, caps_rates_taken):
-        c.rate = int(rate * C.NS_PER_PERCENT)
-        c.active_since = 0.0
-    t, taken = 0.0, [0] * len(cs)
-    while t < seconds:
-        t += 0.05
-        for i, (c, (_, _, took)) in enumerate(zip(cs, caps_rates_taken)):
-            taken[i] += int(took * C.NS_PER_PERCENT * 0.05)
-            C.observe_counters(c, t, 0.05, taken[i], int(0.9 * 0.05e9) * int(t / 0.05), int(t * 1000), G.max_factor)
-        C.targets(cs, t, G)
-        C.update_scale(gpu, cs, t, 0.05, G)
-    return cs
-
-
-def test_scale_fits_the_caps_into_what_a_shared_gpu_delivers():
-    # 30 and 70 granted; the 70 is held by the GPU at 57 (time-slicing lost 13 points): capacity 87
-    gpu = C.Gpu(learn=False)
-    cs = _sharing([(30, 30, 30), (70, 70, 57)], 3.0, gpu)
-    assert gpu.scale == pytest.approx((87 - C.CAP_MARGIN) / 100, abs=0.01)
-    rates = [C.rate_for(c, G, gpu.scale) for c in cs]
-    assert rates[0] / rates[1] == pytest.approx(3 / 7)  # the split stays that of the caps
-
-
-@pytest.mark.parametrize("load, want", [
-    ([(30, 30, 30), (70, 70, 70)], 1.0),      # both take their grants: the tokens hold them, nothing to fit
-    ([(30, 30, 30)], 1.0),                    # alone: never scaled
-    ([(30, 30, 10), (50, 50, 20)], 0.5),      # absurdly little delivered: the scale stops at SCALE_MIN
-])
-def test_scale_table(load, want):
-    gpu = C.Gpu(capacity=95.0 if want == 1.0 else 100.0, learn=False)  # a low estimate is probed back up
-    _sharing(load, 10.0, gpu)
-    assert gpu.scale == pytest.approx(want, abs=0.02)
-
-
-def test_no_capacity_is_measured_while_a_sharer_is_starting():
-    gpu = C.Gpu(learn=False)
-    cs = _sharing([(30, 30, 30), (70, 70, 40)], 0.5, gpu)  # the 70 still starting (under STEADY_S): not a measure
-    assert gpu.capacity == 100.0 + C.CAP_MARGIN and gpu.scale == 1.0
-    assert all(c.active_since == 0.0 for c in cs)
-
-
-def test_no_scale_where_factors_are_learnt():
-    gpu = C.Gpu()  # learn=True: each share is steered by its own factor
-    _sharing([(30, 30, 30), (70, 70, 57)], 3.0, gpu)
-    assert gpu.scale == 1.0
-
-
-def _borrowers(n: int, policy: str = C.ELASTIC, hungry: bool = True) -> list[C.Container]:
-    cs = [C.Container(str(i) + policy, 50, policy) for i in range(n)]
-    for c in cs:
-        c.last_active = 1.0
-        c.last_hungry = 1.0 if hungry else -1e18
-    return cs
-
-
-def _tick(gpu: C.Gpu, cs: list[C.Container], now: float) -> None:
-    """What the service does for the boost each tick: who is active, then the boost."""
-    C.note_active(gpu, cs, now, G)
-    C.update_boost(gpu, cs, now, G)
-
-
-def _boosted(gpu: C.Gpu, cs: list[C.Container], utils: list[float | None], t: float = 1.0) -> float:
-    """Each util is one profiler window's device figure, acted on at the next tick, 1 ms apart from `t` (the first
-    tick only learns who is active, as the service's first tick does)."""
-    _tick(gpu, cs, t)
-    for i, u in enumerate(utils):
-        gpu.device_util = u
-        _tick(gpu, cs, t + 0.001 * (i + 1))
-    return gpu.boost
-
-
-@pytest.mark.parametrize("utils, want", [
-    ([50.0] * 4, C.BOOST_UP ** 4),                  # elastic borrowers held by tokens, GPU idle: lend it
-    ([50.0] * 40, G.max_factor),                    # bounded
-    ([50.0] * 4 + [99.0], C.BOOST_UP ** 4 * C.BOOST_DOWN),  # the GPU is full: cut back
-    ([50.0] * 4 + [99.0] * 4, 1.0),                 # ... never below 1
-    ([93.0] * 4, 1.0),                              # between the thresholds: unchanged
-    ([50.0] * 2 + [93.0] * 4, C.BOOST_UP ** 2),     # ... whatever it was
-    ([None] * 4, 1.0),                              # no device figure: unchanged
-])
-def test_boost_table(utils, want):
-    gpu, cs = C.Gpu(), _borrowers(2)
-    C.targets(cs, 1.0, G)  # two borrowers of 50: nothing spare by caps, each at its cap
-    assert _boosted(gpu, cs, utils) == pytest.approx(want)
-    assert C.rate_for(cs[0], G, 1.0, gpu.boost) == pytest.approx(50 * C.NS_PER_PERCENT * gpu.boost, rel=1e-6)
-
-
-def test_boost_grows_only_while_a_container_is_held_by_its_tokens():
-    gpu, cs = C.Gpu(), _borrowers(2, hungry=False)
-    for c in cs:  # each takes a tenth of its grant: the GPU's idle time is theirs to leave
-        c.rate, c.history = 50 * C.NS_PER_PERCENT, [(0.0, 0), (1.0, 5 * C.NS_PER_PERCENT)]
-    assert _boosted(gpu, cs, [50.0] * 4) == 1.0
-    cs[0].history = [(0.0, 0), (1.0, 50 * C.NS_PER_PERCENT)]  # one takes all of its grant, without waiting
-    assert _boosted(gpu, cs, [50.0] * 4, 1.01) == pytest.approx(C.BOOST_UP ** 4)
-    gpu.active, cs[0].history = frozenset(), [(0.0, 0), (1.0, 5 * C.NS_PER_PERCENT)]
-    assert _boosted(gpu, cs, [50.0] * 2, 1.02) == 1.0
-
-
-@pytest.mark.parametrize("change", ["newcomer", "strict sharer", "one leaves"])
-def test_boost_ends_on_the_tick_who_is_active_changes(change):
-    gpu, cs = C.Gpu(), _borrowers(2)
-    assert _boosted(gpu, cs, [50.0] * 6) > 3.0
-    if change == "newcomer":  # it may want its cap back, and its hunger would not show under a boosted grant
-        cs += _borrowers(1, hungry=False)[:1]
-        cs[-1].key = "new"
-    elif change == "strict sharer":
-        cs += _borrowers(1, C.STRICT)
-    else:
-        cs[1].last_active = -1e18
-    _tick(gpu, cs, 1.01)
-    assert gpu.boost == 1.0
-    gpu.device_util = 50.0
-    _tick(gpu, cs, 1.011)
-    assert gpu.boost == (1.0 if change == "strict sharer" else C.BOOST_UP)

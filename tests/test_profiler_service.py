@@ -168,32 +168,49 @@ class CountingBackend(Backend):
         return self.samples
 
 
-async def test_samples_every_busy_interval_while_hurried_and_every_interval_otherwise(tmp_path: Path) -> None:
-    import asyncio
+def capped(alloc_id: str, cap: int, pod: str) -> Allocation:
+    return Allocation(alloc_id, GPU, {}, {}, 1 << 30, cap, "default", pod, "", "main", created_at=1_700_000_000.0)
+
+
+async def test_a_capped_containers_utilization_is_the_gpu_time_its_shim_counted(tmp_path: Path) -> None:
+    """Capped containers: their GPU time as their shims counted it in their turns (the slots' gpu_ns), not NVML's
+    per-process draw; scaled down by one factor where they claim more than the device's (exact) utilization."""
+    import struct
     import time
 
-    backend = CountingBackend()
-    p = Profiler(backend, Allocator(), Workspace(tmp_path), Pods(), Sink(), 1.0, 30.0,  # type: ignore[arg-type]
-                 proc_root=tmp_path / "proc", busy_interval_s=0.05)
-    task = asyncio.create_task(p.run())
-    try:
-        await asyncio.sleep(0.3)
-        assert len(backend.at) == 1  # the first sample, then a 1 s wait
-        p.hurry(time.monotonic() + 0.5)  # cuts that wait short
-        await asyncio.sleep(0.05)
-        assert len(backend.at) == 2
-        await asyncio.sleep(0.6)
-        hurried = len(backend.at)
-        assert 8 <= hurried <= 13, backend.at  # ~every 50 ms for 0.5 s
-        await asyncio.sleep(0.5)
-        assert len(backend.at) <= hurried + 1  # back to every 1 s
-    finally:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
+    from alnair_agent.node import region_layout as L
 
+    ws = Workspace(tmp_path / "ws")
+    ws.ensure()
+    a, b = capped("00000000000000a1", 30, "p"), capped("00000000000000b1", 70, "q")
+    regions = {x.id: ws.create(x) for x in (a, b)}
+    backend = Backend(Samples((GpuSample(GPU, 99.0),), (ProcessSample(GPU, 4242, 100.0, 0.0, 5),), 1.0))
+    p = Profiler(backend, Allocator({a.id: a, b.id: b}), ws, Pods(), Sink(), 1.0, 30.0,  # type: ignore[arg-type]
+                 proc_root=tmp_path / "proc")
+    counted = {a.id: 0, b.id: 0}
 
-def test_a_busy_interval_never_lengthens_the_interval(tmp_path: Path) -> None:
-    p = Profiler(Backend(), Allocator(), Workspace(tmp_path), Pods(), Sink(), 0.1, 30.0,  # type: ignore[arg-type]
-                 proc_root=tmp_path / "proc", busy_interval_s=0.25)
-    p.hurry(1e18)
-    assert p.current_interval(0.0) == 0.1
+    def run_for(seconds: float, shares: dict[str, float]) -> None:
+        for alloc_id, share in shares.items():
+            counted[alloc_id] += int(share / 100 * seconds * 1e9)
+            path = ws.container_folder(alloc_id) / "region"
+            with open(path, "r+b") as f:
+                f.seek(L.absolute_offset("alnair_region_slot", "pid"))
+                f.write(struct.pack("<i", 4242))
+                f.seek(L.absolute_offset("alnair_region_slot", "gpu_ns"))
+                f.write(struct.pack("<Q", counted[alloc_id]))
+
+    run_for(0.0, {a.id: 0, b.id: 0})
+    await p.tick()  # the baseline
+    for share_a, share_b, device, want in ((30.0, 69.0, 99.0, (30.0, 69.0)), (40.0, 80.0, 96.0, (32.0, 64.0))):
+        backend.samples = Samples((GpuSample(GPU, device),), (), 1.0)
+        before = {k: p.usage[k].gpu_util_integral for k in counted}
+        t = p._regions_at
+        run_for(1.0, {a.id: share_a, b.id: share_b})
+        while time.monotonic() < t + 1.0:
+            time.sleep(0.01)
+        await p.tick()
+        got = tuple(round((p.usage[k].gpu_util_integral - before[k]) / backend.samples.window_s)
+                    for k in (a.id, b.id))
+        assert all(abs(g - w) <= 2 for g, w in zip(got, want, strict=True)), (got, want)
+    for r in regions.values():
+        r.close()

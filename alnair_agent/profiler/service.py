@@ -199,8 +199,10 @@ class Profiler:
             alloc = self.allocator.allocations.get(alloc_id)
             if alloc is None or not 0 < alloc.compute_limit < 100:
                 continue
-            grown = self._entry(alloc).gpu_time.grown(collected.gpu_time.get(alloc_id, []))
-            if last is not None and collected.at > last:
+            counter = self._entry(alloc).gpu_time
+            had_baseline = counter.started  # the first read only sets it: nothing to say for that window
+            grown = counter.grown(collected.gpu_time.get(alloc_id, []))
+            if had_baseline and last is not None and collected.at > last:
                 raw[alloc_id] = min(100.0 * grown / ((collected.at - last) * 1e9), 100.0)
         device = {g.uuid: g.gpu_util for g in collected.samples.gpus}
         claimed: dict[str, float] = {}
@@ -213,8 +215,7 @@ class Profiler:
             exact = device.get(gpu)
             if exact is not None and math.isfinite(exact) and claimed[gpu] > exact:
                 util *= max(exact, 0.0) / claimed[gpu]
-            if util > 0:
-                out[alloc_id] = util
+            out[alloc_id] = util
         return out
 
     def _copy_shares(self, samples: Samples, copied: dict[str, int]) -> dict[str, float]:

@@ -576,6 +576,20 @@ static void run_op(const char *op, int argc, char **argv, int i)
         uint64_t wall = mono() - t0;
         printf("run launches=%llu bad=%llu gpu_ns=%llu wall_ns=%llu cpu_ns=0\n", (unsigned long long)n,
                (unsigned long long)bad, (unsigned long long)(n * b), (unsigned long long)wall);
+    } else if (sscanf(op, "gaps:%llu:%llu:%llu", &a, &b, &c) == 3) {
+        /* gaps:MS:DUR:SLEEP  a DUR-ns kernel, wait for it, sleep SLEEP ns, for MS ms: a job that leaves the GPU idle
+         * part of the time (an inference server between requests, a training loop waiting for data) */
+        uint64_t t0 = mono(), n = 0, bad = 0;
+        while (mono() - t0 < a * 1000000ull) {
+            bad += launch("launch", b, NULL) != CUDA_SUCCESS;
+            n++;
+            api.StreamSync(NULL);
+            struct timespec ts = {(time_t)(c / 1000000000ull), (long)(c % 1000000000ull)};
+            nanosleep(&ts, NULL);
+        }
+        uint64_t wall = mono() - t0;
+        printf("run launches=%llu bad=%llu gpu_ns=%llu wall_ns=%llu cpu_ns=0\n", (unsigned long long)n,
+               (unsigned long long)bad, (unsigned long long)(n * b), (unsigned long long)wall);
     } else if (sscanf(op, "threads:%llu:%llu:%llu", &c, &a, &b) == 3) {
         /* threads:N:MS:DUR  N threads launch DUR-ns kernels on the one legacy stream for MS ms */
         pthread_t th[64];
