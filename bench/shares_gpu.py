@@ -17,12 +17,15 @@ CUDA start-ups of a scenario's tenants overlap, and their measured loops start t
 its completion marks (wall time, units done) at the end.
 
 A share is a tenant's units per second over a window / the same program's units per second alone on the whole GPU
-without the shim (measured once per shape, first) x 100. Marks are interpolated linearly. With S = --seconds (3):
-settle S/3, measured window S. Scenarios (--only, comma-separated; default all):
+without the shim (measured once per shape, first; its table row also gives NVML's device utilization alone) x 100.
+Marks are interpolated linearly. With S = --seconds (3): settle S/3, then a measured window of S (+ 0.2 s margin).
+Scenarios (--only, comma-separated; default all):
   caps     strict, alone, at each of --caps (20/30/50/70): the share and NVML's device utilization (sampled every
-           100 ms) over S after the settle; goal: each within +-3 points of the cap. Never two caps on one node; the
-           tenants of other shapes at the same cap may be admitted on the same node while they fit in 100 % (they
-           wait, set up and idle, at their barriers while one runs: their start-ups overlap; --caps-one-per-node not).
+           100 ms) over the window after the settle; goal: each within +-3 points of the cap. (A program that leaves
+           the GPU idle part of the time alone, see its NVML alone, cannot meet both: both are shown.) Never two caps
+           on one node; tenants of other shapes at the same cap are admitted on the same node while they fit in
+           100 % (they wait, set up and idle, at their barriers while one runs, so their start-ups overlap;
+           --caps-one-per-node: a node each).
   pair     30 % + 70 % strict together: throughput ratio (goal 3/7 within +-10 %); each share against its cap x f,
            f = sum of shares / sum of caps when below 1 (goal: each within 3 points, f >= 0.9).
   three    20 / 30 / 50 % strict together: the same scaled-cap rule.
@@ -405,7 +408,7 @@ def analyse_elastic(lender: dict, newcomer: dict, alone_rate: float, nvml: Nvml,
                            "lone_nvml": r1(nvml(lone0, lone1)), "lone_window_s": r1(lone1 - lone0, 3),
                            "tenants": [tenant_record(lender), tenant_record(newcomer)]}
     if first is None:
-        return {**res, "error": "the newcomer completed no work"}
+        return {**res, "arrival_failed": "the newcomer completed no work"}  # a figure (starved), not an error
     end = min(first + plan.horizon, lender["host_end"], newcomer["host_end"])
     want, lend_max = ARRIVE_FRAC * caps[1], caps[0] + CAP_TOL
     ns = share_series(np_, alone_rate, first, end, WINDOW_S, SLIDE_S)
@@ -478,8 +481,8 @@ def usage_rows(shape: str, name: str, r: dict) -> list[Row]:
 def elastic_rows(shape: str, r: dict) -> list[Row]:
     lender, newcomer = r["caps"]
     rows = [Row(shape, f"elastic: {lender} % alone", f"{r['lone']:.1f} %", f">= {LONE_MIN:g}", r["lone"] >= LONE_MIN)]
-    if "error" in r:
-        return rows + [Row(shape, "elastic: arrival", r["error"], f"<= {ARRIVE_S * 1e3:.0f} ms", False)]
+    if "arrival_failed" in r:
+        return rows + [Row(shape, "elastic: arrival", r["arrival_failed"], f"<= {ARRIVE_S * 1e3:.0f} ms", False)]
     s = lambda v: "never" if v is None else f"{v * 1e3:.0f} ms"  # noqa: E731
     ok = lambda v: v is not None and v <= ARRIVE_S + 1e-9  # noqa: E731
     rows.append(Row(shape, f"elastic: {newcomer} % arrives",

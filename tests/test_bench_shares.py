@@ -193,7 +193,9 @@ def test_elastic_newcomer_without_work() -> None:
     lender = tenant([(0.0, 100.0)], 0.0, 7.0)
     newcomer = {**tenant([(0.0, 0.0)], 3.0, 6.5)}
     r = sg.analyse_elastic(lender, newcomer, 100.0, nvml_at(100.0), PLAN)
-    assert "error" in r and [x.ok for x in sg.elastic_rows("mm", r)] == [True, False]
+    assert "arrival_failed" in r and [x.ok for x in sg.elastic_rows("mm", r)] == [True, False]
+    assert [x.scenario for x in sg.rows_of(["mm"], {}, {"elastic: mm": r}, {"elastic"})] == \
+        ["elastic: 30 % alone", "elastic: arrival"]
 
 
 # -- plan, estimate, table --------------------------------------------------------------------------------------
