@@ -28,20 +28,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import shutil
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "tests" / "gpu")]
 
-from workloads import CALIBRATE, NvmlUtilization, gpu_agent, plain_env, run_py, tenant_env  # noqa: E402
-
-from alnair_agent.config import Settings  # noqa: E402
-from alnair_agent.constants import RESOURCE_COMPUTE, RESOURCE_MEMORY  # noqa: E402
+import workloads  # noqa: E402
+from workloads import CALIBRATE, NvmlUtilization, plain_env, run_py  # noqa: E402
 
 # bf16 matmuls back to back for argv[1] s; an event every 4 matmuls gives when each batch completed on the GPU
 TENANT = """
@@ -110,23 +106,12 @@ JOBS = {  # name: (script, args); the last argument, the step count, is a first 
 }
 
 
-class Node:
-    """A fresh agent (NVML backend) and kubelet emulator; admit() returns a tenant's environment."""
-
-    def __init__(self, shim: Path, policy: str, dispatcher: str) -> None:
-        self.shim, self.policy, self.dispatcher = shim, policy, dispatcher
+class Node(workloads.Node):
+    """workloads.Node, recording the dispatcher's control state every tick for the JSON (trace, boosts)."""
 
     async def __aenter__(self) -> "Node":
-        self.root = Path(tempfile.mkdtemp(prefix="aln-", dir="/tmp"))
-        r = self.root
-        settings = Settings(node_name="gpu-node", device_plugin_dir=r / "dp", pod_resources_socket=r / "pr" / "k.sock",
-                            workspace=r / "ws", shim_dir=self.shim.parent, gpu_backend="nvml", kubernetes="off",
-                            metrics_port=0, resync_interval_s=0.5,  # the profiler and dispatcher at their defaults
-                            compute_policy=self.policy, dispatcher=self.dispatcher)
-        self.running = gpu_agent(settings)
-        self.agent, self.kubelet = await self.running.__aenter__()
+        await super().__aenter__()
         self._trace(self.agent)  # the agent's services (the dispatcher among them) exist once it runs
-        self.n = 0
         return self
 
     def _trace(self, agent) -> None:  # noqa: ANN001
@@ -150,17 +135,6 @@ class Node:
                 for gpu, g in d.gpus.items():
                     self.boosts.append([round(t, 3), gpu[-6:], round(g.scale, 3), round(g.boost, 3), g.learn])
             d.tick = traced
-
-    async def admit(self, compute: int, memory_gib: int = 16) -> dict[str, str]:
-        self.n += 1
-        req = {RESOURCE_MEMORY: memory_gib, **({RESOURCE_COMPUTE: compute} if compute else {})}
-        return tenant_env(await self.kubelet.admit("default", f"t{self.n}", "main", req), self.agent, self.shim)
-
-    async def __aexit__(self, *exc: object) -> None:
-        try:
-            await self.running.__aexit__(None, None, None)
-        finally:
-            shutil.rmtree(self.root, ignore_errors=True)
 
 
 def sampler(env: dict[str, str]) -> NvmlUtilization:

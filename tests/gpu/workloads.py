@@ -1,6 +1,7 @@
-"""What the GPU tests and bench/dispatcher_gpu.py share: one matmul's calibration, a tenant program run in a child
-process, a tenant's environment as its container would get it, the device's own utilization polled from outside
-the shim, and an agent (NVML backend) serving a kubelet emulator.
+"""What the GPU tests and the GPU benchmarks (bench/dispatcher_gpu.py, bench/shares_gpu.py) share: one matmul's
+calibration, a tenant program run in a child process, a tenant's environment as its container would get it, the
+device's own utilization polled from outside the shim, an agent (NVML backend) serving a kubelet emulator, and a
+fresh node of both in a temporary folder (Node).
 
 Imported as `workloads` (tests/gpu is on sys.path for its tests; the benchmark puts it there). Heavy imports (the
 agent, pynvml) happen when used, so importing this module needs neither a GPU nor the agent's dependencies.
@@ -11,7 +12,9 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -59,13 +62,28 @@ def plain_env(index: int | str = 0) -> dict[str, str]:
 
 def tenant_env(answers: dict, agent: "Agent", shim: Path) -> dict[str, str]:
     """The environment a container gets from these Allocate answers (per resource), the shim preloaded, with
-    CUDA_VISIBLE_DEVICES for what NVIDIA_VISIBLE_DEVICES does in a container."""
-    from alnair_agent.constants import ENV_COMPUTE_LIMIT, ENV_MEMORY_LIMIT, ENV_REGION, ENV_VISIBLE_DEVICES
+    CUDA_VISIBLE_DEVICES for what NVIDIA_VISIBLE_DEVICES does in a container.
 
-    env = {k: v for a in answers.values() for k, v in a.envs.items()}
-    run_dir = next(m.host_path for a in answers.values() for m in a.mounts if m.container_path == "/run/alnair")
+    Every variable of the answers is passed on (whatever the sharing mechanism hands a container, it gets), a value
+    naming a path under one of the answers' mounts rewritten to that mount's folder on this host: a process here
+    sees the host's paths, not the container's."""
+    from alnair_agent.constants import ENV_COMPUTE_LIMIT, ENV_MEMORY_LIMIT, ENV_VISIBLE_DEVICES
+
+    env: dict[str, str] = {}
+    for a in answers.values():
+        for k, v in a.envs.items():
+            env.setdefault(k, v)  # kubelet merges the answers first-wins per variable
+    mounts = sorted(((m.container_path.rstrip("/"), m.host_path) for a in answers.values() for m in a.mounts),
+                    key=lambda m: -len(m[0]))  # the deepest mount first
+
+    def on_host(value: str) -> str:
+        for container, host in mounts:
+            if value == container or value.startswith(container + "/"):
+                return host + value[len(container):]
+        return value
+
     index = next(g.index for g in agent.gpus if g.uuid == env[ENV_VISIBLE_DEVICES])
-    return {**os.environ, "LD_PRELOAD": str(shim), ENV_REGION: f"{run_dir}/region",
+    return {**os.environ, **{k: on_host(v) for k, v in env.items()}, "LD_PRELOAD": str(shim),
             ENV_MEMORY_LIMIT: env.get(ENV_MEMORY_LIMIT, "0"), ENV_COMPUTE_LIMIT: env.get(ENV_COMPUTE_LIMIT, "0"),
             "CUDA_VISIBLE_DEVICES": str(index)}
 
@@ -127,3 +145,43 @@ async def gpu_agent(settings: "Settings", kubernetes: Any = None) -> AsyncIterat
         finally:
             stop.set()
             await asyncio.wait_for(task, 20)
+
+
+class Node:
+    """A fresh agent (NVML backend) and kubelet emulator in a folder of their own under /tmp, the profiler and the
+    dispatcher at their defaults; admit() returns a tenant's environment from the agent's own Allocate answers.
+    `settings`: further Settings fields (e.g. a sharing mechanism's own), passed as they are."""
+
+    def __init__(self, shim: Path, policy: str = "strict", dispatcher: str = "on", **settings: Any) -> None:
+        self.shim, self.policy, self.dispatcher, self.settings = shim, policy, dispatcher, settings
+        self.n = 0
+
+    async def __aenter__(self) -> "Node":
+        from alnair_agent.config import Settings
+
+        self.root = r = Path(tempfile.mkdtemp(prefix="aln-", dir="/tmp"))
+        settings = Settings(node_name="gpu-node", device_plugin_dir=r / "dp", pod_resources_socket=r / "pr" / "k.sock",
+                            workspace=r / "ws", shim_dir=self.shim.parent, gpu_backend="nvml", kubernetes="off",
+                            metrics_port=0, resync_interval_s=0.5, compute_policy=self.policy,
+                            dispatcher=self.dispatcher, **self.settings)
+        self.running = gpu_agent(settings)
+        try:
+            self.agent, self.kubelet = await self.running.__aenter__()
+        except BaseException:
+            shutil.rmtree(r, ignore_errors=True)
+            raise
+        return self
+
+    async def admit(self, compute: int, memory_gib: int = 16) -> dict[str, str]:
+        """A container of a new pod asking for `compute` % (0: no compute limit) and `memory_gib` GiB."""
+        from alnair_agent.constants import RESOURCE_COMPUTE, RESOURCE_MEMORY
+
+        self.n += 1
+        req = {RESOURCE_MEMORY: memory_gib, **({RESOURCE_COMPUTE: compute} if compute else {})}
+        return tenant_env(await self.kubelet.admit("default", f"t{self.n}", "main", req), self.agent, self.shim)
+
+    async def __aexit__(self, *exc: object) -> None:
+        try:
+            await self.running.__aexit__(None, None, None)
+        finally:
+            shutil.rmtree(self.root, ignore_errors=True)
