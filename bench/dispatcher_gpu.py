@@ -116,24 +116,19 @@ class Node(workloads.Node):
 
     def _trace(self, agent) -> None:  # noqa: ANN001
         self.trace: list[list] = []
-        self.boosts: list[list] = []  # per tick: (t, GPU, scale, boost, learn)
+        self.boosts: list[list] = []  # per tick: (t, GPU, lending together, device utilization read)
         d = agent.dispatcher
-        if d is not None and ARGS.learn == "off":
-            from alnair_agent.dispatcher import control
-            d.gains = control.Gains(gain=0.0, fast_gain=0.0)
-            control.TRIM_GAIN = 0.0
-        if d is not None:  # every tick's control state, for the JSON (t, key, cap, k, trim, target, rate, ..., launches)
+        if d is not None:  # every tick's state, for the JSON (t, key, cap, policy, window part, lent, launches)
             tick = d.tick
 
             def traced(now: float | None = None) -> None:
                 tick(now)
                 t = time.time()
                 for c in d.state.values():
-                    self.trace.append([round(t, 3), c.key[-6:], c.cap, round(c.k, 3), round(c.trim, 3), round(c.target, 1),
-                                       c.rate, round(c.taken_rate / 1e7, 1), round(c.wait_frac, 3),
-                                       None if c.measured is None else round(c.measured, 1), c.launches])
+                    self.trace.append([round(t, 3), c.key[-6:], c.cap, c.policy, round(d.turns.get(c.key, 0.0), 3),
+                                       c.key in d.lent, round(c.wait_frac, 3), c.launches])
                 for gpu, g in d.gpus.items():
-                    self.boosts.append([round(t, 3), gpu[-6:], round(g.scale, 3), round(g.boost, 3), g.learn])
+                    self.boosts.append([round(t, 3), gpu[-6:], g.lending, g.device_util])
             d.tick = traced
 
 
@@ -367,10 +362,9 @@ if __name__ == "__main__":
                     help="packing: which groups to run, by size (2, 3)")
     ap.add_argument("--repeat", type=int, default=1, help="packing: runs of each job alone and of each group together (medians reported)")
     ap.add_argument("--job-s", type=float, default=20.0, help="packing: each job's whole process alone, seconds")
-    ap.add_argument("--learn", choices=("on", "off"), default="on",
-                    help="off: the dispatcher runs but never moves a charge factor from 1 (diagnostic)")
     ap.add_argument("--dispatcher", choices=("on", "off"), default="on",
-                    help="off: the same runs with plain cap-rate grant lines (the shim alone), for comparison")
+                    help="off: the same runs with no turns laid out (each shim its cap's part of the default period), for "
+                         "comparison")
     ARGS = ap.parse_args()
     import structlog
     import logging

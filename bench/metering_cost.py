@@ -4,11 +4,9 @@ Each job (bench/dispatcher_gpu.py's small-batch training and inference) runs alo
 --rounds so a drift of the machine falls on all alike:
   no shim          the plain process;
   memory only      the shim with a region that caps memory only: launches are counted, nothing more;
-  metered          the region also caps compute, with a grant line so fast that tokens never bind: every launch
-                   takes the metered path (tokens, an event pair on 1 launch in 64, a fence every 32, the in-flight
-                   bound), so the loop's extra time is the meter's own cost;
-  metered, shared  the same with the region's `sharers` at 1, as the dispatcher sets it when other containers run
-                   on the GPU (kernels charged their floor).
+  metered          the region also caps compute, with a window of all but 1 us of each period, so the turn gate
+                   never holds a launch back: every launch takes the metered path (the gate, an event pair on 1 launch
+                   in 64, a fence every 32, the in-flight bound), so the loop's extra time is the meter's own cost;
   metered, variant the metered mode under another build of the shim (--variant), e.g. one with fewer events:
                    make -C shim BUILD=/tmp/shim-few CFLAGS="-O2 -DSAMPLE_EVERY=4096u -DFENCE_EVERY=1024u ..."
 Prints each job's loop time per mode (median, min, max) and its slowdown against no shim; writes JSON.
@@ -32,10 +30,10 @@ sys.path[:0] = [str(ROOT), str(ROOT / "bench"), str(ROOT / "tests" / "gpu")]
 from dispatcher_gpu import INFER, TRAIN  # noqa: E402
 from workloads import plain_env, run_py  # noqa: E402
 
-from alnair_agent.node.region import Region  # noqa: E402
+from alnair_agent.node.region import Region, Turn, monotonic_ns  # noqa: E402
 
 JOBS = {"train-mlp": (TRAIN, ["2048", "32"]), "infer-transformer": (INFER, ["1024", "4"])}
-MODES = ("no shim", "memory only", "metered", "metered, shared")
+MODES = ("no shim", "memory only", "metered")
 
 
 def region_for(tmp: Path, mode: str, n: int) -> Path:
@@ -43,9 +41,7 @@ def region_for(tmp: Path, mode: str, n: int) -> Path:
     r = Region.create(path, 64 << 30, 0 if mode == "memory only" else 50)
     try:
         if mode.startswith("metered"):
-            r.set_grant_line(1000 * 10**9)  # a thousand GPUs' worth per second: tokens never bind
-        if mode == "metered, shared":
-            r.set_sharers(1)
+            r.set_turn(Turn(monotonic_ns(), 50_000_000, 0, 50_000_000 - 1_000))  # the gate never holds a launch
     finally:
         r.close()
     return path

@@ -78,7 +78,7 @@ async def scenario(root: Path) -> dict:
         try:
             slots = region.slots()
             figures = {"memory_in_use": region.memory_in_use(), "launches": sum(s.launches for s in slots),
-                       "tokens_taken_ns": sum(s.tokens_taken for s in slots),
+                       "gpu_ns": sum(s.gpu_ns for s in slots),
                        "wait_ns": sum(s.wait_ns for s in slots), "limits": (region.memory_limit,
                                                                               region.compute_limit),
                        "heartbeat_ns": region.heartbeat_ns}
@@ -108,5 +108,5 @@ def test_agent_admits_and_the_shim_holds_pytorch_to_the_slice(nvml_ok):
     assert result["child"]["total"] == 16 * GIB
     assert result["region"]["limits"] == [16 * GIB, 30] or tuple(result["region"]["limits"]) == (16 * GIB, 30)
     assert result["region"]["memory_in_use"] >= 4 * GIB
-    assert result["region"]["launches"] > 0 and result["region"]["tokens_taken_ns"] > 0
+    assert result["region"]["launches"] > 0 and result["region"]["gpu_ns"] > 0
     assert result["region"]["heartbeat_ns"] > 0  # the agent's heartbeat reaches the container's region

@@ -94,7 +94,7 @@ async def scenario(root: Path) -> dict:
                         # dispatcher hurries it (its 0.25 s default): on the H200 each window's per-process memory
                         # utilization is a draw (one pid per ~200 ms period), and at 0.25 s the copy job's DMA left
                         # unexplained by the matmuls' own fell to 0.8 % (1.06 % at 0.5 s)
-                        profile_interval_s=0.5, dispatch_profile_interval_s=0.5)
+                        profile_interval_s=0.5)
     tenants = {"mm30": {RESOURCE_MEMORY: 8, RESOURCE_COMPUTE: 30}, "mm60": {RESOURCE_MEMORY: 8, RESOURCE_COMPUTE: 60},
                "copy": {RESOURCE_MEMORY: 8}}
     async with FakeApiServer() as api:

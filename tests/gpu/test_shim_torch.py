@@ -135,7 +135,7 @@ def test_training_under_limits_is_metered(shim, region_dir):
     assert all(math.isfinite(x) for x in res["losses"])
     assert res["graph_sums"][-1] == pytest.approx(res["eager_last"], rel=1e-3)
     [slot] = res["slots"]
-    assert slot["launches"] > 100 and slot["tokens_taken"] > 0
+    assert slot["launches"] > 100 and slot["gpu_ns"] > 0
     assert 0 < slot["memory_used"] <= 16 * GiB
 
 
@@ -144,7 +144,7 @@ def test_compute_cap_throttles_a_matmul_loop(shim, region_dir):
     capped = child("throughput", "4", shim=shim, region=make(region_dir, 0, 30))
     RESULTS["throughput"] = {"uncapped": uncapped, "capped_30": capped}
     [slot] = capped["slots"]
-    assert slot["tokens_taken"] > 0 and slot["launches"] > 0  # the launches are metered
+    assert slot["gpu_ns"] > 0 and slot["launches"] > 0  # the launches are metered
     assert capped["utilization"] < 0.5 * max(uncapped["utilization"], 0.6)
 
 
@@ -189,7 +189,7 @@ def _spin(shim: str, region_dir: Path, kind: str, cap: int, seconds: float, env:
     with NvmlUtilization(int(os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0] or 0)) as nv:
         res = child("spin", kind, str(seconds), shim=shim, region=make(region_dir, 0, cap), env=env, timeout=600)
     slots = res.pop("slots", None) or []
-    res["tokens_s"] = sum(s.get("tokens_taken", 0) for s in slots) / 1e9
+    res["tokens_s"] = sum(s.get("gpu_ns", 0) for s in slots) / 1e9
     res["nvml"] = nv.mean(res["wall0"], res["wall1"], skip_s=0.5) / 100.0
     res["truth"] = res["utilization"] if kind == "long" else res["nvml"]
     RESULTS[f"spin_{kind}_{cap}"] = res
