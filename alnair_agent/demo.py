@@ -7,10 +7,9 @@ returned) against the simulated driver (`tests/shim/simcuda`, built here with `m
 what the agent's profiler samples, as it samples NVML on a real node). A table refreshes every second (container,
 GPU, cap, measured utilization, memory used/limit, time throttled), then a summary.
 
-What it shows is what the system guarantees today: no container exceeds its compute cap or its memory limit.
-A capped container may get less than its cap while another shares the GPU (the simulated driver serializes the
-kernels of both); sharing out unused time is the dispatcher's job. The agent's log goes to a file, never into
-the table.
+What it shows is what the system guarantees today: no container exceeds its compute cap or its memory limit, and
+capped containers sharing a GPU each get their cap (they take turns on it). The agent's log goes to a file, never
+into the table.
 """
 
 from __future__ import annotations
@@ -296,7 +295,7 @@ def summary(rows: list[Row], out: TextIO) -> None:
             continue
         within = "within" if r.util_mean <= r.compute_limit + 2 else "ABOVE"
         out.write(f"  {name}: {w.what}. Cap {r.compute_limit} %: used {r.util_mean:.1f} % on average "
-                  f"({within} its cap), waited {r.throttled_s:.1f} s for compute tokens; memory at most "
+                  f"({within} its cap), waited {r.throttled_s:.1f} s for its turn; memory at most "
                   f"{_gib(r.memory_max)} of {_gib(r.memory_limit)} GiB.\n")
         refused = [ln for ln in r.output if ln.startswith("alloc ") and "rc=2 " in ln]
         for ln in refused:

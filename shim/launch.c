@@ -84,6 +84,8 @@ static _Atomic int64_t g_credit;         /* GPU ns charged that true-ups found t
 static _Atomic uint64_t g_debt;          /* ns of overrun past window ends not yet paid back by skipping */
 static _Atomic uint64_t g_paid_window;   /* the window (its start, ns) whose beginning the debt was paid from */
 static _Atomic uint64_t g_paid_shift;    /* ... and how much of it was skipped */
+static _Atomic uint64_t g_procs_window;  /* the window whose live processes were last counted */
+static _Atomic uint32_t g_procs = 1;     /* ... how many processes of the container live (they share its window) */
 static _Atomic int g_captures;           /* stream captures under way in this process */
 static _Atomic int g_global_captures;    /* of them in global mode: no thread may query an event meanwhile */
 static _Atomic uint64_t g_guess_ns = DEFAULT_COST_NS; /* a launch nothing is known about: recent samples' mean */
@@ -270,6 +272,8 @@ void alnair_launch_after_fork_child(void)
     atomic_store(&g_debt, 0);
     atomic_store(&g_paid_window, 0);
     atomic_store(&g_paid_shift, 0);
+    atomic_store(&g_procs_window, 0);
+    atomic_store(&g_procs, 1);
     atomic_store(&g_captures, 0);
     atomic_store(&g_global_captures, 0);
     memset(g_caps, 0, sizeof g_caps);
@@ -359,6 +363,22 @@ static uint64_t debt_shift(uint64_t ws, uint64_t len)
     return pay;
 }
 
+/* How many processes of the container share its windows, counted once per window (its live slots): each queues
+ * on streams of its own, so a process's estimate of how long the GPU needs for what is queued is its own queue times
+ * that many. */
+static uint32_t window_procs(uint64_t ws)
+{
+    if (atomic_load_explicit(&g_procs_window, memory_order_relaxed) != ws) {
+        atomic_store_explicit(&g_procs_window, ws, memory_order_relaxed);
+        uint32_t n = 0;
+        struct alnair_region *r = alnair_region;
+        for (unsigned i = 0; r != NULL && alnair_region_shared && i < ALNAIR_REGION_MAX_SLOTS; i++)
+            n += RLOAD(r->slots[i].pid) > 0;
+        atomic_store_explicit(&g_procs, n ? n : 1, memory_order_relaxed);
+    }
+    return atomic_load_explicit(&g_procs, memory_order_relaxed);
+}
+
 static void poll_fences(void);
 
 /* Wait until this launch of `cost` ns may go: in the container's window with room for it after what this thread
@@ -392,7 +412,7 @@ static uint64_t turn_gate(uint64_t cost, struct stream_ctr *sc)
             continue;
         }
         uint64_t vft = sc != NULL ? atomic_load_explicit(&sc->vft, memory_order_relaxed) : 0;
-        uint64_t backlog = vft > now ? vft - now : 0, left = we - now;
+        uint64_t backlog = (vft > now ? vft - now : 0) * window_procs(ws), left = we - now;
         if (backlog + cost <= left + WINDOW_SLACK_NS)
             break;
         if (backlog > 0 && !polled && queries_ok()) {

@@ -60,10 +60,8 @@ BAD_VALUES = [
     ("ALNAIR_DISPATCHER", "yes", "on"),
     ("ALNAIR_COMPUTE_POLICY", "greedy", "strict"),
     ("ALNAIR_DISPATCH_INTERVAL_S", "0.001", "0.01..1.0"),
-    ("ALNAIR_DISPATCH_GAIN", "2", "0.05..1.0"),
-    ("ALNAIR_DISPATCH_FAST_GAIN", "nan", "0.05..1.0"),
-    ("ALNAIR_DISPATCH_MAX_FACTOR", "0.5", "1.0..50.0"),
-    ("ALNAIR_DISPATCH_PROFILE_INTERVAL_S", "0.01", "0.05..60.0"),
+    ("ALNAIR_TURN_PERIOD_S", "2", "0.005..1.0"),
+    ("ALNAIR_TURN_PERIOD_S", "nan", "0.005..1.0"),
     ("ALNAIR_DISPATCH_IDLE_S", "0", "0.02..10.0"),
 ]
 

@@ -1,2 +1,2 @@
-"""The dispatcher: per GPU, turns each container's compute cap into the grant line of its region, with feedback
-from what the GPU really did (see control.py for the law, service.py for the loop)."""
+"""The dispatcher: per GPU, lays out each capped container's turns (a window of its cap's part of a period common to
+the GPU) and lends idle GPU time to elastic containers (control.py for the rules, service.py for the loop)."""

@@ -299,7 +299,7 @@ class Reconciler:
 
     def beat(self) -> None:
         """The heartbeat into every live region; agent fields the container overwrote are put back (the agent is
-        their only writer: a container that zeroes its own limits, or scribbles over its grant line, gets them
+        their only writer: a container that zeroes its own limits, or scribbles over its turns, gets them
         rewritten within one beat). Only the agent's own record of them counts (region.AgentBlock), and limits
         that differ from the allocation's are set from the allocation."""
         now = time.clock_gettime_ns(time.CLOCK_MONOTONIC)

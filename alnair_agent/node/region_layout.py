@@ -39,7 +39,7 @@ SLOT_SIZE = 64
 SLOTS_OFFSET = HEADER_SIZE + AGENT_BLOCK_SIZE
 REGION_SIZE = SLOTS_OFFSET + MAX_SLOTS * SLOT_SIZE
 
-# The agent's heartbeat is stale when older than this (monotonic ns); the shim then keeps the last grant line.
+# The agent's heartbeat is stale when older than this (monotonic ns); the shim then keeps the last turns.
 HEARTBEAT_STALE_NS = 2_000_000_000
 # The period of a region whose agent has published no schedule (turn_period_ns 0), or of the private region a shim
 # builds from ALNAIR_COMPUTE_LIMIT: the container's window is then its cap's part of this period, at offset 0.

@@ -190,9 +190,11 @@ class Profiler:
         """Per compute-capped allocation, its GPU utilization (%) since the last read of the slots: the GPU time its
         shim counted (its kernels, timed in its own turns, where no other capped context runs) over the wall time.
         NVML's per-process figure cannot give this on a time-sliced GPU (the H200 gives each ~1/6 s period to one
-        process: a draw, not a share). Where the capped containers of a GPU together claim more than NVML's device
-        utilization (exact: the time any kernel ran), e.g. elastic ones lent the GPU together, whose kernels'
-        timings then hold each other's slices, each is scaled down by the same factor."""
+        process: a draw, not a share). NVML's device utilization is exact (the time any kernel ran): what it leaves
+        after the GPU's other processes (uncapped containers, processes of no container: their own NVML figures)
+        bounds what the capped containers can have run together. Where they claim more (their kernels' timings then
+        hold other contexts' slices: uncapped neighbours run outside the turns, elastic containers lent the GPU
+        together overlap), each is scaled down by the same factor."""
         last, self._regions_at = self._regions_at, collected.at
         raw: dict[str, float] = {}
         for alloc_id in snap.alloc_ids:
@@ -204,7 +206,11 @@ class Profiler:
             grown = counter.grown(collected.gpu_time.get(alloc_id, []))
             if had_baseline and last is not None and collected.at > last:
                 raw[alloc_id] = min(100.0 * grown / ((collected.at - last) * 1e9), 100.0)
-        device = {g.uuid: g.gpu_util for g in collected.samples.gpus}
+        room = {g.uuid: g.gpu_util for g in collected.samples.gpus if g.gpu_util is not None
+                and math.isfinite(g.gpu_util)}
+        for proc in collected.samples.processes:
+            if proc.gpu_uuid in room and collected.places.get(proc.pid) not in raw:
+                room[proc.gpu_uuid] -= proc.sm_util or 0.0
         claimed: dict[str, float] = {}
         for alloc_id, util in raw.items():
             gpu = self.allocator.allocations[alloc_id].gpu_uuid
@@ -212,9 +218,8 @@ class Profiler:
         out = {}
         for alloc_id, util in raw.items():
             gpu = self.allocator.allocations[alloc_id].gpu_uuid
-            exact = device.get(gpu)
-            if exact is not None and math.isfinite(exact) and claimed[gpu] > exact:
-                util *= max(exact, 0.0) / claimed[gpu]
+            if gpu in room and claimed[gpu] > max(room[gpu], 0.0):
+                util *= max(room[gpu], 0.0) / claimed[gpu]  # (claimed > 0 here)
             out[alloc_id] = util
         return out
 

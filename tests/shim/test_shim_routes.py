@@ -152,7 +152,7 @@ def test_memory_copies_pass_through_and_their_bytes_are_counted(runner, make_reg
     assert res.stats.get("cuMemcpyAsync" + asfx, 0) == 1, res.stats
     [slot] = Region.open(region).slots()
     assert slot.copy_bytes == copied + 4096
-    assert slot.launches == 0  # copies take no compute tokens
+    assert slot.launches == 0  # copies wait for no turn and count no launch
 
 
 def test_copies_without_limits_pass_straight_through(runner):
