@@ -17,6 +17,9 @@ from setuptools import setup
 from setuptools.command.build_py import build_py
 
 ROOT = Path(__file__).resolve().parent
+sys.path.insert(0, str(ROOT))
+from alnair_agent.config import SHIM_CC  # noqa: E402 - the build's variables are declared once, with the agent's
+
 PROTO_DIR = Path("alnair_agent") / "proto"
 SHIM_DIR = ROOT / "shim"
 SHIM_LIB = "libalnair.so"
@@ -40,21 +43,22 @@ def build_shim(out_dir: Path) -> None:
     """Build libalnair.so with the pinned toolchain (make -C shim: zig cc from the `ziglang` build requirement,
     targeting glibc 2.17 whatever this host runs) and copy it to out_dir.
 
-    ALNAIR_SHIM_CC=cc builds with a host compiler instead (a machine that cannot fetch ziglang, say): the library then
-    needs whatever glibc that host's headers give, so it is said loudly and never done silently."""
+    ALNAIR_SHIM_CC=cc (config.SHIM_CC) builds with a host compiler instead (a machine that cannot fetch ziglang,
+    say): the library then needs whatever glibc that host's headers give, so it is said loudly and never done
+    silently."""
     if not (SHIM_DIR / "Makefile").exists():
         return
     build_dir = ROOT / "build" / "shim"
     cmd = ["make", "-C", str(SHIM_DIR), f"BUILD={build_dir}", f"PYTHON={sys.executable}"]
-    host_cc = os.environ.get("ALNAIR_SHIM_CC")
+    host_cc = os.environ.get(SHIM_CC.name)
     if host_cc:
-        print(f"warning: building libalnair.so with {host_cc} (ALNAIR_SHIM_CC): its glibc floor is this host's, "
+        print(f"warning: building libalnair.so with {host_cc} ({SHIM_CC.name}): its glibc floor is this host's, "
               "not GLIBC_2.17", file=sys.stderr)
         cmd.append(f"CC={host_cc}")
     elif importlib.util.find_spec("ziglang") is None:
         raise RuntimeError("libalnair.so is built with the pinned zig toolchain: install `ziglang` (a build "
                            "requirement in pyproject.toml, which pip's isolated build installs), or set "
-                           "ALNAIR_SHIM_CC=cc to build with a host compiler (its glibc floor is then the host's)")
+                           f"{SHIM_CC.name}=cc to build with a host compiler (its glibc floor is then the host's)")
     subprocess.run(cmd, check=True)
     out_dir.mkdir(parents=True, exist_ok=True)
     shutil.copy2(build_dir / SHIM_LIB, out_dir / SHIM_LIB)
@@ -71,5 +75,4 @@ class BuildWithGenerated(build_py):
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(ROOT))
     setup(cmdclass={"build_py": BuildWithGenerated})
