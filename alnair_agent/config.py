@@ -248,9 +248,9 @@ class BuildVariable:
 
 SHIM_CC = BuildVariable(
     "ALNAIR_SHIM_CC",
-    "Build only (`pip install`): the C compiler that builds libalnair.so instead of the pinned zig cc, e.g. `cc` "
-    "(a machine that cannot fetch ziglang); the library then needs whatever glibc the build host's headers give, "
-    "not GLIBC_2.17. The agent ignores it.")
+    "Build only (`pip install`): the C compiler that builds libalnair.so (and the demo's simulated driver) instead "
+    "of the pinned zig cc, e.g. `cc` (a machine that cannot fetch ziglang); the library then needs whatever glibc "
+    "the build host's headers give, not GLIBC_2.17. The agent ignores it.")
 # The shell that ran `pip install` often runs the agent too: these names must not stop it.
 BUILD_VARIABLES: tuple[BuildVariable, ...] = (SHIM_CC,)
 
