@@ -105,7 +105,7 @@ class Agent:
             if s.metrics_port:
                 services.append(("http", MetricsServer(self, s.metrics_port).run()))
             self.ready.set()
-            await run_services(services, stop)  # type: ignore[arg-type]
+            await run_services(services, stop, process="agent")  # type: ignore[arg-type]
         finally:
             await asyncio.to_thread(self.backend.stop)
             log.info("agent_stopped")

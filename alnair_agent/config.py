@@ -3,6 +3,8 @@
 `VARIABLES` is the one table (name, type, default, meaning); `Settings` is built from it; the README's variable
 table is generated from it (`python -m alnair_agent.config --markdown`) and a test checks the two agree.
 A bad value raises `ConfigError` with one line naming the variable, the value and what is allowed.
+`BUILD_VARIABLES` are the package build's own ALNAIR_* names (setup.py reads them from here): the agent knows and
+ignores them, and still refuses any other ALNAIR_* name, which is most likely a typo.
 """
 
 from __future__ import annotations
@@ -229,6 +231,23 @@ VARIABLES: tuple[Variable, ...] = (
 
 
 @dataclass(frozen=True)
+class BuildVariable:
+    """An ALNAIR_* variable of the package's build (setup.py, at `pip install`), not of the agent."""
+
+    name: str
+    meaning: str
+
+
+SHIM_CC = BuildVariable(
+    "ALNAIR_SHIM_CC",
+    "Build only (`pip install`): the C compiler that builds libalnair.so (and the demo's simulated driver) instead "
+    "of the pinned zig cc, e.g. `cc` (a machine that cannot fetch ziglang); the library then needs whatever glibc "
+    "the build host's headers give, not GLIBC_2.17. The agent ignores it.")
+# The shell that ran `pip install` often runs the agent too: these names must not stop it.
+BUILD_VARIABLES: tuple[BuildVariable, ...] = (SHIM_CC,)
+
+
+@dataclass(frozen=True)
 class Settings:
     """The agent's validated settings. Build with `Settings.from_env`; tests may construct directly."""
 
@@ -283,7 +302,9 @@ class Settings:
             except ValueError as e:
                 expected = "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(e))  # one line, always
                 raise ConfigError(f"{var.name}={raw!r} is not allowed; expected {expected}") from None
-        unknown = sorted(k for k in env if k.startswith("ALNAIR_") and k not in known and not _SERVICE_LINK.match(k))
+        ignored = {v.name for v in BUILD_VARIABLES}
+        unknown = sorted(k for k in env if k.startswith("ALNAIR_") and k not in known | ignored
+                         and not _SERVICE_LINK.match(k))
         if unknown:
             raise ConfigError(f"{unknown[0]} is not a known setting; known: {', '.join(sorted(known))}")
         settings = cls(**values)
@@ -345,8 +366,17 @@ def markdown_table() -> str:
     return "\n".join(rows) + "\n"
 
 
+def build_markdown_table() -> str:
+    """The README's table of the build's variables, generated from BUILD_VARIABLES."""
+    rows = ["| Variable | Meaning |", "| --- | --- |"]
+    rows += [f"| `{v.name}` | {v.meaning} |" for v in BUILD_VARIABLES]
+    return "\n".join(rows) + "\n"
+
+
 if __name__ == "__main__":
     if sys.argv[1:] == ["--markdown"]:
         sys.stdout.write(markdown_table())
+    elif sys.argv[1:] == ["--markdown-build"]:
+        sys.stdout.write(build_markdown_table())
     else:
-        sys.exit("usage: python -m alnair_agent.config --markdown")
+        sys.exit("usage: python -m alnair_agent.config --markdown | --markdown-build")

@@ -3,9 +3,10 @@
 The real agent runs on simulated GPUs against an in-process kubelet emulator (real gRPC over unix sockets in a
 temporary folder) and admits four containers as kubelet would. Three of them then run a CUDA workload (`simapp`)
 through the real shim (`libalnair.so`, preloaded as the container runtime would, with the env and mounts Allocate
-returned) against the simulated driver (`tests/shim/simcuda`, built here with `make`; its per-GPU timelines are
-what the agent's profiler samples, as it samples NVML on a real node). A table refreshes every second (container,
-GPU, cap, measured utilization, memory used/limit, time throttled), then a summary.
+returned) against the simulated driver (`tests/shim/simcuda`, which `pip install` builds into the package beside the
+shim, so the demo runs from any folder; its per-GPU timelines are what the agent's profiler samples, as it samples
+NVML on a real node). A table refreshes every second (container, GPU, cap, measured utilization, memory used/limit,
+time throttled), then a summary.
 
 What it shows is what the system guarantees today: no container exceeds its compute cap or its memory limit, and
 capped containers sharing a GPU each get their cap (they take turns on it). The agent's log goes to a file, never
@@ -31,7 +32,15 @@ import uvloop
 from alnair_agent import logs
 from alnair_agent.app import Agent
 from alnair_agent.config import Settings, parse_sim_gpus
-from alnair_agent.constants import ENV_COMPUTE_LIMIT, ENV_MEMORY_LIMIT, ENV_VISIBLE_DEVICES, RESOURCE_COMPUTE, RESOURCE_MEMORY
+from alnair_agent.constants import (
+    ENV_COMPUTE_LIMIT,
+    ENV_MEMORY_LIMIT,
+    ENV_VISIBLE_DEVICES,
+    PACKAGE_SIM_DRIVER_DIR,
+    RESOURCE_COMPUTE,
+    RESOURCE_MEMORY,
+    SIM_DRIVER_FILES,
+)
 from alnair_agent.gpu.simulated import SimulatedBackend
 from alnair_agent.kube.wiring import pod_resources_lister
 from alnair_agent.kubelet.emulator import AdmissionError, KubeletEmulator
@@ -62,7 +71,8 @@ DEMO_WORKLOADS = (
 
 
 class DemoUnavailable(RuntimeError):
-    """The demo cannot run here (no C compiler, no checkout with the simulated driver); the message says why."""
+    """The demo cannot run here (a package built without the simulated driver, and no checkout or no `make` to
+    build it); the message says why."""
 
 
 @dataclass
@@ -91,18 +101,39 @@ class DemoResult:
 
 # -- the simulated driver --------------------------------------------------------------------------------------------
 
-def _source_root() -> Path:
+def packaged_simulated_driver() -> Path:
+    """The simulated driver built into the package (setup.py builds it into alnair_agent/lib/sim/)."""
+    return Path(__file__).resolve().parent / PACKAGE_SIM_DRIVER_DIR
+
+
+def _source_root() -> Path | None:
     """The checkout with tests/shim/simcuda and shim/ (the package's parent in a checkout, else the working dir)."""
     for root in (Path(__file__).resolve().parents[1], Path.cwd()):
         if (root / "tests/shim/simcuda/Makefile").is_file() and (root / "shim/cuda_abi.h").is_file():
             return root
-    raise DemoUnavailable("the demo runs the simulated CUDA driver built from a checkout of the project "
-                          "(tests/shim/simcuda): run it from the repository's folder")
+    return None
+
+
+def simulated_driver(out: Path) -> Path:
+    """The simulated driver (libcuda.so.1, libnvidia-ml.so.1) and simapp in `out`: copied from the package, or
+    built from a checkout when the package holds none (run from a source tree that was never installed)."""
+    packaged = packaged_simulated_driver()
+    if all((packaged / name).is_file() for name in SIM_DRIVER_FILES):
+        out.mkdir(parents=True, exist_ok=True)
+        for name in SIM_DRIVER_FILES:
+            shutil.copyfile(packaged / name, out / name)
+            os.chmod(out / name, 0o755)  # simapp runs; a wheel's installer need not have kept the mode
+        return out
+    return build_simulated_driver(out)
 
 
 def build_simulated_driver(out: Path) -> Path:
     """`make` the simulated driver (libcuda.so.1, libnvidia-ml.so.1) and simapp into `out`; the folder."""
     root = _source_root()
+    if root is None:
+        raise DemoUnavailable(f"the package holds no simulated CUDA driver ({packaged_simulated_driver()}) and no "
+                              "checkout of the project is here to build it from: reinstall it from a checkout "
+                              "(`pip install .` builds the driver beside the shim)")
     if shutil.which("make") is None:
         raise DemoUnavailable("the demo builds the simulated CUDA driver with `make` and a C compiler; install them")
     done = subprocess.run(["make", "-s", "-C", str(root / "tests/shim/simcuda"), f"BUILD={out}",
@@ -205,7 +236,7 @@ class Screen:
 # -- the run ---------------------------------------------------------------------------------------------------------
 
 async def demo(root: Path, seconds: float = 15.0, out: TextIO = sys.stdout) -> DemoResult:
-    sim = build_simulated_driver(root / "sim")
+    sim = simulated_driver(root / "sim")
     timelines = root / "timelines"
     settings = Settings(
         node_name="demo-node",

@@ -7,7 +7,15 @@ from pathlib import Path
 
 import pytest
 
-from alnair_agent.config import VARIABLES, ConfigError, Settings, markdown_table, parse_sim_gpus
+from alnair_agent.config import (
+    BUILD_VARIABLES,
+    VARIABLES,
+    ConfigError,
+    Settings,
+    build_markdown_table,
+    markdown_table,
+    parse_sim_gpus,
+)
 
 GIB = 1 << 30
 BASE = {"ALNAIR_NODE_NAME": "node-1"}
@@ -99,3 +107,53 @@ def test_readme_variable_table_is_generated_from_the_declaration():
     table = re.search(r"<!-- env-table -->\n(.*?)<!-- /env-table -->", readme, re.S)
     assert table, "README.md lacks the <!-- env-table --> block"
     assert table.group(1) == markdown_table(), "regenerate with: python -m alnair_agent.config --markdown"
+
+
+# Names in the environment, and whether the agent starts with them: the build's own variables (exported in the shell
+# that ran `pip install`) are known and ignored; any other ALNAIR_* name is a typo and stops it.
+NAMES = [
+    ({"ALNAIR_SHIM_CC": "cc"}, None),  # the README's host-compiler build
+    ({"ALNAIR_SHIM_CC": "/usr/bin/gcc -O1"}, None),  # any value: the agent never reads it
+    ({"ALNAIR_SHIM_CC": ""}, None),
+    ({"ALNAIR_SHIM_CC": "cc", "ALNAIR_GPU_POLCY": "spread"}, "ALNAIR_GPU_POLCY is not a known setting"),
+    ({"ALNAIR_SHIM_C": "cc"}, "ALNAIR_SHIM_C is not a known setting"),
+    ({"ALNAIR_SHIMCC": "cc"}, "ALNAIR_SHIMCC is not a known setting"),
+    ({"ALNAIR_SHIM_CC_": "cc"}, "ALNAIR_SHIM_CC_ is not a known setting"),
+    ({"alnair_shim_cc": "cc"}, None),  # not an ALNAIR_* name: not the agent's
+]
+
+
+@pytest.mark.parametrize(("extra", "refused"), NAMES)
+def test_build_variables_are_known_and_other_names_refused(extra, refused):
+    env = {**BASE, **extra}
+    if refused is None:
+        assert Settings.from_env(env) == Settings.from_env(BASE)
+    else:
+        with pytest.raises(ConfigError, match=refused):
+            Settings.from_env(env)
+
+
+def test_every_build_variable_is_known_to_the_agent():
+    for var in BUILD_VARIABLES:
+        assert Settings.from_env({**BASE, var.name: "x"}) == Settings.from_env(BASE)
+    assert not {v.name for v in BUILD_VARIABLES} & {v.name for v in VARIABLES}  # a build variable is no setting
+
+
+def test_the_build_reads_only_the_declared_build_variables():
+    # setup.py and the Makefiles it runs: every ALNAIR_* name they mention is one of BUILD_VARIABLES (so an agent
+    # started from the same shell knows it), each declared one is the build's, and setup.py takes them from config.
+    root = Path(__file__).parent.parent
+    mentioned = set()
+    for path in ("setup.py", "shim/Makefile", "tests/shim/simcuda/Makefile"):
+        mentioned |= set(re.findall(r"\bALNAIR_[A-Z0-9_]+", (root / path).read_text()))
+    declared = {v.name for v in BUILD_VARIABLES}
+    assert mentioned <= declared, f"build variables not in config.BUILD_VARIABLES: {mentioned - declared}"
+    assert declared <= mentioned, f"declared but no build reads them: {declared - mentioned}"
+    assert "from alnair_agent.config import" in (root / "setup.py").read_text()
+
+
+def test_readme_build_variable_table_is_generated_from_the_declaration():
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    table = re.search(r"<!-- build-env-table -->\n(.*?)<!-- /build-env-table -->", readme, re.S)
+    assert table, "README.md lacks the <!-- build-env-table --> block"
+    assert table.group(1) == build_markdown_table(), "regenerate with: python -m alnair_agent.config --markdown-build"

@@ -6,11 +6,18 @@ cap until the dispatcher hands out the unused time). No log line lands in the ta
 from __future__ import annotations
 
 import io
+import os
 import re
+import shutil
+import subprocess
+import sys
+import sysconfig
+import zipfile
 from pathlib import Path
 
 import pytest
 
+from alnair_agent.constants import PACKAGE_SIM_DRIVER_DIR, SIM_DRIVER_FILES
 from alnair_agent.demo import DEMO_WORKLOADS, HEADER, demo
 
 pytestmark = pytest.mark.timeout(60)
@@ -48,3 +55,60 @@ async def test_demo_shows_the_caps_and_no_container_exceeds_its_cap(tmp_path: Pa
     assert "CUDA_ERROR_OUT_OF_MEMORY" in text and "Summary" in text and HEADER in text
     # nothing but the demo's own lines: no log line in the table
     assert not re.search(r"^\{|\[(info|warning|error)|fork_posix|^\d{4}-\d\d-\d\d", text, flags=re.M)
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _tracked_tree(dest: Path) -> Path:
+    """A copy of the checkout's tracked files (what a clone holds): the build runs there, not in this checkout."""
+    names = subprocess.run(["git", "-C", str(ROOT), "ls-files", "-z"], check=True, capture_output=True,
+                           text=True).stdout.split("\0")
+    for name in filter(None, names):
+        if (ROOT / name).is_file():
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / name, dest / name)
+    return dest
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_pip_install_then_the_demo_runs_from_any_folder(tmp_path: Path) -> None:
+    """The README's first command without the checkout around: `pip install .` builds a wheel (isolated, as pip
+    does), it goes into a fresh virtual environment, and `alnair-agent demo` runs from an unrelated folder with
+    nothing but the installed package (the simulated driver it runs comes from the wheel). The fresh environment
+    takes the dependencies from this one by a path entry, which brings none of its packages' own .pth files: the
+    editable install of this checkout stays out of it."""
+    source = _tracked_tree(tmp_path / "clone")
+    wheels = tmp_path / "wheels"
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(wheels), str(source)],
+                   check=True, capture_output=True, text=True, timeout=360)
+    wheel = next(wheels.glob("alnair-*.whl"))
+    names = zipfile.ZipFile(wheel).namelist()
+    assert {f"alnair_agent/{PACKAGE_SIM_DRIVER_DIR}/{n}" for n in SIM_DRIVER_FILES} <= set(names), names
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    site = next((venv / "lib").glob("python3*/site-packages"))
+    (site / "deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    subprocess.run([sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python"), "install", "-q",
+                    "--no-deps", "--no-index", str(wheel)], check=True, capture_output=True, text=True)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    where = subprocess.run([str(venv / "bin" / "python"), "-c", "import alnair_agent; print(alnair_agent.__file__)"],
+                           cwd=elsewhere, env=env, check=True, capture_output=True, text=True).stdout
+    assert where.startswith(str(site)), where  # the installed package, not this checkout
+    done = subprocess.run([str(venv / "bin" / "alnair-agent"), "demo", "--seconds", "2"], cwd=elsewhere, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "Summary" in done.stdout and "CUDA_ERROR_OUT_OF_MEMORY" in done.stdout, done.stdout
+
+
+def test_demo_builds_the_driver_from_a_checkout_when_the_package_holds_none(tmp_path: Path, monkeypatch) -> None:
+    # A source tree that was never installed: no lib/sim/ in the package; the driver is built from tests/shim/simcuda.
+    import alnair_agent.demo as demo_module
+
+    monkeypatch.setattr(demo_module, "packaged_simulated_driver", lambda: tmp_path / "none")
+    sim = demo_module.simulated_driver(tmp_path / "sim")
+    assert all((sim / n).is_file() for n in SIM_DRIVER_FILES)
+    assert os.access(sim / "simapp", os.X_OK)

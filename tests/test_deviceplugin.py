@@ -17,6 +17,7 @@ from agent_harness import (
     registered,
     running_agent,
 )
+from crashloop import Episode, run_episode
 from fakes.apiserver import FakeApiServer, make_pod
 
 from alnair_agent.app import Kubernetes
@@ -143,6 +144,32 @@ async def test_kubelet_restart_reregisters_within_one_second(root, kubelet):
         assert time.monotonic() - started <= 1.0
         answers = await kubelet.admit("default", "after-restart", "main", {MEM: 1, SM: 10})
         assert answers[MEM].envs[ENV_VISIBLE_DEVICES]
+
+
+# Seeds of crash-loop timing (tests/crashloop.py): 1-3.5 s of a kubelet dying at start or refusing Register, then one
+# that stays. Before the fix the agent slept through its backoff (up to 5 s) meanwhile: 7 of these 10 took over 1 s.
+CRASH_LOOP_SEEDS = {False: range(6), True: range(100, 104)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("same_inode", [False, True], ids=["new-inode", "inode-reused"])
+async def test_kubelet_crash_loop_then_back_registers_within_one_second(root, kubelet, monkeypatch, same_inode):
+    """However long kubelet crash-looped, and whatever the agent's backoff had grown to, the kubelet that stays up
+    has both resources registered within 1 s. `inode-reused`: every kubelet.sock has the same inode number, as on
+    a filesystem that reuses a freed one at once (this one often does)."""
+    if same_inode:
+        import alnair_agent.kubelet.deviceplugin as deviceplugin
+
+        monkeypatch.setattr(deviceplugin, "_inode", lambda path: 1 if path.exists() else None)
+    async with running_agent(node_settings(root)) as running:
+        await registered(kubelet)
+        outcomes = [await run_episode(kubelet, Episode.draw(seed, down_s=(1.0, 3.5)))
+                    for seed in CRASH_LOOP_SEEDS[same_inode]]
+        slow = [o for o in outcomes if o.reregister_s > 1.0]
+        assert not slow, f"registered more than 1 s after kubelet was back: {slow}"
+        answers = await kubelet.admit("default", "after-crash-loop", "main", {MEM: 1, SM: 10})
+        assert answers[MEM].envs[ENV_VISIBLE_DEVICES]
+        assert running.agent.plugin.registered.is_set()
 
 
 async def test_gpu_unhealthy_and_back_sends_two_updates(root, kubelet):

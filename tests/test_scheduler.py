@@ -485,6 +485,80 @@ async def test_process_serves_until_sigterm() -> None:
             await proc.wait()
 
 
+async def _scheduler_log_until(stream: asyncio.StreamReader, event: str, seen: list[dict[str, Any]],
+                               timeout: float = 20) -> dict[str, Any]:
+    while True:
+        line = json.loads(await asyncio.wait_for(stream.readline(), timeout))
+        seen.append(line)
+        if line["event"] == event:
+            return line
+
+
+async def test_sigterm_answers_a_bind_waiting_for_a_locked_node_and_exits_within_2_s(tmp_path) -> None:
+    """One replica, Recreate strategy: a rollout stops the old extender while a bind waits for a node's lock (a
+    pod bound there that kubelet has not admitted yet). The waiting bind is answered with an Error at once (kube-
+    scheduler retries it against the new extender), nothing of it is left on the pod, and the process exits 0
+    within 2 s, its log naming the scheduler."""
+    from fakes.apiserver import FakeApiServer
+    from fakes.cluster import alnair_pod
+
+    from alnair_agent.node.decision import PLACEMENT_ANNOTATION
+
+    async with FakeApiServer() as api:
+        api.add_node("gpu-a", node=node("gpu-a", [gpu(0)]))
+        first = api.add_pod(alnair_pod("first", [{"name": "main", "memory": 2, "compute": 20}]))
+        second = api.add_pod(alnair_pod("second", [{"name": "main", "memory": 2, "compute": 20}]))
+        env = os.environ | {"KUBECONFIG": str(api.write_kubeconfig(tmp_path / "kubeconfig"))}
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "alnair_agent.scheduler.main", "--host", "127.0.0.1", "--port", "0",
+            "--health-port", "0", "--kubernetes", "auto", "--bind-wait-s", "20", env=env,
+            stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
+        assert proc.stderr is not None
+        seen: list[dict[str, Any]] = []
+        try:
+            base = f"http://{(await _scheduler_log_until(proc.stderr, 'scheduler_listening', seen))['addresses'][0]}"
+            await _scheduler_log_until(proc.stderr, "scheduler_view_synced", seen)
+
+            def bind_args(p: dict[str, Any]) -> dict[str, Any]:
+                meta = p["metadata"]
+                return {"PodName": meta["name"], "PodNamespace": meta["namespace"], "PodUID": meta["uid"],
+                        "Node": "gpu-a"}
+
+            async with aiohttp.ClientSession() as session:
+                async with session.post(f"{base}/bind", json=bind_args(first)) as resp:
+                    assert (await resp.json())["Error"] == ""  # bound: the node is locked until kubelet admits it
+
+                async def bind_second() -> tuple[dict[str, Any], float]:
+                    async with session.post(f"{base}/bind", json=bind_args(second)) as resp:
+                        assert resp.status == 200
+                        return await resp.json(), loop.time()
+
+                loop = asyncio.get_running_loop()
+                waiting = asyncio.create_task(bind_second())
+                await _scheduler_log_until(proc.stderr, "bind_waiting_for_lock", seen)
+                assert not waiting.done()
+                proc.send_signal(signal.SIGTERM)
+                stopped_at = loop.time()
+                answer, answered_at = await asyncio.wait_for(waiting, 5)
+                assert await asyncio.wait_for(proc.wait(), 5) == 0
+                exited_at = loop.time()
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+        seen += [json.loads(raw) for raw in (await proc.stderr.read()).splitlines()]
+        events = [line["event"] for line in seen]
+        assert "stopping" in answer["Error"] and "retry" in answer["Error"], answer
+        assert answered_at - stopped_at < 1.0
+        assert exited_at - stopped_at < 2.0, events
+        assert "scheduler_stopping" in events and events[-1] == "scheduler_stopped"
+        assert "agent_stopping" not in events and "service_stop_timeout" not in events, events
+        # Nothing of the unanswered bind is left: no decision on the pod, not bound; the first one is untouched.
+        assert PLACEMENT_ANNOTATION not in api.pod_annotations("default", "second")
+        assert not api.pod("default", "second")["spec"].get("nodeName")
+        assert [b[1] for b in api.bindings] == ["first"]
+
+
 async def test_process_exits_1_when_the_port_is_taken() -> None:
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

@@ -1,7 +1,11 @@
 """The kubelet device plugin (v1beta1): one gRPC server per resource on a unix socket, registered with kubelet.
 
 kubelet restarts wipe the socket folder and create a new kubelet.sock; the service notices within
-`REREGISTER_POLL_S` and serves and registers again.
+`REREGISTER_POLL_S` and serves and registers again. A refused registration is retried with jittered backoff (up to
+`REGISTER_RETRY_MAX_S`), but a new kubelet ends that wait within `REREGISTER_POLL_S`: kubelet.sock replaced (another
+inode), the plugin sockets removed (a starting kubelet empties the folder: the sign that works where the filesystem
+hands the new kubelet.sock the old inode number), or a kubelet.sock that refused connections now accepting one. So
+after a crash loop, however far the backoff had grown, the kubelet that stays up is registered with within a poll.
 """
 
 from __future__ import annotations
@@ -10,7 +14,9 @@ import asyncio
 import contextlib
 import os
 import random
+import socket
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -137,6 +143,40 @@ def _inode(path: Path) -> int | None:
         return None
 
 
+def _accepts(path: Path) -> bool:
+    """Whether something listens on the unix socket `path` (a connection it does not refuse, closed at once)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.setblocking(False)
+        try:
+            probe.connect(str(path))
+        except BlockingIOError:  # its backlog is full: a listener, busy
+            return True
+        except OSError:  # ECONNREFUSED: a dead kubelet's socket; ENOENT: gone
+            return False
+    return True
+
+
+@dataclass(frozen=True)
+class FailedAttempt:
+    """What a refused registration saw: the kubelet.sock it tried, whether that socket refused connections (a dead
+    kubelet's) and whether the plugin's own sockets had been served (a kubelet that starts removes them: gone now,
+    even before kubelet refused the Register for want of them, they say a new kubelet is there)."""
+
+    inode: int | None
+    refused_connections: bool
+    served: bool
+
+    def kubelet_changed(self, kubelet: Path, plugin_sockets: list[Path]) -> str:
+        """Why a new kubelet may be there now ("" if nothing changed)."""
+        if _inode(kubelet) != self.inode:
+            return "kubelet_socket_replaced"
+        if self.served and not all(p.exists() for p in plugin_sockets):
+            return "plugin_sockets_removed"
+        if self.refused_connections and _accepts(kubelet):
+            return "kubelet_socket_accepting"
+        return ""
+
+
 class DevicePluginService:
     """Serves both resources and keeps them registered with kubelet for as long as `run` runs."""
 
@@ -205,8 +245,10 @@ class DevicePluginService:
                 elif inode != registered_inode or sockets_gone:
                     waiting_logged = False
                     self.registered.clear()
+                    served = False
                     try:
                         await self._serve()
+                        served = True
                         await self._register()
                         registered_inode = inode
                         backoff = REREGISTER_POLL_S
@@ -218,12 +260,30 @@ class DevicePluginService:
                         detail = e.details() if isinstance(e, grpc.aio.AioRpcError) else str(e)
                         delay = backoff * random.uniform(0.5, 1.0)
                         log.warning("device_plugin_register_failed", error=detail, retry_in_s=round(delay, 3))
-                        await asyncio.sleep(delay)
+                        failed = FailedAttempt(inode, refused_connections=not _accepts(kubelet), served=served)
                         backoff = min(backoff * 2, REGISTER_RETRY_MAX_S)
+                        if await self._wait_for_retry(failed, delay):
+                            backoff = REREGISTER_POLL_S  # the backoff was for a kubelet that is gone
                         continue
                 await asyncio.sleep(REREGISTER_POLL_S)
         finally:
             await self.shutdown()
+
+    async def _wait_for_retry(self, failed: FailedAttempt, delay: float) -> bool:
+        """Sleep `delay` before the next attempt, looked at every REREGISTER_POLL_S; True when a new kubelet ended
+        the wait early (sleeping on through it left the node without Alnair resources for up to 5 s)."""
+        kubelet = self.plugin_dir / KUBELET_SOCKET_NAME
+        sockets = [self.socket_path(r) for r in RESOURCES]
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        while (left := started + delay - loop.time()) > 0:
+            await asyncio.sleep(min(REREGISTER_POLL_S, left))
+            reason = failed.kubelet_changed(kubelet, sockets)
+            if reason:
+                log.info("kubelet_changed", reason=reason, waited_s=round(loop.time() - started, 3),
+                         backoff_s=round(delay, 3))
+                return True
+        return False
 
     async def _stop_servers(self) -> None:
         servers, self._servers = self._servers, {}

@@ -4,14 +4,17 @@ Used by the demo (`alnair-agent --demo`) and the tests. It does what kubelet's d
 serves `Registration` on kubelet.sock, dials each registered plugin back, reads `ListAndWatch`, and admits
 containers by calling `GetPreferredAllocation` then `Allocate` per resource, in sequence, handing out only
 healthy devices it has not given to anyone else (its own checkpoint, which survives plugin restarts). It also
-serves `v1.PodResourcesLister` from that checkpoint, as kubelet does.
+serves `v1.PodResourcesLister` from that checkpoint, as kubelet does. It restarts as kubelet does (the socket folder
+emptied, a new kubelet.sock) and crashes as a killed kubelet does (kubelet.sock left on disk, refusing connections).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import shutil
+import socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -112,17 +115,48 @@ class KubeletEmulator:
                 await server.stop(grace=0.2)
         self._server = self._pr_server = None
 
-    async def restart(self) -> None:
-        """What a kubelet restart looks like to plugins: every socket in the folder gone, a new kubelet.sock."""
+    async def restart(self, dies: bool = False) -> None:
+        """What a kubelet restart looks like to plugins: every socket in the folder gone, a new kubelet.sock.
+
+        `dies`: the new kubelet dies as it starts, before any plugin reaches it (one turn of a crash loop): its
+        kubelet.sock is a new file that refuses connections."""
         await self._drop_plugins()
         if self._server is not None:
             await self._server.stop(grace=0.2)
+            self._server = None
         for entry in self.plugin_dir.iterdir():
             if entry.is_dir():
                 shutil.rmtree(entry, ignore_errors=True)
             else:
                 entry.unlink(missing_ok=True)
-        await self._start_registration()
+        if dies:
+            self._leave_dead_socket()
+        else:
+            await self._start_registration()
+
+    async def crash(self) -> None:
+        """What a killed kubelet (SIGKILL, OOM, panic) leaves: its connections to the plugins dropped and the same
+        kubelet.sock file on disk with nobody listening, so a connection to it is refused until a new kubelet
+        replaces it. The plugin sockets stay."""
+        await self._drop_plugins()
+        sock = self.plugin_dir / KUBELET_SOCKET_NAME
+        if self._server is not None:
+            # gRPC removes its socket file as it stops; a killed process removes nothing: keep the file by a
+            # second name across the stop, so the path keeps its inode.
+            keep = sock.with_name(sock.name + ".dead")
+            os.link(sock, keep)
+            await self._server.stop(grace=None)
+            self._server = None
+            os.replace(keep, sock)
+        elif not sock.exists():
+            self._leave_dead_socket()
+
+    def _leave_dead_socket(self) -> None:
+        sock = self.plugin_dir / KUBELET_SOCKET_NAME
+        with contextlib.suppress(FileNotFoundError):
+            sock.unlink()
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as dead:
+            dead.bind(str(sock))  # bound, never listening: the file stays and connect() is refused
 
     async def __aenter__(self) -> "KubeletEmulator":
         await self.start()

@@ -7,7 +7,8 @@ ExtenderBindingArgs (`PodName`, `PodNamespace`, `PodUID`, `Node`) in, ExtenderBi
      them in the view at once (no await in between: concurrent binds never see the same free units).
   3. Write the decision (`ai.centaurus.io/placement`) on the pod, then POST its Binding.
 A failure at any step undoes the reservation (and the annotation, best effort) and answers `Error`, which sends
-the pod back to kube-scheduler's queue; nothing is left held.
+the pod back to kube-scheduler's queue; nothing is left held. `stop()` (SIGTERM) answers every bind waiting for a
+lock, and every later one, with an `Error` at once: kube-scheduler retries them against the next extender.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
@@ -66,18 +67,31 @@ class Binder:
     api: ApiClient
     bind_wait_s: float = BIND_WAIT_S
     request_timeout_s: float = REQUEST_TIMEOUT_S
+    _stopping: asyncio.Event = field(default_factory=asyncio.Event, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.core = CoreV1Api(self.api)
+
+    def stop(self) -> None:
+        """The extender is stopping: answer the binds waiting for a lock, and any new one, with an Error now."""
+        self._stopping.set()
+        self.view.wake()
 
     async def bind(self, raw: Any) -> str:
         """"" when bound, else the reason (never raises for bad input or API failures)."""
         try:
             args = parse_bind_args(raw)
+            if self._stopping.is_set():
+                raise BindError(self._stopping_error(args))
             await self._bind(args)
         except BindError as e:
             return str(e)
         return ""
+
+    @staticmethod
+    def _stopping_error(args: BindArgs) -> str:
+        return (f"pod {args.namespace}/{args.name}: alnair-scheduler is stopping (a restart or a rollout); "
+                "kube-scheduler will retry")
 
     async def _pod(self, args: BindArgs) -> PodInfo:
         pod = self.view.pods.get(args.uid)
@@ -109,7 +123,12 @@ class Binder:
         policy = PROFILES.get(pod.scheduler_name, fit.PACK)
         loop = asyncio.get_running_loop()
         started = loop.time()
-        if not await self.view.wait_unlocked(args.node, self.bind_wait_s):
+        holder = self.view.locked(args.node)
+        if holder:
+            log.info("bind_waiting_for_lock", pod=ref, node=args.node, holder=holder)
+        if not await self.view.wait_unlocked(args.node, self.bind_wait_s, self._stopping):
+            if self._stopping.is_set():
+                raise BindError(self._stopping_error(args))
             holder = self.view.locked(args.node)
             raise BindError(f"pod {ref}: node {args.node} stayed locked by pod {holder} (waiting for kubelet to "
                             f"admit it) for {self.bind_wait_s:.0f} s; kube-scheduler will retry")
@@ -132,6 +151,9 @@ class Binder:
             self.view.unreserve(args.uid)
             if annotated:
                 await self._unannotate(args)
+            raise
+        except asyncio.CancelledError:  # stopping, and its API calls outlasted the server's grace
+            self.view.unreserve(args.uid)
             raise
         log.info("bound", pod=ref, node=args.node, gpus=dict(placed.gpus), profile=pod.scheduler_name,
                  lock_wait_s=round(waited, 3))

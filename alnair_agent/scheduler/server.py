@@ -26,7 +26,9 @@ from alnair_agent.scheduler.view import ClusterView
 log = structlog.get_logger(__name__)
 
 MAX_BODY_BYTES = 256 * 1024 * 1024  # a kube-scheduler not node-cache-capable sends whole NodeLists (tens of MiB)
-SHUTDOWN_TIMEOUT_S = 10.0  # on SIGTERM, how long requests in flight may take to finish
+# On SIGTERM binds waiting for a node's lock are answered at once; this is how long the requests still in flight
+# (a bind's API calls, normally milliseconds) may take before they are cancelled: the process exits within 2 s.
+SHUTDOWN_TIMEOUT_S = 1.0
 VIEW_KEY = web.AppKey("view", ClusterView)
 BINDER_KEY = web.AppKey("binder", Binder)
 
@@ -178,20 +180,23 @@ def build_health_app(view: ClusterView) -> web.Application:
 
 async def serve(host: str, port: int, stop: asyncio.Event, view: ClusterView, binder: Binder | None = None,
                 health_port: int | None = None) -> None:
-    """Listen until `stop` is set, then stop accepting, let requests in flight finish, and return."""
+    """Listen until `stop` is set or the task is cancelled, then answer every bind waiting for a node's lock with an
+    Error (kube-scheduler retries it), stop accepting, let the requests in flight finish (at most
+    SHUTDOWN_TIMEOUT_S), and return."""
     runners = [web.AppRunner(build_app(view, binder), access_log=None, shutdown_timeout=SHUTDOWN_TIMEOUT_S)]
     if health_port is not None:
         runners.append(web.AppRunner(build_health_app(view), access_log=None))
     try:
         for runner in runners:
             await runner.setup()
-        await web.TCPSite(runners[0], host, port, shutdown_timeout=SHUTDOWN_TIMEOUT_S).start()
+        await web.TCPSite(runners[0], host, port).start()
         if health_port is not None:
             await web.TCPSite(runners[1], "0.0.0.0", health_port).start()
         addresses = [f"{a[0]}:{a[1]}" for r in runners for a in r.addresses if isinstance(a, tuple)]
         log.info("scheduler_listening", addresses=addresses)
         await stop.wait()
-        log.info("scheduler_stopping")
     finally:
+        if binder is not None:
+            binder.stop()  # before the runners wait for the handlers: a waiting bind would hold them for 20 s
         for runner in runners:
             await runner.cleanup()

@@ -332,15 +332,22 @@ class ClusterView:
         return self.summary(node, now).locked_by
 
     # -- waiting -----------------------------------------------------------------------------------------------
-    async def wait_unlocked(self, node: str, timeout: float) -> bool:
-        """Wait until `node` has no lock holder (re-checked on every change and at lock expiry); False on timeout.
-        Returns with the view's condition NOT held: the caller must reserve before awaiting anything else."""
+    def wake(self) -> None:
+        """Have every wait_unlocked re-check now (its `stop` was set)."""
+        self._notify()
+
+    async def wait_unlocked(self, node: str, timeout: float, stop: asyncio.Event | None = None) -> bool:
+        """Wait until `node` has no lock holder (re-checked on every change, at lock expiry and on `wake`); False on
+        timeout or once `stop` is set. Returns with the view's condition NOT held: the caller must reserve before
+        awaiting anything else."""
         if self._changed is None:
             self._changed = asyncio.Condition()
         cond = self._changed
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         while True:
+            if stop is not None and stop.is_set():
+                return False
             summary = self.summary(node)
             if not summary.locked_by:
                 return True

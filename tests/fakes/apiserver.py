@@ -42,6 +42,7 @@ import uuid
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
+from pathlib import Path
 from typing import Any
 
 from aiohttp import web
@@ -298,6 +299,16 @@ class FakeApiServer:
     def api_client(self) -> ApiClient:
         """A real kubernetes-asyncio client for this server; the caller closes it."""
         return ApiClient(self.configuration())
+
+    def write_kubeconfig(self, path: Path) -> Path:
+        """A kubeconfig naming this server, for a process (the agent, alnair-scheduler) to reach it by KUBECONFIG."""
+        path.write_text(json.dumps({
+            "apiVersion": "v1", "kind": "Config", "current-context": "fake",
+            "clusters": [{"name": "fake", "cluster": {"server": self.host}}],
+            "users": [{"name": "fake", "user": {}}],
+            "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "fake"}}],
+        }))
+        return path
 
     # -- test hooks: objects ---------------------------------------------------------------------------------
     def add_pod(self, pod: Mapping[str, Any]) -> dict[str, Any]:

@@ -39,7 +39,7 @@ from alnair_agent.kubelet.emulator import AdmissionError, KubeletEmulator
 from alnair_agent.scheduler.bind import Binder
 from alnair_agent.scheduler.extender import PROFILES
 from alnair_agent.scheduler.main import reflectors
-from alnair_agent.scheduler.server import build_app
+from alnair_agent.scheduler.server import SHUTDOWN_TIMEOUT_S, build_app
 from alnair_agent.scheduler.view import ClusterView
 from fakes.apiserver import FakeApiServer, make_pod
 
@@ -271,6 +271,7 @@ class Cluster:
     view: ClusterView | None = None
     _extender_tasks: list[asyncio.Task[None]] = field(default_factory=list)
     _extender_server: TestServer | None = None
+    _binder: Binder | None = None
     _extender_client: ApiClient | None = None
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
 
@@ -311,12 +312,15 @@ class Cluster:
             await asyncio.wait_for(w.synced.wait(), 10)
         self.view.warm()
         self.view.synced = True
-        self._extender_server = TestServer(build_app(self.view, Binder(self.view, self._extender_client)),
-                                           host="127.0.0.1")
-        await self._extender_server.start_server()
+        self._binder = Binder(self.view, self._extender_client)
+        self._extender_server = TestServer(build_app(self.view, self._binder), host="127.0.0.1")
+        # As alnair-scheduler's server: requests still in flight at a stop get SHUTDOWN_TIMEOUT_S, not aiohttp's 60 s.
+        await self._extender_server.start_server(shutdown_timeout=SHUTDOWN_TIMEOUT_S)
         return str(self._extender_server.make_url("")).rstrip("/")
 
     async def stop_extender(self) -> None:
+        if self._binder is not None:  # as alnair-scheduler stops: waiting binds answered at once, not held 20 s
+            self._binder.stop()
         for task in self._extender_tasks:
             task.cancel()
         await asyncio.gather(*self._extender_tasks, return_exceptions=True)
@@ -324,7 +328,7 @@ class Cluster:
             await self._extender_server.close()
         if self._extender_client is not None:
             await self._extender_client.close()
-        self._extender_tasks, self._extender_server, self._extender_client = [], None, None
+        self._extender_tasks, self._extender_server, self._extender_client, self._binder = [], None, None, None
 
     async def restart_extender(self) -> None:
         assert self.scheduler is not None
