@@ -48,6 +48,8 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 from kubernetes_asyncio.client import ApiClient, Configuration
 
+from fakes.resourceapi import ResourceApiMixin
+
 MERGE_PATCH = "application/merge-patch+json"
 
 
@@ -220,10 +222,12 @@ def _precondition(old: Mapping[str, Any], body: Any, plural: str, name: str) -> 
     return None
 
 
-class FakeApiServer:
-    """The stand-in API server; see the module docstring. All test hooks are plain (synchronous) methods."""
+class FakeApiServer(ResourceApiMixin):
+    """The stand-in API server; see the module docstring. All test hooks are plain (synchronous) methods.
+    resource.k8s.io/v1 (ResourceSlices, ResourceClaims, DeviceClasses) is served by fakes.resourceapi."""
 
     def __init__(self) -> None:
+        self._init_resources()
         self._pods: dict[tuple[str, str], dict[str, Any]] = {}
         self._nodes: dict[str, dict[str, Any]] = {}
         self._rv = 1
@@ -252,6 +256,7 @@ class FakeApiServer:
         app.router.add_get("/api/v1/nodes/{name}", self._get_node)
         app.router.add_patch("/api/v1/nodes/{name}", self._patch_node)
         app.router.add_post("/api/v1/namespaces/{ns}/events", self._create_event)
+        self._add_resource_routes(app)
         self._app = app
         self._server = TestServer(app, host="127.0.0.1", port=getattr(self, "_port", None))
         await self._server.start_server()
