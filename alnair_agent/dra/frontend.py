@@ -89,6 +89,8 @@ async def choose(settings: Settings, api: ResourceApiLike | None) -> Choice:
                             "enable consumable capacity (feature gate DRAConsumableCapacity, on by default from "
                             "Kubernetes 1.36)")
         has_class = await api.device_class_exists(DRA_DEVICE_CLASS)
+    except ConfigError:
+        raise
     except Exception as e:  # noqa: BLE001 - any failure to ask: auto keeps the device plugin, dra says why
         if wanted == DRA:
             log.warning("frontend_check_failed", error=str(e), frontend=DRA)

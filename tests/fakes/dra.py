@@ -171,6 +171,8 @@ async def dra_node(root: Path, api: FakeApiServer, **overrides: Any) -> AsyncIte
                 assert dra is not None and running.agent.frontend == "dra"
                 await dra.slices.synced.wait()
                 assert api.resource_slice(slice_name(NODE)) is not None
-                yield DraNode(api, settings, kubelet, running, Allocator({DRA_DEVICE_CLASS: device_class()}))
+                allocator = Allocator({DRA_DEVICE_CLASS: device_class()})
+                allocator.learn(api.claims())  # kube-scheduler's view: what claims already hold
+                yield DraNode(api, settings, kubelet, running, allocator)
     finally:
         await client.close()

@@ -70,6 +70,7 @@ class ResourceApiMixin:
 
     def _add_resource_routes(self, app: web.Application) -> None:
         app.router.add_get(GROUP, self._discovery)
+        app.router.add_get(GROUP + "/", self._discovery)  # the client asks with the slash
         app.router.add_get(GROUP + "/resourceslices", self._list_slices)
         app.router.add_post(GROUP + "/resourceslices", self._create_slice)
         app.router.add_get(GROUP + "/resourceslices/{name}", self._get_slice)
