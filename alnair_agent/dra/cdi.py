@@ -29,6 +29,11 @@ class CdiError(OSError):
     """A spec file cannot be written (full disk, read-only folder)."""
 
 
+def is_uid(text: str) -> bool:
+    """Whether `text` has the shape of a Kubernetes UID (hex and dashes): only those become file names."""
+    return bool(_UID.match(text))
+
+
 def device_id(alloc_id: str) -> str:
     """The fully-qualified CDI device name of an allocation's slice: `alnair.centaurus.io/gpu=<allocation id>`."""
     return f"{CDI_KIND}={alloc_id}"
@@ -78,8 +83,13 @@ class CdiWriter:
         return path
 
     def remove(self, claim_uid: str) -> None:
-        with contextlib.suppress(FileNotFoundError):
+        """Remove the claim's spec (absent already: nothing to do); CdiError when it cannot be removed."""
+        try:
             os.unlink(self.path(claim_uid))
+        except (FileNotFoundError, NotADirectoryError):
+            pass
+        except OSError as e:
+            raise CdiError(e.errno, f"cannot remove CDI spec {self.path(claim_uid)}: {e.strerror}") from None
 
     def claim_uids(self) -> set[str]:
         """Claims whose specs this agent wrote and which are on disk now."""

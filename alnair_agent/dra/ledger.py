@@ -299,7 +299,7 @@ class DraLedger:
     def _write_spec_quietly(self, claim_uid: str) -> None:
         try:
             self._write_spec(claim_uid)
-        except CdiError as e:
+        except OSError as e:
             log.error("dra_cdi_spec_unwritable", claim_uid=claim_uid, error=str(e))
 
     def _changed(self) -> None:
@@ -311,13 +311,19 @@ class DraLedger:
         """Retire the claim's slices (the final usage write first); a claim not prepared here is already done."""
         records = self.records(ref.uid)
         if not records:
-            self.cdi.remove(ref.uid)
+            self._remove_spec(ref.uid)
             return
         await self._retire(ref.uid, records, why="unprepared")
 
+    def _remove_spec(self, claim_uid: str) -> None:
+        try:
+            self.cdi.remove(claim_uid)
+        except CdiError as e:
+            raise PrepareError(f"claim {claim_uid}: {e.strerror}") from None
+
     async def _retire(self, claim_uid: str, records: list[Allocation], why: str) -> None:
         # The spec goes first: no container started from now on can name these devices.
-        self.cdi.remove(claim_uid)
+        self._remove_spec(claim_uid)
         for alloc in records:
             if self.usage is not None and alloc.identified and alloc.container:
                 if not await self.usage.final(alloc, timeout=FINAL_FLUSH_S):
@@ -337,6 +343,10 @@ class DraLedger:
     def restore(self) -> None:
         """At start: every prepared claim's CDI spec as its records say; specs of claims without records go (they
         were never answered, or their claim was retired)."""
+        try:
+            self.cdi.folder.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            log.warning("dra_cdi_folder_unusable", folder=str(self.cdi.folder), error=str(e))
         live = self.claim_uids()
         for uid in sorted(live):
             self._write_spec_quietly(uid)

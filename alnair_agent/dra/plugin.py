@@ -28,6 +28,7 @@ from alnair_agent.constants import (
     DRA_SERVICES,
     DRA_SOCKET_NAME,
 )
+from alnair_agent.dra.cdi import is_uid
 from alnair_agent.dra.ledger import ClaimRef, DraLedger, PrepareError
 from alnair_agent.proto import dra_v1_pb2 as v1
 from alnair_agent.proto import dra_v1_pb2_grpc as v1_grpc
@@ -46,6 +47,8 @@ def _ref(claim: v1.Claim) -> ClaimRef | str:
     missing = [f for f in ("namespace", "uid", "name") if not getattr(claim, f)]
     if missing:
         return f"claim {claim.namespace}/{claim.name} (uid {claim.uid!r}) lacks {', '.join(missing)}"
+    if not is_uid(claim.uid):
+        return f"claim {claim.namespace}/{claim.name}: uid {claim.uid[:80]!r} is not a Kubernetes UID"
     return ClaimRef(claim.namespace, claim.uid, claim.name)
 
 
@@ -72,6 +75,10 @@ class DraServicer(v1_grpc.DRAPluginServicer):
                 log.warning("dra_prepare_refused", claim=f"{ref.namespace}/{ref.name}", uid=ref.uid, reason=str(e))
                 out.claims[key].error = str(e)
                 continue
+            except Exception as e:  # noqa: BLE001 - a fault of ours fails this claim (kubelet retries), not the call
+                log.exception("dra_prepare_failed", claim=f"{ref.namespace}/{ref.name}", uid=ref.uid)
+                out.claims[key].error = f"{ref.describe()}: internal error of {DRA_DRIVER}: {type(e).__name__}: {e}"
+                continue
             out.claims[key].devices.extend(
                 v1.Device(request_names=[d.request], pool_name=d.pool, device_name=d.device,
                           cdi_device_ids=list(d.cdi_ids)) for d in devices)
@@ -92,6 +99,9 @@ class DraServicer(v1_grpc.DRAPluginServicer):
             except PrepareError as e:
                 log.warning("dra_unprepare_failed", claim=f"{ref.namespace}/{ref.name}", uid=ref.uid, reason=str(e))
                 out.claims[key].error = str(e)
+            except Exception as e:  # noqa: BLE001 - as in prepare: this claim fails, kubelet calls again
+                log.exception("dra_unprepare_failed", claim=f"{ref.namespace}/{ref.name}", uid=ref.uid)
+                out.claims[key].error = f"{ref.describe()}: internal error of {DRA_DRIVER}: {type(e).__name__}: {e}"
         return out
 
 
