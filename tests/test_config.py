@@ -65,6 +65,10 @@ BAD_VALUES = [
     ("ALNAIR_DISPATCH_MAX_FACTOR", "0.5", "1.0..50.0"),
     ("ALNAIR_DISPATCH_PROFILE_INTERVAL_S", "0.01", "0.05..60.0"),
     ("ALNAIR_DISPATCH_IDLE_S", "0", "0.02..10.0"),
+    ("ALNAIR_FRONTEND", "both", "device-plugin"),
+    ("ALNAIR_DRA_PLUGIN_DIR", "plugins/alnair", "absolute path"),
+    ("ALNAIR_PLUGINS_REGISTRY_DIR", "plugins_registry", "absolute path"),
+    ("ALNAIR_CDI_DIR", "cdi", "absolute path"),
 ]
 
 
