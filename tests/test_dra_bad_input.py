@@ -65,6 +65,8 @@ CASES = [
     ("the same share twice", [GOOD, GOOD], "two allocation results name the same request, device and share"),
     ("over the ledger", [with_(consumedCapacity={"memory": "16Gi", "compute": "30"})],
      "more than GPU GPU-"),
+    ("neither memory nor compute", [with_(consumedCapacity={"memory": "0", "compute": "0"})],
+     "asks for neither memory nor compute"),
     ("second result bad", [with_(device="gpu-1", request="a"), with_(device="gpu-9", request="b")],
      "device 'gpu-9' is not published"),
 ]

@@ -206,6 +206,10 @@ class DraLedger:
                 consumed = capacity.consumed_of(r.get("consumedCapacity"), gpu, self.inventory.memory_unit_bytes)
             except capacity.CapacityError as e:
                 raise PrepareError(f"{what}: {e}") from None
+            if not consumed.memory_bytes and not consumed.compute_percent:
+                # Both default to 0: such a slice would have no limit and hold nothing in the ledger.
+                raise PrepareError(f"{what}: the request asks for neither memory nor compute; ask for at least one "
+                                   "(capacity.requests memory and/or compute)")
             share_id = r.get("shareID")
             share = ClaimShare(ref.namespace, ref.name, ref.uid, request, pool, device,
                                share_id if isinstance(share_id, str) else "")

@@ -77,8 +77,29 @@ class DraNode:
     kubelet: DraKubeletEmulator
     running: RunningAgent
     allocator: Allocator
+    client: Any = None
     node: str = NODE
     pods: dict[str, dict[str, Any]] = field(default_factory=dict)  # name -> pod JSON
+    _agent: Any = None  # the running agent's context manager
+
+    async def start_agent(self) -> None:
+        since = sum(d == DRA_DRIVER for d, _ in self.kubelet.registrations)
+        self._agent = running_agent(self.settings, kubernetes_for(self.client, dra=True))
+        self.running = await self._agent.__aenter__()
+        await self.kubelet.wait_registered(DRA_DRIVER, since=since)
+        dra = self.running.agent.dra
+        assert dra is not None and self.running.agent.frontend == "dra"
+        await dra.slices.synced.wait()
+
+    async def stop_agent(self) -> None:
+        agent, self._agent = self._agent, None
+        if agent is not None:
+            await agent.__aexit__(None, None, None)
+
+    async def restart_agent(self) -> None:
+        """The agent restarts (a crash, an upgrade); kubelet, its checkpoint and the API server stay."""
+        await self.stop_agent()
+        await self.start_agent()
 
     def claim(self, name: str, requests: list[Mapping[str, Any]], namespace: str = "default") -> dict[str, Any]:
         return self.api.add_claim(make_claim(name, requests, namespace))
@@ -165,14 +186,14 @@ async def dra_node(root: Path, api: FakeApiServer, **overrides: Any) -> AsyncIte
     try:
         async with DraKubeletEmulator(settings.plugins_registry_dir, settings.cdi_dir,
                                       settings.pod_resources_socket) as kubelet:
-            async with running_agent(settings, kubernetes_for(client, dra=True)) as running:
-                await kubelet.wait_registered(DRA_DRIVER)
-                dra = running.agent.dra
-                assert dra is not None and running.agent.frontend == "dra"
-                await dra.slices.synced.wait()
-                assert api.resource_slice(slice_name(NODE)) is not None
-                allocator = Allocator({DRA_DEVICE_CLASS: device_class()})
-                allocator.learn(api.claims())  # kube-scheduler's view: what claims already hold
-                yield DraNode(api, settings, kubelet, running, allocator)
+            allocator = Allocator({DRA_DEVICE_CLASS: device_class()})
+            allocator.learn(api.claims())  # kube-scheduler's view: what claims already hold
+            node = DraNode(api, settings, kubelet, None, allocator, client)  # type: ignore[arg-type]
+            await node.start_agent()
+            assert api.resource_slice(slice_name(NODE)) is not None
+            try:
+                yield node
+            finally:
+                await node.stop_agent()
     finally:
         await client.close()
