@@ -316,8 +316,10 @@ def run_demo(seconds: float = 15.0) -> int:
             sys.stderr.flush()
             saved = os.dup(2)
             os.dup2(log_file.fileno(), 2)
+            from alnair_agent.demo_dra import demo_all  # the device plugin run, then the DRA run
+
             try:
-                uvloop.run(demo(Path(tmp), seconds))
+                uvloop.run(demo_all(Path(tmp), seconds))
             except DemoUnavailable as e:
                 problem = str(e)
             else:

@@ -265,7 +265,10 @@ def test_the_dra_example_asks_4_gib_and_30_percent_of_the_alnair_device_class() 
     from alnair_agent.constants import DRA_CAP_COMPUTE, DRA_CAP_MEMORY, DRA_DEVICE_CLASS, DRA_DRIVER
     from alnair_agent.dra.quantity import parse_quantity
 
+    from alnair_agent.dra.capacity import device_class_json
+
     [cls] = by_kind("DeviceClass")
+    assert cls == device_class_json()  # the agent's own definition (the demo creates it from there)
     assert cls["metadata"]["name"] == DRA_DEVICE_CLASS
     assert cls["spec"]["selectors"] == [{"cel": {"expression": f'device.driver == "{DRA_DRIVER}"'}}]
     [template] = by_kind("ResourceClaimTemplate")

@@ -22,7 +22,9 @@ from alnair_agent.constants import (
     DRA_ATTR_PRODUCT,
     DRA_ATTR_UUID,
     DRA_CAP_COMPUTE,
+    DRA_API_GROUP_VERSION,
     DRA_CAP_MEMORY,
+    DRA_DEVICE_CLASS,
     DRA_DEVICE_PREFIX,
     DRA_DRIVER,
     RESOURCE_MEMORY,
@@ -112,6 +114,14 @@ def slice_spec(node_name: str, devices: list[dict[str, Any]], generation: int) -
         "nodeName": node_name,
         "devices": devices[:MAX_SLICE_DEVICES],
     }
+
+
+def device_class_json() -> dict[str, Any]:
+    """The DeviceClass that claims name (manifests/alnair-dra.yaml ships it; a test keeps the two the same)."""
+    return {"apiVersion": DRA_API_GROUP_VERSION, "kind": "DeviceClass",
+            "metadata": {"name": DRA_DEVICE_CLASS,
+                         "labels": {"app.kubernetes.io/name": "alnair-agent", "app.kubernetes.io/part-of": "alnair"}},
+            "spec": {"selectors": [{"cel": {"expression": f'device.driver == "{DRA_DRIVER}"'}}]}}
 
 
 def keeps_consumable_capacity(device: Mapping[str, Any]) -> bool:
