@@ -97,11 +97,11 @@ def env_for(settings: Settings) -> dict[str, str]:
     return env
 
 
-def kubernetes_for(client: ApiClient, dra: bool = False) -> Kubernetes:
+def kubernetes_for(client: ApiClient, dra: bool = False, node: str = NODE) -> Kubernetes:
     """The agent's Kubernetes side wired to an API client (the stand-in's), with short writer intervals; `dra`
     adds resource.k8s.io/v1 (as production wiring does), so the agent may choose the DRA front-end."""
-    watch = PodWatch(client, NODE)
-    writer = AnnotationWriter(client, NODE, WriterTiming(min_interval_s=0.05))
+    watch = PodWatch(client, node)
+    writer = AnnotationWriter(client, node, WriterTiming(min_interval_s=0.05))
     return Kubernetes(pod_source=watch, pod_states=watch, annotations=writer,
                       services=[("pod-watch", watch.run), ("annotations", writer.run)],
                       resources=ResourceApi(client) if dra else None)

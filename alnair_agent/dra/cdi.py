@@ -66,15 +66,18 @@ class CdiWriter:
         tmp = self.folder / f".{path.name}.tmp"
         data = json.dumps(spec, indent=1, sort_keys=True).encode()
         try:
-            self.folder.mkdir(parents=True, exist_ok=True)
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, SPEC_MODE)
             try:
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, SPEC_MODE)
+            except FileNotFoundError:  # the folder went (a tmpfs cleared): made again
+                self.folder.mkdir(parents=True, exist_ok=True)
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, SPEC_MODE)
+            try:
+                os.fchmod(fd, SPEC_MODE)  # whatever the umask
                 view = memoryview(data)
                 while view:
                     view = view[os.write(fd, view):]
             finally:
                 os.close(fd)
-            os.chmod(tmp, SPEC_MODE)  # whatever the umask
             os.replace(tmp, path)
         except OSError as e:
             with contextlib.suppress(OSError):

@@ -362,16 +362,19 @@ class DraLedger:
                 log.warning("dra_cdi_spec_unremovable", claim_uid=uid, error=str(e))
 
     def learn_containers(self) -> None:
-        """Name each slice's containers from its pod (the pod watch may show the pod after kubelet's prepare)."""
+        """Name each slice's containers from its pod (the pod watch may show the pod after kubelet's prepare). A pod's
+        containers and their claims cannot change (the spec is immutable): a slice named once is done."""
         if self.pods is None or not self.pods.synced:
             return
         for alloc in self.records():
             assert alloc.claim is not None
+            if alloc.container:
+                continue
             pod = self.pods.get(alloc.pod_uid) if alloc.pod_uid else None
             if pod is None:
                 continue
             names = ",".join(pod.claim_containers(alloc.claim.name, alloc.claim.request))
-            if names and names != alloc.container:
+            if names:
                 alloc.container = names
                 try:
                     self.workspace.save(alloc)

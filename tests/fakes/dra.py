@@ -84,7 +84,7 @@ class DraNode:
 
     async def start_agent(self) -> None:
         since = sum(d == DRA_DRIVER for d, _ in self.kubelet.registrations)
-        self._agent = running_agent(self.settings, kubernetes_for(self.client, dra=True))
+        self._agent = running_agent(self.settings, kubernetes_for(self.client, dra=True, node=self.node))
         self.running = await self._agent.__aenter__()
         await self.kubelet.wait_registered(DRA_DRIVER, since=since)
         dra = self.running.agent.dra
@@ -176,7 +176,8 @@ class DraNode:
 
 @contextlib.asynccontextmanager
 async def dra_node(root: Path, api: FakeApiServer, **overrides: Any) -> AsyncIterator[DraNode]:
-    """The real agent with the DRA front-end on `root`, its kubelet, and the DeviceClass on the API server."""
+    """The real agent with the DRA front-end on `root`, its kubelet, and the DeviceClass on the API server
+    (`node_name=` in `overrides` names another node: several can share one API server)."""
     settings = replace(node_settings(root, frontend="dra", dra_plugin_dir=root / "plugins" / "alnair",
                                      plugins_registry_dir=root / "plugins_registry", cdi_dir=root / "cdi",
                                      place_unscheduled=False), **overrides)
@@ -188,9 +189,9 @@ async def dra_node(root: Path, api: FakeApiServer, **overrides: Any) -> AsyncIte
                                       settings.pod_resources_socket) as kubelet:
             allocator = Allocator({DRA_DEVICE_CLASS: device_class()})
             allocator.learn(api.claims())  # kube-scheduler's view: what claims already hold
-            node = DraNode(api, settings, kubelet, None, allocator, client)  # type: ignore[arg-type]
+            node = DraNode(api, settings, kubelet, None, allocator, client, settings.node_name)  # type: ignore[arg-type]
             await node.start_agent()
-            assert api.resource_slice(slice_name(NODE)) is not None
+            assert api.resource_slice(slice_name(settings.node_name)) is not None
             try:
                 yield node
             finally:
