@@ -20,6 +20,7 @@ import structlog
 from aiohttp import web
 
 from alnair_agent.scheduler.bind import Binder
+from alnair_agent.scheduler.dra import DraView, prioritize_dra
 from alnair_agent.scheduler.extender import FilterResult, PrioritizeResult, filter_nodes, prioritize_nodes
 from alnair_agent.scheduler.view import ClusterView
 
@@ -29,6 +30,7 @@ MAX_BODY_BYTES = 256 * 1024 * 1024  # a kube-scheduler not node-cache-capable se
 SHUTDOWN_TIMEOUT_S = 10.0  # on SIGTERM, how long requests in flight may take to finish
 VIEW_KEY = web.AppKey("view", ClusterView)
 BINDER_KEY = web.AppKey("binder", Binder)
+DRA_VIEW_KEY = web.AppKey("dra_view", DraView)
 
 
 @dataclass(frozen=True)
@@ -67,6 +69,20 @@ def answer_prioritize(body: bytes, view: ClusterView) -> Answer:
         result = PrioritizeResult(error=f"request body is not JSON ExtenderArgs: {e}")
     except Exception as e:
         log.exception("prioritize_failed")
+        result = PrioritizeResult(error=f"alnair-scheduler internal error: {type(e).__name__}: {e}")
+    best = max(result.hosts, key=lambda h: h.score, default=None)
+    summary = {"nodes": len(result.hosts), "best": best.host if best else "", "best_score": best.score if best else 0}
+    return Answer(result.encode(), result.pod, result.error, summary)
+
+
+def answer_prioritize_dra(body: bytes, view: DraView) -> Answer:
+    """Bytes in, bytes out; never raises (the DRA pods' profiles: alnair_agent.scheduler.dra)."""
+    try:
+        result = prioritize_dra(json.loads(body), view)
+    except ValueError as e:
+        result = PrioritizeResult(error=f"request body is not JSON ExtenderArgs: {e}")
+    except Exception as e:
+        log.exception("prioritize_dra_failed")
         result = PrioritizeResult(error=f"alnair-scheduler internal error: {type(e).__name__}: {e}")
     best = max(result.hosts, key=lambda h: h.score, default=None)
     summary = {"nodes": len(result.hosts), "best": best.host if best else "", "best_score": best.score if best else 0}
@@ -120,6 +136,20 @@ async def _prioritize(request: web.Request) -> web.Response:
     return _json(answer.body, started)
 
 
+async def _prioritize_dra(request: web.Request) -> web.Response:
+    body = await _read(request)
+    started = time.perf_counter()
+    if isinstance(body, str):
+        answer = Answer(_encode([]), "", body, {})
+    else:
+        answer = answer_prioritize_dra(body, request.app.get(DRA_VIEW_KEY) or DraView())
+    if answer.error:
+        log.warning("prioritize_dra_error", pod=answer.pod, error=answer.error, **answer.summary)
+    else:
+        log.info("prioritize_dra", pod=answer.pod, **answer.summary)
+    return _json(answer.body, started)
+
+
 async def _bind(request: web.Request) -> web.Response:
     body = await _read(request)
     started = time.perf_counter()
@@ -155,13 +185,16 @@ async def _readyz(request: web.Request) -> web.Response:
     return web.Response(status=503, text="node and pod watches not synced yet\n")
 
 
-def build_app(view: ClusterView, binder: Binder | None = None) -> web.Application:
+def build_app(view: ClusterView, binder: Binder | None = None, dra_view: DraView | None = None) -> web.Application:
     app = web.Application(client_max_size=MAX_BODY_BYTES)
     app[VIEW_KEY] = view
     if binder is not None:
         app[BINDER_KEY] = binder
+    if dra_view is not None:
+        app[DRA_VIEW_KEY] = dra_view
     app.router.add_post("/filter", _filter)
     app.router.add_post("/prioritize", _prioritize)
+    app.router.add_post("/prioritize-dra", _prioritize_dra)
     app.router.add_post("/bind", _bind)
     app.router.add_get("/healthz", _healthz)
     app.router.add_get("/readyz", _readyz)
@@ -177,9 +210,9 @@ def build_health_app(view: ClusterView) -> web.Application:
 
 
 async def serve(host: str, port: int, stop: asyncio.Event, view: ClusterView, binder: Binder | None = None,
-                health_port: int | None = None) -> None:
+                health_port: int | None = None, dra_view: DraView | None = None) -> None:
     """Listen until `stop` is set, then stop accepting, let requests in flight finish, and return."""
-    runners = [web.AppRunner(build_app(view, binder), access_log=None, shutdown_timeout=SHUTDOWN_TIMEOUT_S)]
+    runners = [web.AppRunner(build_app(view, binder, dra_view), access_log=None, shutdown_timeout=SHUTDOWN_TIMEOUT_S)]
     if health_port is not None:
         runners.append(web.AppRunner(build_health_app(view), access_log=None))
     try:

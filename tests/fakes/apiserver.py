@@ -169,7 +169,7 @@ class _Event:
     rv: int
     old: dict[str, Any] | None  # None: created
     new: dict[str, Any] | None  # None: deleted
-    kind: str = "pod"  # "pod" | "node"
+    kind: str = "pod"  # "pod" | "node" | "resourceslices" | "resourceclaims"
 
 
 Selector = dict[str, str]  # field path -> value; all must match
@@ -536,7 +536,8 @@ class FakeApiServer(ResourceApiMixin):
         if raw_rv in ("", "0"):
             # No version: the current state as ADDED events, then changes (the API server's "start at most recent").
             current = self._pods_on(selector, None) if kind == "pod" else [
-                copy.deepcopy(self._nodes[n]) for n in sorted(self._nodes)]
+                copy.deepcopy(self._nodes[n]) for n in sorted(self._nodes)] if kind == "node" else \
+                self._resource_objects(kind)
             backlog: list[dict[str, Any]] = [{"type": "ADDED", "object": p} for p in current]
         else:
             since = int(raw_rv)

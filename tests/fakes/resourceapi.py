@@ -7,6 +7,7 @@ Serves:
   POST   /apis/resource.k8s.io/v1/resourceslices[?dryRun=All]         create (generateName too); 409 if it exists
   GET/PUT/DELETE /apis/resource.k8s.io/v1/resourceslices/{name}        PUT: 409 on a stale metadata.resourceVersion
   GET    /apis/resource.k8s.io/v1/namespaces/{ns}/resourceclaims[/{name}], /apis/resource.k8s.io/v1/resourceclaims
+  ?watch=true on both lists                                           the same watch as pods (events, 410 Gone)
   GET    /apis/resource.k8s.io/v1/deviceclasses/{name}
 
 Writes are validated against the Kubernetes 1.36 schemas (kubernetes-validate, strict): an object the real API
@@ -90,6 +91,27 @@ class ResourceApiMixin:
         self._rv += 1
         return str(self._rv)
 
+    def _publish(self, kind: str, old: dict[str, Any] | None, new: dict[str, Any] | None) -> None:
+        """A change of a slice or claim, for watches (the same event log as pods and nodes)."""
+        from fakes.apiserver import _Event
+
+        if new is None:
+            assert old is not None
+            old = copy.deepcopy(old)
+            old["metadata"]["resourceVersion"] = self._next_rv()
+            event = _Event(self._rv, old, None, kind)
+        else:
+            event = _Event(int(new["metadata"]["resourceVersion"]), copy.deepcopy(old) if old else None,
+                           copy.deepcopy(new), kind)
+        self._events.append(event)  # type: ignore[attr-defined]
+        for w in self._watchers:  # type: ignore[attr-defined]
+            if w.kind == kind:
+                w.queue.put_nowait(event)
+
+    def _resource_objects(self, kind: str) -> list[dict[str, Any]]:
+        store = self._slices if kind == "resourceslices" else self._claims
+        return [copy.deepcopy(v) for _, v in sorted(store.items())]
+
     def add_claim(self, claim: Mapping[str, Any]) -> dict[str, Any]:
         obj = copy.deepcopy(dict(claim))
         meta = obj.setdefault("metadata", {})
@@ -100,6 +122,7 @@ class ResourceApiMixin:
         if key in self._claims:
             raise ValueError(f"claim {key} exists")
         self._claims[key] = obj
+        self._publish("resourceclaims", None, obj)
         return copy.deepcopy(obj)
 
     def claim(self, namespace: str, name: str) -> dict[str, Any]:
@@ -111,12 +134,14 @@ class ResourceApiMixin:
     def set_claim_status(self, namespace: str, name: str, status: Mapping[str, Any]) -> dict[str, Any]:
         """What kube-scheduler's allocation and reservation write (status.allocation, status.reservedFor)."""
         obj = self._claims[(namespace, name)]
+        old = copy.deepcopy(obj)
         obj["status"] = copy.deepcopy(dict(status))
         obj["metadata"]["resourceVersion"] = self._next_rv()
+        self._publish("resourceclaims", old, obj)
         return copy.deepcopy(obj)
 
     def delete_claim(self, namespace: str, name: str) -> None:
-        del self._claims[(namespace, name)]
+        self._publish("resourceclaims", self._claims.pop((namespace, name)), None)
 
     def add_device_class(self, obj: Mapping[str, Any]) -> dict[str, Any]:
         cls = copy.deepcopy(dict(obj))
@@ -134,7 +159,9 @@ class ResourceApiMixin:
 
     def delete_resource_slice(self, name: str) -> None:
         """What kubelet does to a driver's slices at its start and when the plugin has been away a while."""
-        self._slices.pop(name, None)
+        old = self._slices.pop(name, None)
+        if old is not None:
+            self._publish("resourceslices", old, None)
 
     # -- handlers ----------------------------------------------------------------------------------------------
     def _fail(self, op: str) -> web.Response | None:
@@ -158,9 +185,11 @@ class ResourceApiMixin:
             return _status(404, "NotFound", "the server could not find the requested resource")
         return None
 
-    async def _list_slices(self, request: web.Request) -> web.Response:
+    async def _list_slices(self, request: web.Request) -> web.StreamResponse:
         if (refused := self._gate(request) or self._fail("list_slices")) is not None:
             return refused
+        if request.query.get("watch", "").lower() in ("true", "1"):
+            return await self._watch(request, {}, "resourceslices")  # type: ignore[attr-defined]
         wanted: dict[str, str] = {}
         for part in (request.query.get("fieldSelector") or "").split(","):
             key, _, value = part.partition("=")
@@ -204,6 +233,7 @@ class ResourceApiMixin:
             return web.json_response(obj, status=201)
         meta["resourceVersion"] = self._next_rv()
         self._slices[meta["name"]] = obj
+        self._publish("resourceslices", None, obj)
         self.slice_writes.append(("create", meta["name"]))
         return web.json_response(obj, status=201)
 
@@ -238,6 +268,7 @@ class ResourceApiMixin:
                     generation=old["metadata"].get("generation", 1) + (obj.get("spec") != old.get("spec")),
                     resourceVersion=self._next_rv(), name=name)
         self._slices[name] = obj
+        self._publish("resourceslices", old, obj)
         self.slice_writes.append(("update", name))
         return web.json_response(obj)
 
@@ -248,12 +279,15 @@ class ResourceApiMixin:
         obj = self._slices.pop(name, None)
         if obj is None:
             return _status(404, "NotFound", f'resourceslices.resource.k8s.io "{name}" not found')
+        self._publish("resourceslices", obj, None)
         self.slice_writes.append(("delete", name))
         return web.json_response(obj)
 
-    async def _list_claims(self, request: web.Request) -> web.Response:
+    async def _list_claims(self, request: web.Request) -> web.StreamResponse:
         if (refused := self._gate(request)) is not None:
             return refused
+        if request.query.get("watch", "").lower() in ("true", "1"):
+            return await self._watch(request, {}, "resourceclaims")  # type: ignore[attr-defined]
         ns = request.match_info.get("ns")
         items = [c for (cns, _), c in sorted(self._claims.items()) if ns is None or cns == ns]
         return web.json_response({"kind": "ResourceClaimList", "apiVersion": "resource.k8s.io/v1",
