@@ -15,7 +15,6 @@ import asyncio
 import contextlib
 import os
 import sys
-import time
 import uuid
 from pathlib import Path
 from types import SimpleNamespace
@@ -36,12 +35,10 @@ from alnair_agent.demo import (
     DemoResult,
     DemoUnavailable,
     Row,
-    Screen,
-    _ops,
-    _refresh,
     _source_root,
     container_env,
-    table,
+    start_workload,
+    watch_workloads,
 )
 from alnair_agent.dra.capacity import device_class_json
 from alnair_agent.gpu.simulated import SimulatedBackend
@@ -167,22 +164,9 @@ async def _run(agent: Agent, api: Any, allocator_type: Any, kubelet: DraKubeletE
                   f"consumed {result['consumedCapacity']}, CDI {view.cdi_ids[0]}, "
                   f"LD_PRELOAD={view.envs[ENV_LD_PRELOAD]}\n")
         if w.ops:
-            p = await asyncio.create_subprocess_exec(str(sim / "simapp"), *_ops(w, seconds), env=env,
-                                                     stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
-            procs.append((r, p))
+            procs.append((r, await start_workload(w, sim, env, seconds)))
     out.write("\n")
-    screen = Screen(out)
-    started = time.monotonic()
-    waiting = asyncio.gather(*(p.communicate() for _, p in procs))
-    while not waiting.done():
-        _refresh(agent, rows)
-        screen.draw(table(rows, gpus, min(time.monotonic() - started, seconds), seconds))
-        await asyncio.wait([waiting], timeout=1.0)
-    for (r, p), (stdout, _) in zip(procs, waiting.result()):
-        r.output, r.returncode = stdout.decode().splitlines(), p.returncode
-    await asyncio.sleep(1.0)  # the profiler's last windows
-    _refresh(agent, rows)
-    screen.draw(table(rows, gpus, seconds, seconds, final=True), final=True)
+    await watch_workloads(agent, rows, gpus, procs, seconds, out, agent.settings.profile_interval_s * 2)
     for r in rows:  # the pods end: kubelet unprepares their claims, the agent retires the slices
         if not r.refused:
             claim = api.claim("default", f"{r.workload.pod}-gpu")

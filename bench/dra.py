@@ -37,7 +37,7 @@ from fakes.dra_allocator import AllocationFailed, Allocator  # noqa: E402
 from benchstats import machine, pct, write_json  # noqa: E402
 from alnair_agent import logs  # noqa: E402
 from alnair_agent.config import parse_sim_gpus  # noqa: E402
-from alnair_agent.constants import DRA_DEVICE_CLASS, DRA_DRIVER, RESOURCE_COMPUTE, RESOURCE_MEMORY  # noqa: E402
+from alnair_agent.constants import DRA_DEVICE_CLASS  # noqa: E402
 from alnair_agent.dra.capacity import device_class_json  # noqa: E402
 from alnair_agent.dra.quantity import parse_quantity  # noqa: E402
 

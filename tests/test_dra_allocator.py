@@ -161,3 +161,22 @@ def test_the_cdi_spec_names_each_slice_and_is_written_whole(tmp_path):
     assert writer.claim_uids() == set()
     with pytest.raises(ValueError):
         writer.path("../etc/x")
+
+
+def test_the_grpc_services_are_kubelets_by_their_full_names():
+    """The package names are part of the method paths kubelet calls; the plugin offers them by kubelet's names."""
+    from alnair_agent.constants import DRA_SERVICES
+    from alnair_agent.proto import dra_v1_pb2, dra_v1beta1_pb2, pluginregistration_pb2
+
+    assert dra_v1_pb2.DESCRIPTOR.services_by_name["DRAPlugin"].full_name == "k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin"
+    beta = dra_v1beta1_pb2.DESCRIPTOR.services_by_name["DRAPlugin"]
+    assert beta.full_name == "k8s.io.kubelet.pkg.apis.dra.v1beta1.DRAPlugin"
+    assert [m.name for m in beta.methods] == ["NodePrepareResources", "NodeUnprepareResources"]
+    assert pluginregistration_pb2.DESCRIPTOR.services_by_name["Registration"].full_name == \
+        "pluginregistration.Registration"
+    assert DRA_SERVICES == ("v1.DRAPlugin", "v1beta1.DRAPlugin")  # "<last package element>.<service>", v1 first
+    claim = dra_v1_pb2.Claim.DESCRIPTOR
+    assert [(f.name, f.number) for f in claim.fields] == [("namespace", 1), ("uid", 2), ("name", 3)]
+    device = dra_v1_pb2.Device.DESCRIPTOR
+    assert [(f.name, f.number) for f in device.fields] == [("request_names", 1), ("pool_name", 2),
+                                                          ("device_name", 3), ("cdi_device_ids", 4)]

@@ -235,7 +235,7 @@ async def test_an_unhealthy_gpu_leaves_the_slice_and_comes_back(root, api):
 
 
 async def test_the_slice_comes_back_after_kubelet_wipes_it_and_a_restart_rewrites_nothing(root, api):
-    async with dra_node(root, api) as node:
+    async with dra_node(root, api):
         name = slice_name("node-1")
         api.delete_resource_slice(name)  # kubelet at its start, or after the plugin was away 30 s
 

@@ -16,7 +16,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
+from typing import Any
 
 import grpc
 import structlog
@@ -29,10 +31,9 @@ from alnair_agent.constants import (
     DRA_SOCKET_NAME,
 )
 from alnair_agent.dra.cdi import is_uid
-from alnair_agent.dra.ledger import ClaimRef, DraLedger, PrepareError
+from alnair_agent.dra.ledger import ClaimRef, DraLedger, PreparedDevice, PrepareError
 from alnair_agent.proto import dra_v1_pb2 as v1
 from alnair_agent.proto import dra_v1_pb2_grpc as v1_grpc
-from alnair_agent.proto import dra_v1beta1_pb2 as v1beta1
 from alnair_agent.proto import dra_v1beta1_pb2_grpc as v1beta1_grpc
 from alnair_agent.proto import pluginregistration_pb2 as reg
 from alnair_agent.proto import pluginregistration_pb2_grpc as reg_grpc
@@ -53,73 +54,52 @@ def _ref(claim: v1.Claim) -> ClaimRef | str:
 
 
 class DraServicer(v1_grpc.DRAPluginServicer):
-    """The DRAPlugin service (v1 messages; the v1beta1 service converts to them: the wire format is the same)."""
+    """The DRAPlugin service. The same object serves v1 and v1beta1: both are declared over the v1 messages (the
+    wire format is the same; see dra_v1beta1.proto)."""
 
     def __init__(self, ledger: DraLedger) -> None:
         self.ledger = ledger
         self.prepare_calls = 0
 
+    async def _each(self, claims: Iterable[v1.Claim], what: str,
+                    act: Callable[[ClaimRef], Awaitable[list[PreparedDevice] | None]]) -> dict[str, Any]:
+        """claim key -> devices (or None), or the error string: every claim answered on its own."""
+        out: dict[str, Any] = {}
+        for claim in claims:
+            ref = _ref(claim)
+            key = claim.uid or f"{claim.namespace}/{claim.name}"
+            if isinstance(ref, str):
+                out[key] = ref
+                continue
+            try:
+                out[key] = await act(ref)
+            except PrepareError as e:
+                log.warning(f"dra_{what}_refused", claim=f"{ref.namespace}/{ref.name}", uid=ref.uid, reason=str(e))
+                out[key] = str(e)
+            except Exception as e:  # noqa: BLE001 - a fault of ours fails this claim (kubelet retries), not the call
+                log.exception(f"dra_{what}_failed", claim=f"{ref.namespace}/{ref.name}", uid=ref.uid)
+                out[key] = f"{ref.describe()}: internal error of {DRA_DRIVER}: {type(e).__name__}: {e}"
+        return out
+
     async def NodePrepareResources(self, request: v1.NodePrepareResourcesRequest,
                                    context: grpc.aio.ServicerContext) -> v1.NodePrepareResourcesResponse:
         self.prepare_calls += 1
         out = v1.NodePrepareResourcesResponse()
-        for claim in request.claims:
-            ref = _ref(claim)
-            key = claim.uid or f"{claim.namespace}/{claim.name}"
-            if isinstance(ref, str):
-                out.claims[key].error = ref
-                continue
-            try:
-                devices = await self.ledger.prepare(ref)
-            except PrepareError as e:
-                log.warning("dra_prepare_refused", claim=f"{ref.namespace}/{ref.name}", uid=ref.uid, reason=str(e))
-                out.claims[key].error = str(e)
-                continue
-            except Exception as e:  # noqa: BLE001 - a fault of ours fails this claim (kubelet retries), not the call
-                log.exception("dra_prepare_failed", claim=f"{ref.namespace}/{ref.name}", uid=ref.uid)
-                out.claims[key].error = f"{ref.describe()}: internal error of {DRA_DRIVER}: {type(e).__name__}: {e}"
-                continue
-            out.claims[key].devices.extend(
-                v1.Device(request_names=[d.request], pool_name=d.pool, device_name=d.device,
-                          cdi_device_ids=list(d.cdi_ids)) for d in devices)
+        for key, answer in (await self._each(request.claims, "prepare", self.ledger.prepare)).items():
+            if isinstance(answer, str):
+                out.claims[key].error = answer
+            else:
+                out.claims[key].devices.extend(
+                    v1.Device(request_names=[d.request], pool_name=d.pool, device_name=d.device,
+                              cdi_device_ids=list(d.cdi_ids)) for d in answer)
         return out
 
     async def NodeUnprepareResources(self, request: v1.NodeUnprepareResourcesRequest,
                                      context: grpc.aio.ServicerContext) -> v1.NodeUnprepareResourcesResponse:
         out = v1.NodeUnprepareResourcesResponse()
-        for claim in request.claims:
-            ref = _ref(claim)
-            key = claim.uid or f"{claim.namespace}/{claim.name}"
-            if isinstance(ref, str):
-                out.claims[key].error = ref
-                continue
-            try:
-                await self.ledger.unprepare(ref)
-                out.claims[key].CopyFrom(v1.NodeUnprepareResourceResponse())
-            except PrepareError as e:
-                log.warning("dra_unprepare_failed", claim=f"{ref.namespace}/{ref.name}", uid=ref.uid, reason=str(e))
-                out.claims[key].error = str(e)
-            except Exception as e:  # noqa: BLE001 - as in prepare: this claim fails, kubelet calls again
-                log.exception("dra_unprepare_failed", claim=f"{ref.namespace}/{ref.name}", uid=ref.uid)
-                out.claims[key].error = f"{ref.describe()}: internal error of {DRA_DRIVER}: {type(e).__name__}: {e}"
+        for key, answer in (await self._each(request.claims, "unprepare", self.ledger.unprepare)).items():
+            out.claims[key].CopyFrom(v1.NodeUnprepareResourceResponse(error=answer if isinstance(answer, str) else ""))
         return out
-
-
-class DraServicerV1beta1(v1beta1_grpc.DRAPluginServicer):
-    def __init__(self, v1_servicer: DraServicer) -> None:
-        self.v1 = v1_servicer
-
-    async def NodePrepareResources(self, request: v1beta1.NodePrepareResourcesRequest,
-                                   context: grpc.aio.ServicerContext) -> v1beta1.NodePrepareResourcesResponse:
-        answer = await self.v1.NodePrepareResources(
-            v1.NodePrepareResourcesRequest.FromString(request.SerializeToString()), context)
-        return v1beta1.NodePrepareResourcesResponse.FromString(answer.SerializeToString())
-
-    async def NodeUnprepareResources(self, request: v1beta1.NodeUnprepareResourcesRequest,
-                                     context: grpc.aio.ServicerContext) -> v1beta1.NodeUnprepareResourcesResponse:
-        answer = await self.v1.NodeUnprepareResources(
-            v1.NodeUnprepareResourcesRequest.FromString(request.SerializeToString()), context)
-        return v1beta1.NodeUnprepareResourcesResponse.FromString(answer.SerializeToString())
 
 
 class RegistrationServicer(reg_grpc.RegistrationServicer):
@@ -180,7 +160,7 @@ class DraPlugin:
                 path.unlink()
         dra = grpc.aio.server()
         v1_grpc.add_DRAPluginServicer_to_server(self.servicer, dra)
-        v1beta1_grpc.add_DRAPluginServicer_to_server(DraServicerV1beta1(self.servicer), dra)
+        v1beta1_grpc.add_DRAPluginServicer_to_server(self.servicer, dra)  # type: ignore[arg-type]
         dra.add_insecure_port(f"unix://{self.socket_path}")
         await dra.start()
         self._servers.append(dra)

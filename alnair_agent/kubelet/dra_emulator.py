@@ -28,7 +28,6 @@ import grpc
 from alnair_agent.constants import DRA_PLUGIN_TYPE, DRA_SERVICES
 from alnair_agent.proto import dra_v1_pb2 as v1
 from alnair_agent.proto import dra_v1_pb2_grpc as v1_grpc
-from alnair_agent.proto import dra_v1beta1_pb2 as v1beta1
 from alnair_agent.proto import dra_v1beta1_pb2_grpc as v1beta1_grpc
 from alnair_agent.proto import pluginregistration_pb2 as reg
 from alnair_agent.proto import pluginregistration_pb2_grpc as reg_grpc
@@ -70,13 +69,10 @@ class PluginView:
     signature: tuple[int, int]
 
     def stub(self) -> v1_grpc.DRAPluginStub | v1beta1_grpc.DRAPluginStub:
+        """The chosen service's stub (both take the same messages: the method path is what differs)."""
         if self.service == "v1.DRAPlugin":
             return v1_grpc.DRAPluginStub(self.channel)
         return v1beta1_grpc.DRAPluginStub(self.channel)
-
-    @property
-    def messages(self):  # type: ignore[no-untyped-def]
-        return v1 if self.service == "v1.DRAPlugin" else v1beta1
 
 
 @dataclass
@@ -248,9 +244,8 @@ class DraKubeletEmulator:
         view = self.plugins.get(driver)
         if view is None:
             return {c.uid: f"DRA driver {driver} is not registered" for c in claims}
-        m = view.messages
-        request_type = m.NodePrepareResourcesRequest if rpc == "prepare" else m.NodeUnprepareResourcesRequest
-        request = request_type(claims=[m.Claim(namespace=c.namespace, uid=c.uid, name=c.name) for c in claims])
+        request_type = v1.NodePrepareResourcesRequest if rpc == "prepare" else v1.NodeUnprepareResourcesRequest
+        request = request_type(claims=[v1.Claim(namespace=c.namespace, uid=c.uid, name=c.name) for c in claims])
         stub = view.stub()
         loop = asyncio.get_running_loop()
         t0 = loop.time()
@@ -272,7 +267,7 @@ class DraKubeletEmulator:
             elif entry.error:
                 errors[c.uid] = entry.error
             elif rpc == "prepare":
-                self.prepared[c.uid] = [v1.Device.FromString(d.SerializeToString()) for d in entry.devices]
+                self.prepared[c.uid] = list(entry.devices)
             else:
                 self.prepared.pop(c.uid, None)
         return errors

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,26 +64,21 @@ def answer_filter(body: bytes, view: ClusterView) -> Answer:
 
 def answer_prioritize(body: bytes, view: ClusterView) -> Answer:
     """Bytes in, bytes out; never raises."""
-    try:
-        result = prioritize_nodes(json.loads(body), view)
-    except ValueError as e:
-        result = PrioritizeResult(error=f"request body is not JSON ExtenderArgs: {e}")
-    except Exception as e:
-        log.exception("prioritize_failed")
-        result = PrioritizeResult(error=f"alnair-scheduler internal error: {type(e).__name__}: {e}")
-    best = max(result.hosts, key=lambda h: h.score, default=None)
-    summary = {"nodes": len(result.hosts), "best": best.host if best else "", "best_score": best.score if best else 0}
-    return Answer(result.encode(), result.pod, result.error, summary)
+    return _answer_scores(body, lambda args: prioritize_nodes(args, view), "prioritize_failed")
 
 
 def answer_prioritize_dra(body: bytes, view: DraView) -> Answer:
     """Bytes in, bytes out; never raises (the DRA pods' profiles: alnair_agent.scheduler.dra)."""
+    return _answer_scores(body, lambda args: prioritize_dra(args, view), "prioritize_dra_failed")
+
+
+def _answer_scores(body: bytes, verb: Callable[[Any], PrioritizeResult], failed: str) -> Answer:
     try:
-        result = prioritize_dra(json.loads(body), view)
+        result = verb(json.loads(body))
     except ValueError as e:
         result = PrioritizeResult(error=f"request body is not JSON ExtenderArgs: {e}")
     except Exception as e:
-        log.exception("prioritize_dra_failed")
+        log.exception(failed)
         result = PrioritizeResult(error=f"alnair-scheduler internal error: {type(e).__name__}: {e}")
     best = max(result.hosts, key=lambda h: h.score, default=None)
     summary = {"nodes": len(result.hosts), "best": best.host if best else "", "best_score": best.score if best else 0}
@@ -123,30 +119,22 @@ async def _filter(request: web.Request) -> web.Response:
 
 
 async def _prioritize(request: web.Request) -> web.Response:
-    body = await _read(request)
-    started = time.perf_counter()
-    if isinstance(body, str):
-        answer = Answer(_encode([]), "", body, {})
-    else:
-        answer = answer_prioritize(body, request.app[VIEW_KEY])
-    if answer.error:
-        log.warning("prioritize_error", pod=answer.pod, error=answer.error, **answer.summary)
-    else:
-        log.info("prioritize", pod=answer.pod, **answer.summary)
-    return _json(answer.body, started)
+    return await _scores(request, "prioritize", lambda body: answer_prioritize(body, request.app[VIEW_KEY]))
 
 
 async def _prioritize_dra(request: web.Request) -> web.Response:
+    return await _scores(request, "prioritize_dra",
+                         lambda body: answer_prioritize_dra(body, request.app.get(DRA_VIEW_KEY) or DraView()))
+
+
+async def _scores(request: web.Request, event: str, answer_of: Callable[[bytes], Answer]) -> web.Response:
     body = await _read(request)
     started = time.perf_counter()
-    if isinstance(body, str):
-        answer = Answer(_encode([]), "", body, {})
-    else:
-        answer = answer_prioritize_dra(body, request.app.get(DRA_VIEW_KEY) or DraView())
+    answer = Answer(_encode([]), "", body, {}) if isinstance(body, str) else answer_of(body)
     if answer.error:
-        log.warning("prioritize_dra_error", pod=answer.pod, error=answer.error, **answer.summary)
+        log.warning(f"{event}_error", pod=answer.pod, error=answer.error, **answer.summary)
     else:
-        log.info("prioritize_dra", pod=answer.pod, **answer.summary)
+        log.info(event, pod=answer.pod, **answer.summary)
     return _json(answer.body, started)
 
 
