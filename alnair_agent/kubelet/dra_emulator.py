@@ -26,6 +26,7 @@ from pathlib import Path
 import grpc
 
 from alnair_agent.constants import DRA_PLUGIN_TYPE, DRA_SERVICES
+from alnair_agent.kubelet.emulator import serve_pod_resources
 from alnair_agent.proto import dra_v1_pb2 as v1
 from alnair_agent.proto import dra_v1_pb2_grpc as v1_grpc
 from alnair_agent.proto import dra_v1beta1_pb2_grpc as v1beta1_grpc
@@ -127,13 +128,7 @@ class DraKubeletEmulator:
         self.registry_dir.mkdir(parents=True, exist_ok=True)
         self._watcher = asyncio.create_task(self._watch(), name="kubelet-plugin-watcher")
         if self.pod_resources_socket is not None:
-            self.pod_resources_socket.parent.mkdir(parents=True, exist_ok=True)
-            with contextlib.suppress(FileNotFoundError):
-                self.pod_resources_socket.unlink()
-            self._pr_server = grpc.aio.server()
-            prpb_grpc.add_PodResourcesListerServicer_to_server(_PodResources(self), self._pr_server)
-            self._pr_server.add_insecure_port(f"unix://{self.pod_resources_socket}")
-            await self._pr_server.start()
+            self._pr_server = await serve_pod_resources(self.pod_resources_socket, _PodResources(self))
 
     async def _stop_watcher(self) -> None:
         if self._watcher is not None:
