@@ -122,7 +122,6 @@ class DraFrontEnd:
                                 str(settings.shim_dir), usage=usage, pods=pods, accept_new=serving)
         self.plugin = DraPlugin(self.ledger, settings.dra_plugin_dir, settings.plugins_registry_dir)
         self.slices = SlicePublisher(api, allocator, settings.node_name, settings.resync_interval_s)
-        self.ledger.on_change = self.slices.changed
         self.ledger.restore()
 
     @property

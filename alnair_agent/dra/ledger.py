@@ -124,7 +124,6 @@ class DraLedger:
         # (re-prepared and unprepared), so no GPU is offered by both front-ends.
         self.accept_new = accept_new
         self._lock = asyncio.Lock()
-        self.on_change: Callable[[], None] | None = None  # the slice publisher's kick: free capacity changed
 
     # -- the records -----------------------------------------------------------------------------------------
     def records(self, claim_uid: str | None = None) -> list[Allocation]:
@@ -259,8 +258,6 @@ class DraLedger:
                     raise
                 raise PrepareError(f"{ref.describe()}: cannot write its slice under {self.workspace.root} or its CDI "
                                    f"spec under {self.cdi.folder}: {e}") from e
-            if created or stale:
-                self._changed()
             self.learn_containers()
             devices = self._devices(ref.uid)
         log.info("dra_claim_prepared", claim=f"{ref.namespace}/{ref.name}", uid=ref.uid, devices=len(devices),
@@ -306,10 +303,6 @@ class DraLedger:
         except OSError as e:
             log.error("dra_cdi_spec_unwritable", claim_uid=claim_uid, error=str(e))
 
-    def _changed(self) -> None:
-        if self.on_change is not None:
-            self.on_change()
-
     # -- NodeUnprepareResources ------------------------------------------------------------------------------
     async def unprepare(self, ref: ClaimRef) -> None:
         """Retire the claim's slices (the final usage write first); a claim not prepared here is already done."""
@@ -341,7 +334,6 @@ class DraLedger:
                     self.usage.forget(alloc)
                 self._drop(alloc)
                 log.info("dra_slice_removed", allocation=alloc.id, claim_uid=claim_uid, reason=why)
-        self._changed()
 
     # -- restarts and housekeeping ---------------------------------------------------------------------------
     def restore(self) -> None:

@@ -7,7 +7,8 @@ has a memory unit to offer. An unhealthy GPU leaves the slice and comes back whe
 The loop reads the slice and writes it only when it differs from what it should be: a restarted agent finds its
 slice as it left it and writes nothing (no churn; the pool generation moves only when the devices change). kubelet
 deletes a driver's slices at its own start and when the plugin has been away a while: the next pass creates it
-again. Writes are retried each pass (every ALNAIR_RESYNC_INTERVAL_S, or at once on a health change).
+again. Writes are retried each pass (every ALNAIR_RESYNC_INTERVAL_S, or at once on a health change). Claims
+prepared or unprepared change nothing here: kube-scheduler counts what claims consume, the slice says what is offered.
 """
 
 from __future__ import annotations
@@ -113,10 +114,6 @@ class SlicePublisher:
 
     async def notify_devices_changed(self) -> None:
         """The health service's call: a GPU's health changed."""
-        self.kick.set()
-
-    def changed(self) -> None:
-        """The ledger's call: what the device plugin's containers hold may have changed."""
         self.kick.set()
 
     async def run(self) -> None:
