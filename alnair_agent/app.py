@@ -13,6 +13,8 @@ from alnair_agent.config import MAX_UNITS_PER_GPU, ConfigError, Settings
 from alnair_agent.dispatcher.service import Dispatcher
 from alnair_agent.kube.events import EventSink
 from alnair_agent.kubelet.deviceplugin import DevicePluginService
+from alnair_agent.dra.frontend import DRA, DraFrontEnd, ResourceApiLike
+from alnair_agent.dra.frontend import choose as choose_frontend
 from alnair_agent.gpu.backend import GpuBackend, GpuInfo
 from alnair_agent.health import HealthService
 from alnair_agent.node.inventory import Inventory
@@ -34,22 +36,26 @@ class Kubernetes:
     annotations: AnnotationSink | None = None
     events: EventSink | None = None
     services: list[tuple[str, object]] = field(default_factory=list)  # (name, coroutine factory)
+    resources: ResourceApiLike | None = None  # resource.k8s.io/v1 (the DRA front-end)
 
 
 class Agent:
     def __init__(self, settings: Settings, backend: GpuBackend, kubernetes: Kubernetes | None = None,
                  list_held=None, unseen_grace_s: float | None = None,  # type: ignore[no-untyped-def]
-                 proc_root: Path = Path("/proc")) -> None:
+                 proc_root: Path = Path("/proc"), list_claims=None) -> None:  # type: ignore[no-untyped-def]
         self.settings = settings
         self.backend = backend
         self.kubernetes = kubernetes or Kubernetes()
         self.list_held = list_held
+        self.list_claims = list_claims  # kubelet's pod-resources: the DRA claims its containers use
         self.unseen_grace_s = unseen_grace_s
         self.proc_root = proc_root
         self.gpus: list[GpuInfo] = []
         self.inventory: Inventory | None = None
         self.allocator: Allocator | None = None
-        self.plugin: DevicePluginService | None = None
+        self.plugin: DevicePluginService | DraFrontEnd | None = None  # the front-end offering the GPUs
+        self.dra: DraFrontEnd | None = None
+        self.frontend = ""
         self.reconciler: Reconciler | None = None
         self.profiler: Profiler | None = None
         self.dispatcher: Dispatcher | None = None
@@ -87,10 +93,9 @@ class Agent:
             log.info("allocations_restored", count=len(self.allocator.allocations),
                      external_devices=len(self.allocator.external_held))
             events = self.kubernetes.events  # Events on refused pods and on the node's GPU health
-            self.plugin = DevicePluginService(s.device_plugin_dir, self.inventory, self.allocator, events)
+            services: list[tuple[str, object]] = await self._front_end(workspace, events)
             health = HealthService(self.backend, self.inventory, self.plugin, s.health_interval_s, events)
-            services: list[tuple[str, object]] = [
-                ("device-plugin", self.plugin.run()),
+            services += [
                 ("health", health.run()),
                 ("reconciler", self.reconciler.run()),
                 ("heartbeat", self.reconciler.run_heartbeat()),
@@ -109,3 +114,28 @@ class Agent:
         finally:
             await asyncio.to_thread(self.backend.stop)
             log.info("agent_stopped")
+
+    async def _front_end(self, workspace: Workspace, events: EventSink | None) -> list[tuple[str, object]]:
+        """One front-end offers the GPUs (alnair_agent.dra.frontend says which); on a device plugin node, claims
+        prepared before a switch stay served until kubelet unprepares them."""
+        assert self.allocator is not None
+        s, resources = self.settings, self.kubernetes.resources
+        choice = await choose_frontend(s, resources)
+        self.frontend = choice.frontend
+        log.info("frontend_chosen", frontend=choice.frontend, reason=choice.reason)
+        pods = self.kubernetes.pod_states
+        if choice.frontend == DRA:
+            assert resources is not None
+            self.dra = self.plugin = DraFrontEnd(s, self.allocator, workspace, resources, self.profiler, pods,
+                                                 self.list_claims)
+            return list(self.dra.services())
+        self.plugin = DevicePluginService(s.device_plugin_dir, self.inventory, self.allocator, events)
+        services: list[tuple[str, object]] = [("device-plugin", self.plugin.run())]
+        if resources is not None:
+            leftover = DraFrontEnd(s, self.allocator, workspace, resources, self.profiler, pods, self.list_claims,
+                                   serving=False)
+            await leftover.slices.withdraw()
+            if leftover.ledger.records():
+                self.dra = leftover
+                services += leftover.services()
+        return services

@@ -227,6 +227,20 @@ VARIABLES: tuple[Variable, ...] = (
              "Test only, off by default: a JSON file the simulated backend re-reads while running to inject NVML "
              "faults into the live agent (`{\"unhealthy\": {\"<gpu index>\": \"<reason>\"}, \"sample_error\": "
              "\"<text>\"}`); see docs/reliability.md. Ignored with the NVML backend."),
+    # -- the DRA front-end (README "Two front-ends") ---------------------------------------------------------
+    Variable("ALNAIR_FRONTEND", "frontend", _choice("auto", "device-plugin", "dra"), "auto",
+             "Which front-end offers this node's GPUs (never both): `device-plugin` (alnair/vgpu-memory and "
+             "alnair/vgpu-compute, placed by alnair-scheduler), `dra` (ResourceSlices of driver "
+             "gpu.alnair.centaurus.io, placed by kube-scheduler from ResourceClaims), or `auto`: `dra` when the API "
+             "server serves resource.k8s.io/v1 with consumable capacity and the DeviceClass gpu.alnair.centaurus.io "
+             "exists, else `device-plugin`."),
+    Variable("ALNAIR_DRA_PLUGIN_DIR", "dra_plugin_dir", _abs_path, "/var/lib/kubelet/plugins/gpu.alnair.centaurus.io",
+             "Folder of the DRA plugin's gRPC socket (dra.sock), which kubelet dials."),
+    Variable("ALNAIR_PLUGINS_REGISTRY_DIR", "plugins_registry_dir", _abs_path, "/var/lib/kubelet/plugins_registry",
+             "kubelet's plugin-watcher folder, where the DRA plugin's registration socket goes."),
+    Variable("ALNAIR_CDI_DIR", "cdi_dir", _abs_path, "/var/run/cdi",
+             "Folder of the CDI spec files the DRA front-end writes (one per prepared claim), read by the container "
+             "runtime."),
 )
 
 
@@ -276,6 +290,11 @@ class Settings:
     dispatch_interval_s: float = 0.05
     turn_period_s: float = 0.05
     dispatch_idle_s: float = 0.15
+    # the DRA front-end
+    frontend: str = "auto"
+    dra_plugin_dir: Path = Path("/var/lib/kubelet/plugins/gpu.alnair.centaurus.io")
+    plugins_registry_dir: Path = Path("/var/lib/kubelet/plugins_registry")
+    cdi_dir: Path = Path("/var/run/cdi")
 
     @property
     def memory_unit_bytes(self) -> int:

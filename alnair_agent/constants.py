@@ -56,3 +56,27 @@ APPLICATION_XIDS = frozenset({13, 31, 43, 45, 68, 109})
 # -- built into the package beside the shim (setup.py) --------------------------------------------------------
 PACKAGE_SIM_DRIVER_DIR = "lib/sim"  # under alnair_agent/: the demo's simulated CUDA driver
 SIM_DRIVER_FILES = ("libcuda.so.1", "libnvidia-ml.so.1", "simapp")  # what `alnair-agent demo` runs of it
+
+# -- DRA front-end (resource.k8s.io/v1, kubelet DRA plugin) ------------------------------------------------
+# The driver name (ResourceSlice spec.driver, allocation results, plugin registration) and the DeviceClass that
+# selects its devices: both under the project's centaurus.io domain.
+DRA_DRIVER = "gpu.alnair.centaurus.io"
+DRA_DEVICE_CLASS = "gpu.alnair.centaurus.io"
+DRA_API_GROUP_VERSION = "resource.k8s.io/v1"
+# One device per healthy GPU, named by the GPU's index (a DNS label); its attributes and consumable capacities.
+DRA_DEVICE_PREFIX = "gpu-"
+DRA_ATTR_UUID = "uuid"
+DRA_ATTR_INDEX = "index"
+DRA_ATTR_PRODUCT = "productName"
+DRA_ATTR_MEMORY = "memory"  # the GPU's whole memory in bytes (an int attribute, for selectors)
+DRA_CAP_MEMORY = "memory"  # bytes; request policy step = ALNAIR_MEMORY_UNIT_MIB
+DRA_CAP_COMPUTE = "compute"  # percent of the GPU; step 1
+# gRPC services the plugin offers kubelet, most preferred first (kubelet picks the first it knows).
+DRA_SERVICES = ("v1.DRAPlugin", "v1beta1.DRAPlugin")
+DRA_PLUGIN_TYPE = "DRAPlugin"
+DRA_SOCKET_NAME = "dra.sock"  # in ALNAIR_DRA_PLUGIN_DIR
+DRA_REGISTRATION_SOCKET = DRA_DRIVER + "-reg.sock"  # in ALNAIR_PLUGINS_REGISTRY_DIR
+# CDI: the kind of the devices the plugin hands kubelet ("<kind>=<allocation id>"), one spec file per claim.
+CDI_KIND = "alnair.centaurus.io/gpu"
+CDI_VERSION = "0.6.0"
+CDI_SPEC_PREFIX = "alnair.centaurus.io-gpu_"  # + claim UID + ".json"

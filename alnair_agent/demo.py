@@ -284,28 +284,39 @@ async def demo(root: Path, seconds: float = 15.0, out: TextIO = sys.stdout) -> D
                 out.write(f"  {w.pod + '/main':16} {w.memory:>3} GiB {w.compute:>3} %  GPU{gpus[r.gpu]} "
                           f"({r.gpu}), LD_PRELOAD={answers_env(answers, 'LD_PRELOAD')}\n")
                 if w.ops:
-                    p = await asyncio.create_subprocess_exec(str(sim / "simapp"), *_ops(w, seconds), env=env,
-                                                             stdout=asyncio.subprocess.PIPE,
-                                                             stderr=asyncio.subprocess.PIPE)
-                    procs.append((r, p))
+                    procs.append((r, await start_workload(w, sim, env, seconds)))
             out.write("\n")
-            screen = Screen(out)
-            started = time.monotonic()
-            waiting = asyncio.gather(*(p.communicate() for _, p in procs))
-            while not waiting.done():
-                _refresh(agent, rows)
-                screen.draw(table(rows, gpus, min(time.monotonic() - started, seconds), seconds))
-                await asyncio.wait([waiting], timeout=REFRESH_S)
-            for (r, p), (stdout, _) in zip(procs, waiting.result()):
-                r.output, r.returncode = stdout.decode().splitlines(), p.returncode
-            await asyncio.sleep(settings.profile_interval_s * 2)  # the profiler's last windows
-            _refresh(agent, rows)
-            screen.draw(table(rows, gpus, seconds, seconds, final=True), final=True)
+            await watch_workloads(agent, rows, gpus, procs, seconds, out, settings.profile_interval_s * 2)
         finally:
             stop.set()
             await task
     summary(rows, out)
     return DemoResult(rows, seconds)
+
+
+async def start_workload(w: Workload, sim: Path, env: dict[str, str], seconds: float) -> asyncio.subprocess.Process:
+    """The workload's CUDA program (simapp) in the container's environment."""
+    return await asyncio.create_subprocess_exec(str(sim / "simapp"), *_ops(w, seconds), env=env,
+                                                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+
+
+async def watch_workloads(agent: Agent, rows: list[Row], gpus: dict[str, int],
+                          procs: list[tuple[Row, asyncio.subprocess.Process]], seconds: float, out: TextIO,
+                          settle_s: float) -> None:
+    """The table every REFRESH_S while the workloads run; their output once they end; after `settle_s` (the
+    profiler's last windows) the final table."""
+    screen = Screen(out)
+    started = time.monotonic()
+    waiting = asyncio.gather(*(p.communicate() for _, p in procs))
+    while not waiting.done():
+        _refresh(agent, rows)
+        screen.draw(table(rows, gpus, min(time.monotonic() - started, seconds), seconds))
+        await asyncio.wait([waiting], timeout=REFRESH_S)
+    for (r, p), (stdout, _) in zip(procs, waiting.result()):
+        r.output, r.returncode = stdout.decode().splitlines(), p.returncode
+    await asyncio.sleep(settle_s)
+    _refresh(agent, rows)
+    screen.draw(table(rows, gpus, seconds, seconds, final=True), final=True)
 
 
 def answers_env(answers: dict, key: str) -> str:
@@ -346,8 +357,10 @@ def run_demo(seconds: float = 15.0) -> int:
             sys.stderr.flush()
             saved = os.dup(2)
             os.dup2(log_file.fileno(), 2)
+            from alnair_agent.demo_dra import demo_all  # the device plugin run, then the DRA run
+
             try:
-                uvloop.run(demo(Path(tmp), seconds))
+                uvloop.run(demo_all(Path(tmp), seconds))
             except DemoUnavailable as e:
                 problem = str(e)
             else:

@@ -3,19 +3,25 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Protocol
 
 import structlog
 
 from alnair_agent.kube.events import EventSink
-from alnair_agent.kubelet.deviceplugin import DevicePluginService
 from alnair_agent.gpu.backend import GpuBackend
 from alnair_agent.node.inventory import Inventory
 
 log = structlog.get_logger(__name__)
 
 
+class DeviceListener(Protocol):
+    """The front-end that offers the GPUs (the device plugin's ListAndWatch, or the DRA ResourceSlice)."""
+
+    async def notify_devices_changed(self) -> None: ...
+
+
 class HealthService:
-    def __init__(self, backend: GpuBackend, inventory: Inventory, plugin: DevicePluginService, interval_s: float,
+    def __init__(self, backend: GpuBackend, inventory: Inventory, plugin: DeviceListener, interval_s: float,
                  events: EventSink | None = None) -> None:
         self.events = events
         self.backend = backend

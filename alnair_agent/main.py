@@ -28,15 +28,16 @@ log = structlog.get_logger("alnair_agent")
 async def serve(settings: Settings) -> None:
     """The production agent: GPUs from the backend, kubelet on the node, pods from the API server."""
     from alnair_agent.app import Agent
-    from alnair_agent.kube.wiring import connect_kubernetes, pod_resources_lister
+    from alnair_agent.kube.wiring import connect_kubernetes, pod_resources_client
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         # Only set a flag here: the ordered shutdown happens in the services' own finally blocks.
         loop.add_signal_handler(sig, stop.set)
-    async with connect_kubernetes(settings) as kubernetes, pod_resources_lister(settings) as list_held:
-        agent = Agent(settings, make_backend(settings), kubernetes, list_held=list_held)
+    async with connect_kubernetes(settings) as kubernetes, pod_resources_client(settings) as pod_resources:
+        agent = Agent(settings, make_backend(settings), kubernetes, list_held=pod_resources.list,
+                      list_claims=pod_resources.list_claims)
         await agent.run(stop)
 
 

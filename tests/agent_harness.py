@@ -21,10 +21,11 @@ from kubernetes_asyncio.client import ApiClient
 from alnair_agent.kube.annotations import AnnotationWriter, WriterTiming
 from alnair_agent.app import Agent, Kubernetes
 from alnair_agent.kube.podwatch import PodWatch
+from alnair_agent.kube.resourceapi import ResourceApi
 from alnair_agent.config import Settings, parse_sim_gpus
 from alnair_agent.constants import RESOURCE_COMPUTE, RESOURCE_MEMORY, RESOURCES
 from alnair_agent.gpu.simulated import SimulatedBackend
-from alnair_agent.kube.wiring import pod_resources_lister
+from alnair_agent.kube.wiring import pod_resources_client
 from alnair_agent.kubelet.emulator import KubeletEmulator
 
 NODE = "node-1"
@@ -96,12 +97,14 @@ def env_for(settings: Settings) -> dict[str, str]:
     return env
 
 
-def kubernetes_for(client: ApiClient) -> Kubernetes:
-    """The agent's Kubernetes side wired to an API client (the stand-in's), with short writer intervals."""
-    watch = PodWatch(client, NODE)
-    writer = AnnotationWriter(client, NODE, WriterTiming(min_interval_s=0.05))
+def kubernetes_for(client: ApiClient, dra: bool = False, node: str = NODE) -> Kubernetes:
+    """The agent's Kubernetes side wired to an API client (the stand-in's), with short writer intervals; `dra`
+    adds resource.k8s.io/v1 (as production wiring does), so the agent may choose the DRA front-end."""
+    watch = PodWatch(client, node)
+    writer = AnnotationWriter(client, node, WriterTiming(min_interval_s=0.05))
     return Kubernetes(pod_source=watch, pod_states=watch, annotations=writer,
-                      services=[("pod-watch", watch.run), ("annotations", writer.run)])
+                      services=[("pod-watch", watch.run), ("annotations", writer.run)],
+                      resources=ResourceApi(client) if dra else None)
 
 
 def gpu_of(device_id: str) -> str:
@@ -124,16 +127,17 @@ class RunningAgent:
 async def running_agent(settings: Settings, kubernetes: Kubernetes | None = None,
                         unseen_grace_s: float | None = None) -> AsyncIterator[RunningAgent]:
     backend = SimulatedBackend.from_settings(settings)
-    async with pod_resources_lister(settings) as list_held:
-        async with _agent(settings, backend, kubernetes, list_held, unseen_grace_s) as running:
+    async with pod_resources_client(settings) as pod_resources:
+        async with _agent(settings, backend, kubernetes, pod_resources.list, unseen_grace_s,
+                          pod_resources.list_claims) as running:
             yield running
 
 
 @contextlib.asynccontextmanager
 async def _agent(settings: Settings, backend: SimulatedBackend, kubernetes: Kubernetes | None, list_held,  # type: ignore[no-untyped-def]
-                 unseen_grace_s: float | None) -> AsyncIterator[RunningAgent]:
+                 unseen_grace_s: float | None, list_claims=None) -> AsyncIterator[RunningAgent]:  # type: ignore[no-untyped-def]
     agent = Agent(settings, backend, kubernetes, list_held=list_held,
-                  unseen_grace_s=unseen_grace_s)
+                  unseen_grace_s=unseen_grace_s, list_claims=list_claims)
     stop = asyncio.Event()
     task = asyncio.create_task(agent.run(stop), name="agent-under-test")
     running = RunningAgent(agent, backend, stop, task)

@@ -71,6 +71,10 @@ BAD_VALUES = [
     ("ALNAIR_TURN_PERIOD_S", "2", "0.005..1.0"),
     ("ALNAIR_TURN_PERIOD_S", "nan", "0.005..1.0"),
     ("ALNAIR_DISPATCH_IDLE_S", "0", "0.02..10.0"),
+    ("ALNAIR_FRONTEND", "both", "device-plugin"),
+    ("ALNAIR_DRA_PLUGIN_DIR", "plugins/alnair", "absolute path"),
+    ("ALNAIR_PLUGINS_REGISTRY_DIR", "plugins_registry", "absolute path"),
+    ("ALNAIR_CDI_DIR", "cdi", "absolute path"),
 ]
 
 

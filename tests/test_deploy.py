@@ -19,6 +19,14 @@ from alnair_agent.scheduler.webhook import PROFILE_ANNOTATION, WEBHOOK_CONFIGURA
 
 ROOT = Path(__file__).resolve().parent.parent
 KUBERNETES_VERSION = "1.31"  # the kube-scheduler image the scheduler manifest runs
+# resource.k8s.io/v1 (the DRA front-end) is GA from 1.34, its consumable capacity on by default from 1.36: DRA objects
+# are checked against the 1.36 schemas, everything else against 1.31.
+DRA_KUBERNETES_VERSION = "1.36"
+
+
+def schema_version(obj: dict[str, Any]) -> str:
+    return DRA_KUBERNETES_VERSION if str(obj.get("apiVersion", "")).startswith("resource.k8s.io/") \
+        else KUBERNETES_VERSION
 FILES = sorted([*ROOT.glob("manifests/*.yaml"), *ROOT.glob("examples/*.yaml")])
 
 
@@ -52,7 +60,7 @@ def test_every_manifest_validates_against_the_kubernetes_schemas(path: Path) -> 
     objs = docs(path)
     assert objs
     for obj in objs:
-        kubernetes_validate.validate(obj, KUBERNETES_VERSION, strict=True)
+        kubernetes_validate.validate(obj, schema_version(obj), strict=True)
 
 
 def test_the_validator_does_catch_a_mistake() -> None:
@@ -237,3 +245,39 @@ def test_tox_has_test_lint_and_shim_environments() -> None:
     assert "make -C shim" in shim and "tests/shim" in shim
     for path in ("shim/Makefile", "tests/shim", "alnair_agent", "tests", "bench"):
         assert (ROOT / path).exists()
+
+
+# -- the DRA front-end -----------------------------------------------------------------------------------------------
+
+def test_the_daemonset_mounts_the_dra_folders_where_the_agent_looks() -> None:
+    from alnair_agent.config import Settings
+
+    spec = agent()["spec"]["template"]["spec"]
+    [main] = spec["containers"]
+    mounts = {m["mountPath"] for m in main["volumeMounts"]}
+    hosts = {v["hostPath"]["path"] for v in spec["volumes"] if "hostPath" in v}
+    defaults = Settings(node_name="n")
+    for path in (defaults.plugins_registry_dir, defaults.dra_plugin_dir, defaults.cdi_dir):
+        assert str(path) in mounts and str(path) in hosts
+
+
+def test_the_dra_example_asks_4_gib_and_30_percent_of_the_alnair_device_class() -> None:
+    from alnair_agent.constants import DRA_CAP_COMPUTE, DRA_CAP_MEMORY, DRA_DEVICE_CLASS, DRA_DRIVER
+    from alnair_agent.dra.quantity import parse_quantity
+
+    from alnair_agent.dra.capacity import device_class_json
+
+    [cls] = by_kind("DeviceClass")
+    assert cls == device_class_json()  # the agent's own definition (the demo creates it from there)
+    assert cls["metadata"]["name"] == DRA_DEVICE_CLASS
+    assert cls["spec"]["selectors"] == [{"cel": {"expression": f'device.driver == "{DRA_DRIVER}"'}}]
+    [template] = by_kind("ResourceClaimTemplate")
+    [request] = template["spec"]["spec"]["devices"]["requests"]
+    assert request["exactly"]["deviceClassName"] == DRA_DEVICE_CLASS
+    wanted = request["exactly"]["capacity"]["requests"]
+    assert parse_quantity(wanted[DRA_CAP_MEMORY]) == 4 << 30 and parse_quantity(wanted[DRA_CAP_COMPUTE]) == 30
+    [pod] = [d for d in docs(ROOT / "examples/dra-claim.yaml") if d["kind"] == "Pod"]
+    [entry] = pod["spec"]["resourceClaims"]
+    assert entry["resourceClaimTemplateName"] == template["metadata"]["name"]
+    assert pod["spec"]["containers"][0]["resources"]["claims"] == [{"name": entry["name"]}]
+    assert "schedulerName" not in pod["spec"]  # kube-scheduler allocates claims itself

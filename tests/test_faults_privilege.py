@@ -26,6 +26,13 @@ CALL_VERBS = {
     "patch_node": {("nodes", "patch")},
     "list_node": {("nodes", "list"), ("nodes", "watch")},
     "create_namespaced_event": {("events", "create")},
+    # the DRA front-end (resource.k8s.io/v1): its node's ResourceSlice, the claims kubelet names, the DeviceClass
+    "read_resource_slice": {("resourceslices", "get")},
+    "create_resource_slice": {("resourceslices", "create")},
+    "replace_resource_slice": {("resourceslices", "update")},
+    "delete_resource_slice": {("resourceslices", "delete")},
+    "read_namespaced_resource_claim": {("resourceclaims", "get")},
+    "read_device_class": {("deviceclasses", "get")},
 }
 
 

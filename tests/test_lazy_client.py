@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # alnair_agent), and a sample of what ApiClient deserializes for them.
 USED = {
     "kubernetes_asyncio": ["client", "config", "watch"],
-    "kubernetes_asyncio.client": ["ApiClient", "Configuration", "CoreV1Api", "AdmissionregistrationV1Api",
+    "kubernetes_asyncio.client": ["ApiClient", "Configuration", "CoreV1Api", "AdmissionregistrationV1Api", "ResourceV1Api",
                                   "ApiException", "exceptions", "rest", "models", "api"],
     "kubernetes_asyncio.client.models": ["V1Pod", "V1PodList", "V1Node", "V1NodeList", "CoreV1Event",
                                          "V1ObjectMeta", "V1Binding", "V1MutatingWebhookConfiguration"],

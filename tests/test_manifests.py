@@ -25,12 +25,16 @@ def test_scheduler_config_calls_what_the_extender_serves() -> None:
     objs = docs("alnair-scheduler.yaml")
     config_map = next(d for d in objs if d["kind"] == "ConfigMap")
     config = yaml.safe_load(config_map["data"]["config.yaml"])
-    [extender] = config["extenders"]
+    extender, dra = config["extenders"]
+    assert dra["prioritizeVerb"] == "prioritize-dra" and set(dra) >= {"urlPrefix", "weight"}
+    assert not {"filterVerb", "bindVerb", "managedResources"} & set(dra)  # prioritize only, for every pod
+    assert dra["urlPrefix"] == extender["urlPrefix"]
     assert extender["nodeCacheCapable"] is True
     assert float(extender["httpTimeout"].rstrip("s")) > BIND_WAIT_S
     routes = {r.resource.canonical for r in build_app(ClusterView()).router.routes() if r.method == "POST"}
     for verb in ("filterVerb", "prioritizeVerb", "bindVerb"):
         assert "/" + extender[verb] in routes
+    assert "/" + dra["prioritizeVerb"] in routes
     assert {p["schedulerName"] for p in config["profiles"]} == {"alnair-cost-saving", "alnair-high-performance"}
 
     deployment = next(d for d in objs if d["kind"] == "Deployment")
@@ -50,7 +54,8 @@ def test_extender_rbac_grants_what_it_uses() -> None:
     grants = {(r, v) for rule in role["rules"] if not rule.get("resourceNames")
               for r in rule["resources"] for v in rule["verbs"]}
     assert grants == {("nodes", "list"), ("nodes", "watch"), ("pods", "get"), ("pods", "list"), ("pods", "watch"),
-                      ("pods", "patch"), ("pods/binding", "create")}
+                      ("pods", "patch"), ("pods/binding", "create"), ("resourceslices", "list"),
+                      ("resourceslices", "watch"), ("resourceclaims", "list"), ("resourceclaims", "watch")}
     # the webhook's caBundle: its own configuration only
     [named] = [rule for rule in role["rules"] if rule.get("resourceNames")]
     assert named == {"apiGroups": ["admissionregistration.k8s.io"], "resources": ["mutatingwebhookconfigurations"],

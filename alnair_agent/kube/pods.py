@@ -118,6 +118,9 @@ class PodInfo:
     container_ids: tuple[tuple[str, str], ...] = ()
     usage: str = ""  # the pod's ai.centaurus.io/usage annotation as found (the profiler merges into it)
     compute_policy: str = ""  # its ai.centaurus.io/compute-policy annotation as found (the dispatcher validates it)
+    # DRA: (ResourceClaim name, request name or "" for the whole claim, container) for every claim a container
+    # (init containers too) references; the generated claims of templates by the names the pod's status gives them.
+    claim_users: tuple[tuple[str, str, str], ...] = ()
 
     @property
     def finished(self) -> bool:
@@ -140,6 +143,12 @@ class PodInfo:
             if c.container == container:
                 return c
         return None
+
+    def claim_containers(self, claim: str, request: str) -> list[str]:
+        """The containers that use `request` of ResourceClaim `claim` (naming the request, its main request for a
+        "<request>/<subrequest>" result, or the whole claim), in pod order."""
+        main = request.split("/", 1)[0]
+        return list(dict.fromkeys(c for name, req, c in self.claim_users if name == claim and req in ("", main)))
 
 
 def container_ended(pod: PodInfo | None, container: str) -> bool:
@@ -275,6 +284,32 @@ def _container_ids(status: Mapping[str, Any]) -> tuple[tuple[str, str], ...]:
     return tuple(out)
 
 
+def _claim_users(spec: Mapping[str, Any], status: Mapping[str, Any]) -> tuple[tuple[str, str, str], ...]:
+    """Which containers use which ResourceClaim (and request): containers name the pod's claim entries, which name a
+    claim directly or a template whose claim's name only the pod's status knows (absent until it is created)."""
+    generated = {_dict(st).get("name"): _dict(st).get("resourceClaimName") for st in
+                 _list(status.get("resourceClaimStatuses"))}
+    claim_of: dict[str, str] = {}
+    for entry in _list(spec.get("resourceClaims")):
+        entry = _dict(entry)
+        name, direct = entry.get("name"), entry.get("resourceClaimName")
+        actual = direct if isinstance(direct, str) and direct else generated.get(name)
+        if isinstance(name, str) and isinstance(actual, str) and actual:
+            claim_of[name] = actual
+    out: list[tuple[str, str, str]] = []
+    for key in ("initContainers", "containers"):
+        for c in _list(spec.get(key)):
+            c = _dict(c)
+            cname = c.get("name")
+            for ref in _list(_dict(c.get("resources")).get("claims")):
+                ref = _dict(ref)
+                actual = claim_of.get(ref.get("name"))  # type: ignore[arg-type]
+                request = ref.get("request") or ""
+                if isinstance(cname, str) and actual and isinstance(request, str):
+                    out.append((actual, request, cname))
+    return tuple(out)
+
+
 def parse_pod(obj: Mapping[str, Any]) -> PodInfo:
     """Build a PodInfo from a pod's JSON dict; PodError when uid, namespace or name is missing."""
     meta, spec, status = _dict(obj.get("metadata")), _dict(obj.get("spec")), _dict(obj.get("status"))
@@ -320,4 +355,5 @@ def parse_pod(obj: Mapping[str, Any]) -> PodInfo:
         container_ids=_container_ids(status),
         usage=usage if isinstance(usage := _dict(meta.get("annotations")).get(USAGE_ANNOTATION), str) else "",
         compute_policy=cp if isinstance(cp := annotations.get(COMPUTE_POLICY_ANNOTATION), str) else "",
+        claim_users=_claim_users(spec, status),
     )

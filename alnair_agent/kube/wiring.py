@@ -10,6 +10,7 @@ from alnair_agent.config import Settings
 from alnair_agent.kube.client import api_client
 from alnair_agent.kubelet.podresources import DeviceAssignment, PodResourcesClient
 from alnair_agent.kube.podwatch import PodWatch
+from alnair_agent.kube.resourceapi import ResourceApi
 
 
 @contextlib.asynccontextmanager
@@ -17,6 +18,13 @@ async def pod_resources_lister(settings: Settings) -> AsyncIterator[Callable[[],
     """kubelet's pod-resources List over one channel kept for the agent's lifetime."""
     async with PodResourcesClient(settings.pod_resources_socket) as client:
         yield client.list
+
+
+@contextlib.asynccontextmanager
+async def pod_resources_client(settings: Settings) -> AsyncIterator[PodResourcesClient]:
+    """kubelet's pod-resources client (List of devices, and of the DRA claims containers use), one channel."""
+    async with PodResourcesClient(settings.pod_resources_socket) as client:
+        yield client
 
 
 @contextlib.asynccontextmanager
@@ -34,6 +42,7 @@ async def connect_kubernetes(settings: Settings) -> AsyncIterator[Kubernetes]:
         writer = AnnotationWriter(api, settings.node_name)
         yield Kubernetes(pod_source=watch, pod_states=watch, annotations=writer,
                          events=EventWriter(api, settings.node_name),
-                         services=[("pod-watch", watch.run), ("annotations", writer.run)])
+                         services=[("pod-watch", watch.run), ("annotations", writer.run)],
+                         resources=ResourceApi(api))
     finally:
         await api.close()

@@ -59,6 +59,18 @@ class ContainerKey:
     container: str
 
 
+async def serve_pod_resources(socket: Path, servicer: prpb_grpc.PodResourcesListerServicer) -> grpc.aio.Server:
+    """kubelet's pod-resources API on `socket` (a fresh socket file), served by `servicer`."""
+    socket.parent.mkdir(parents=True, exist_ok=True)
+    with contextlib.suppress(FileNotFoundError):
+        socket.unlink()
+    server = grpc.aio.server()
+    prpb_grpc.add_PodResourcesListerServicer_to_server(servicer, server)
+    server.add_insecure_port(f"unix://{socket}")
+    await server.start()
+    return server
+
+
 class KubeletEmulator:
     def __init__(self, plugin_dir: Path, pod_resources_socket: Path | None = None) -> None:
         self.plugin_dir = plugin_dir
@@ -82,13 +94,7 @@ class KubeletEmulator:
         self.plugin_dir.mkdir(parents=True, exist_ok=True)
         await self._start_registration()
         if self.pod_resources_socket is not None:
-            self.pod_resources_socket.parent.mkdir(parents=True, exist_ok=True)
-            with contextlib.suppress(FileNotFoundError):
-                self.pod_resources_socket.unlink()
-            self._pr_server = grpc.aio.server()
-            prpb_grpc.add_PodResourcesListerServicer_to_server(_PodResources(self), self._pr_server)
-            self._pr_server.add_insecure_port(f"unix://{self.pod_resources_socket}")
-            await self._pr_server.start()
+            self._pr_server = await serve_pod_resources(self.pod_resources_socket, _PodResources(self))
 
     async def _start_registration(self) -> None:
         sock = self.plugin_dir / KUBELET_SOCKET_NAME

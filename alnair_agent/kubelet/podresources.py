@@ -72,16 +72,25 @@ class PodResourcesClient:
             )
         return podresources_pb2_grpc.PodResourcesListerStub(self._channel)
 
-    async def list(self) -> list[DeviceAssignment]:
-        """Every (namespace, pod, container, resource, device_ids) of our resources; PodResourcesError when
-        the socket is missing, kubelet is unavailable, or no answer comes within `timeout_s`."""
+    async def _list_reply(self) -> podresources_pb2.ListPodResourcesResponse:
         if not self.socket_path.exists():
             raise PodResourcesError(f"kubelet pod-resources socket {self.socket_path} does not exist")
         try:
-            reply = await self._stub().List(podresources_pb2.ListPodResourcesRequest(), timeout=self.timeout_s)
+            return await self._stub().List(podresources_pb2.ListPodResourcesRequest(), timeout=self.timeout_s)
         except grpc.aio.AioRpcError as e:
             raise PodResourcesError(
                 f"pod-resources List on {self.socket_path} failed: {e.code().name}: {e.details()}") from None
+
+    async def list_claims(self) -> set[tuple[str, str]]:
+        """(namespace, name) of every ResourceClaim kubelet reports a container of this node using (DRA)."""
+        reply = await self._list_reply()
+        return {(d.claim_namespace or pod.namespace, d.claim_name) for pod in reply.pod_resources
+                for container in pod.containers for d in container.dynamic_resources if d.claim_name}
+
+    async def list(self) -> list[DeviceAssignment]:
+        """Every (namespace, pod, container, resource, device_ids) of our resources; PodResourcesError when
+        the socket is missing, kubelet is unavailable, or no answer comes within `timeout_s`."""
+        reply = await self._list_reply()
         out: list[DeviceAssignment] = []
         for pod in reply.pod_resources:
             for container in pod.containers:

@@ -36,24 +36,9 @@ from typing import Protocol
 import grpc
 import structlog
 
-from alnair_agent.constants import (
-    CONTAINER_REGION_PATH,
-    CONTAINER_RUN_DIR,
-    CONTAINER_SHIM_DIR,
-    CONTAINER_SHIM_PATH,
-    DEVICE_ID_SEPARATOR,
-    ENV_ALLOCATION_ID,
-    ENV_COMPUTE_LIMIT,
-    ENV_LD_PRELOAD,
-    ENV_MEMORY_LIMIT,
-    ENV_REGION,
-    ENV_VISIBLE_DEVICES,
-    RESOURCE_COMPUTE,
-    RESOURCE_MEMORY,
-    RESOURCES,
-)
+from alnair_agent.constants import DEVICE_ID_SEPARATOR, RESOURCE_COMPUTE, RESOURCE_MEMORY, RESOURCES
 from alnair_agent.kube.pods import ContainerRequest, PodInfo
-from alnair_agent.node import fit
+from alnair_agent.node import edits, fit
 from alnair_agent.node.decision import Granted
 from alnair_agent.node.inventory import Inventory, UnknownDevice
 from alnair_agent.node.region import RegionError
@@ -169,7 +154,10 @@ class Allocator:
 
     def live(self, alloc: Allocation) -> bool:
         """Whether the record's container may still run: kubelet has not freed its devices, and (with an API
-        server) its pod exists, is not finished or being deleted, and the container has not ended."""
+        server) its pod exists, is not finished or being deleted, and the container has not ended. A DRA claim's
+        slice is live until the DRA front-end retires it (kubelet unprepares the claim)."""
+        if alloc.claim is not None:
+            return True
         if alloc.id in self.freed_by_kubelet:
             return False
         if self.pods is None or not self.pods.synced or not alloc.pod_uid:
@@ -186,10 +174,14 @@ class Allocator:
 
     def rooms(self, ignore: frozenset[str] | set[str] = frozenset()) -> list[fit.Room]:
         """Free units per healthy GPU: offered minus held (minus `ignore`: devices being handed on within a pod).
-        A record's devices are all on its GPU (checked at Allocate), so units are counted per record."""
+        A record's devices are all on its GPU (checked at Allocate), so units are counted per record; a DRA claim's
+        slice holds the units it consumed (one ledger for both front-ends)."""
         used = Counter(self._external_used)
         for a in self.allocations.values():
-            if self.live(a):
+            if a.claim is not None:
+                for r, n in a.wanted.items():
+                    used[(a.gpu_uuid, r)] += n
+            elif self.live(a):
                 for r, ids in a.device_ids.items():
                     used[(a.gpu_uuid, r)] += len(ids) - (len(ignore.intersection(ids)) if ignore else 0)
         return [fit.Room(gpu.uuid, gpu.info.index,
@@ -200,7 +192,7 @@ class Allocator:
 
     def pods_held(self) -> set[str]:
         """UIDs of the pods whose units the free counts subtract (for the node annotation)."""
-        return {a.pod_uid for a in self.allocations.values() if a.pod_uid and self.live(a)}
+        return {a.pod_uid for a in self.allocations.values() if a.pod_uid and a.claim is None and self.live(a)}
 
     def report(self) -> tuple[list[fit.Room], set[str]]:
         """For the node annotation: free units per healthy GPU, and the pods they subtract, each pod whole. A pod
@@ -251,12 +243,12 @@ class Allocator:
 
     # -- who is being admitted -------------------------------------------------------------------------------
     def _records_of(self, pod_uid: str) -> dict[str, Allocation]:
-        return {a.container: a for a in self.allocations.values() if a.pod_uid == pod_uid}
+        return {a.container: a for a in self.allocations.values() if a.pod_uid == pod_uid and a.claim is None}
 
     def _records_by_pod(self) -> dict[str, dict[str, Allocation]]:
         out: dict[str, dict[str, Allocation]] = {}
         for a in self.allocations.values():
-            if a.pod_uid:
+            if a.pod_uid and a.claim is None:  # DRA slices are no device plugin admission's
                 out.setdefault(a.pod_uid, {})[a.container] = a
         return out
 
@@ -592,7 +584,8 @@ class Allocator:
         """Without pod identity: the newest unfinished allocation of the last PAIR_WINDOW_S lacking `resource`."""
         now = time.time()
         for alloc in sorted(self.allocations.values(), key=lambda a: a.created_at, reverse=True):
-            if not alloc.identified and not alloc.device_ids.get(resource) and now - alloc.created_at <= PAIR_WINDOW_S:
+            if (not alloc.identified and alloc.claim is None and not alloc.device_ids.get(resource)
+                    and now - alloc.created_at <= PAIR_WINDOW_S):
                 return alloc
         return None
 
@@ -608,8 +601,7 @@ class Allocator:
     def _limits(self, alloc: Allocation) -> tuple[int, int]:
         mem_units = max(alloc.wanted.get(RESOURCE_MEMORY, 0), len(alloc.device_ids.get(RESOURCE_MEMORY, [])))
         compute = max(alloc.wanted.get(RESOURCE_COMPUTE, 0), len(alloc.device_ids.get(RESOURCE_COMPUTE, [])))
-        # A cap of the whole GPU is no cap: the shim then stays out of the launch path.
-        return mem_units * self.inventory.memory_unit_bytes, (compute if 0 < compute < 100 else 0)
+        return edits.limits(mem_units, compute, self.inventory.memory_unit_bytes)
 
     def _create(self, gpu_uuid: str, resource: str, device_ids: list[str], pod: PodInfo | None,
                 c: ContainerRequest | None) -> Allocation:
@@ -653,23 +645,10 @@ class Allocator:
         return alloc
 
     def _envs(self, alloc: Allocation) -> dict[str, str]:
-        envs = {
-            ENV_VISIBLE_DEVICES: alloc.gpu_uuid,
-            ENV_LD_PRELOAD: CONTAINER_SHIM_PATH,
-            ENV_REGION: CONTAINER_REGION_PATH,
-            ENV_ALLOCATION_ID: alloc.id,
-        }
-        # kubelet merges the two resources' answers first-wins per variable: name a limit only once it is
-        # known, so the answers never disagree (the region carries the final limits either way). With pod
-        # identity both limits are known from the first answer on.
-        if RESOURCE_MEMORY in alloc.wanted:
-            envs[ENV_MEMORY_LIMIT] = str(alloc.memory_limit)
-        if RESOURCE_COMPUTE in alloc.wanted:
-            envs[ENV_COMPUTE_LIMIT] = str(alloc.compute_limit)
-        return envs
+        return self._edits(alloc).envs
 
     def _mounts(self, alloc: Allocation) -> list[tuple[str, str, bool]]:
-        return [
-            (CONTAINER_RUN_DIR, str(self.workspace.container_folder(alloc.id)), False),
-            (CONTAINER_SHIM_DIR, self.shim_dir, True),
-        ]
+        return self._edits(alloc).mounts
+
+    def _edits(self, alloc: Allocation) -> edits.ContainerEdits:
+        return edits.container_edits(alloc, self.workspace.container_folder(alloc.id), self.shim_dir)

@@ -253,7 +253,10 @@ class Reconciler:
     def _ended(self, alloc: Allocation, by_id: dict[str, DeviceAssignment] | None, now: float) -> bool:
         """Whether the record's container has ended for good: per its pod (terminated for good, or the pod is gone)
         or because kubelet gave its devices to another; without an API server, when kubelet has not reported it
-        for a while."""
+        for a while. A DRA claim's slice never ends here: the DRA front-end retires it when kubelet unprepares the
+        claim (alnair_agent.dra.ledger)."""
+        if alloc.claim is not None:
+            return False
         if self.pods is not None and self.pods.synced and alloc.identified:
             return alloc.id in self.allocator.freed_by_kubelet or container_ended(self._pod(alloc), alloc.container)
         if by_id is None:

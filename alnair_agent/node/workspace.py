@@ -36,8 +36,26 @@ def new_allocation_id() -> str:
 
 
 @dataclass
+class ClaimShare:
+    """DRA front-end: the ResourceClaim allocation result an allocation serves (one per result of Alnair's driver).
+    Its containers share the one slice: one folder, one region, one set of limits."""
+
+    namespace: str
+    name: str
+    uid: str
+    request: str  # the claim's request (or "<request>/<subrequest>") the result answers
+    pool: str
+    device: str
+    share_id: str = ""  # the result's shareID (consumable capacity), "" where kube-scheduler set none
+
+    def describe(self) -> str:
+        return f"claim {self.namespace}/{self.name} request {self.request!r} on {self.pool}/{self.device}"
+
+
+@dataclass
 class Allocation:
-    """One container's slice of one GPU, as recorded on disk."""
+    """One container's slice of one GPU, as recorded on disk (DRA: one claim result's slice, which every container
+    using that result shares)."""
 
     id: str
     gpu_uuid: str
@@ -48,12 +66,17 @@ class Allocation:
     namespace: str = ""
     pod_name: str = ""
     pod_uid: str = ""
-    container: str = ""
+    container: str = ""  # DRA: the pod's containers using the claim result, comma-separated (the usage key)
     created_at: float = field(default_factory=time.time)
+    claim: ClaimShare | None = None  # DRA: the claim result; None for a container the device plugin admitted
 
     @property
     def identified(self) -> bool:
         return bool(self.pod_uid or self.pod_name)
+
+    def serves(self, container: str) -> bool:
+        """Whether `container` (a name in the record's pod) is one this allocation gives its slice to."""
+        return bool(container) and container in self.container.split(",")
 
     def missing(self) -> list[str]:
         """Resources the container asks for that kubelet has not allocated yet."""
@@ -76,6 +99,12 @@ def _record_from_json(data: object) -> Allocation:
         raise ValueError("not a JSON object")
     try:
         alloc = Allocation(**data)
+        if alloc.claim is not None:
+            if not isinstance(alloc.claim, dict):
+                raise ValueError("claim must be a JSON object")
+            alloc.claim = ClaimShare(**alloc.claim)
+            if not all(isinstance(v, str) for v in vars(alloc.claim).values()):
+                raise ValueError("claim fields must be strings")
     except TypeError as e:
         raise ValueError(str(e)) from None
     if not _ID_RE.match(str(alloc.id)):

@@ -278,7 +278,7 @@ class Profiler:
                 continue
             pod_uids[alloc.id] = pod.uid
             for name, cid in pod.container_ids:
-                if name == alloc.container:
+                if alloc.serves(name):  # a DRA claim's slice may serve several containers
                     containers[(pod.uid, cid)] = alloc.id
         for alloc_id in [i for i in self._regions if i not in self.allocator.allocations]:
             self._regions.pop(alloc_id).close()

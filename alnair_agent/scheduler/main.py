@@ -38,6 +38,7 @@ from alnair_agent.kube.client import KubeConfigError, connect
 from alnair_agent.kube.reflector import Reflector
 from alnair_agent.lifecycle import ServiceFailed, run_services
 from alnair_agent.scheduler.bind import BIND_WAIT_S, Binder
+from alnair_agent.scheduler.dra import DraView, dra_reflectors, dra_served
 from alnair_agent.scheduler.extender import PROFILES
 from alnair_agent.scheduler.server import serve
 from alnair_agent.scheduler.view import ClusterView
@@ -153,6 +154,7 @@ async def run(args: argparse.Namespace, stop: asyncio.Event | None = None) -> No
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     view = ClusterView()
+    dra_view = DraView()
     api = await connect(args.kubernetes)
     try:
         services: list[tuple[str, Any]] = []
@@ -175,13 +177,16 @@ async def run(args: argparse.Namespace, stop: asyncio.Event | None = None) -> No
                 await asyncio.Event().wait()
 
             services += [(w.name, w.run()) for w in watches] + [("view-sync", mark_synced())]
+            if await dra_served(api):  # the DRA pods' profiles (scheduler/dra.py); readiness does not wait for them
+                services += [(w.name, w.run()) for w in dra_reflectors(api, dra_view)]
         else:
             view.synced = True
         if args.webhook_port:
             services += webhook_services(args, api)[0]
         # The server runs until cancelled (run_services stops it in order); it never ends on its own. It stops
         # first: no new request is taken and the waiting binds are answered while the watches still feed the view.
-        services.insert(0, ("http", serve(args.host, args.port, asyncio.Event(), view, binder, args.health_port)))
+        services.insert(0, ("http", serve(args.host, args.port, asyncio.Event(), view, binder, args.health_port,
+                                          dra_view)))
         await run_services(services, stop, process="scheduler", shutdown_timeout=STOP_TIMEOUT_S)
     finally:
         if api is not None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +21,7 @@ import structlog
 from aiohttp import web
 
 from alnair_agent.scheduler.bind import Binder
+from alnair_agent.scheduler.dra import DraView, prioritize_dra
 from alnair_agent.scheduler.extender import FilterResult, PrioritizeResult, filter_nodes, prioritize_nodes
 from alnair_agent.scheduler.view import ClusterView
 
@@ -31,6 +33,7 @@ MAX_BODY_BYTES = 256 * 1024 * 1024  # a kube-scheduler not node-cache-capable se
 SHUTDOWN_TIMEOUT_S = 1.0
 VIEW_KEY = web.AppKey("view", ClusterView)
 BINDER_KEY = web.AppKey("binder", Binder)
+DRA_VIEW_KEY = web.AppKey("dra_view", DraView)
 
 
 @dataclass(frozen=True)
@@ -63,12 +66,21 @@ def answer_filter(body: bytes, view: ClusterView) -> Answer:
 
 def answer_prioritize(body: bytes, view: ClusterView) -> Answer:
     """Bytes in, bytes out; never raises."""
+    return _answer_scores(body, lambda args: prioritize_nodes(args, view), "prioritize_failed")
+
+
+def answer_prioritize_dra(body: bytes, view: DraView) -> Answer:
+    """Bytes in, bytes out; never raises (the DRA pods' profiles: alnair_agent.scheduler.dra)."""
+    return _answer_scores(body, lambda args: prioritize_dra(args, view), "prioritize_dra_failed")
+
+
+def _answer_scores(body: bytes, verb: Callable[[Any], PrioritizeResult], failed: str) -> Answer:
     try:
-        result = prioritize_nodes(json.loads(body), view)
+        result = verb(json.loads(body))
     except ValueError as e:
         result = PrioritizeResult(error=f"request body is not JSON ExtenderArgs: {e}")
     except Exception as e:
-        log.exception("prioritize_failed")
+        log.exception(failed)
         result = PrioritizeResult(error=f"alnair-scheduler internal error: {type(e).__name__}: {e}")
     best = max(result.hosts, key=lambda h: h.score, default=None)
     summary = {"nodes": len(result.hosts), "best": best.host if best else "", "best_score": best.score if best else 0}
@@ -109,16 +121,22 @@ async def _filter(request: web.Request) -> web.Response:
 
 
 async def _prioritize(request: web.Request) -> web.Response:
+    return await _scores(request, "prioritize", lambda body: answer_prioritize(body, request.app[VIEW_KEY]))
+
+
+async def _prioritize_dra(request: web.Request) -> web.Response:
+    return await _scores(request, "prioritize_dra",
+                         lambda body: answer_prioritize_dra(body, request.app.get(DRA_VIEW_KEY) or DraView()))
+
+
+async def _scores(request: web.Request, event: str, answer_of: Callable[[bytes], Answer]) -> web.Response:
     body = await _read(request)
     started = time.perf_counter()
-    if isinstance(body, str):
-        answer = Answer(_encode([]), "", body, {})
-    else:
-        answer = answer_prioritize(body, request.app[VIEW_KEY])
+    answer = Answer(_encode([]), "", body, {}) if isinstance(body, str) else answer_of(body)
     if answer.error:
-        log.warning("prioritize_error", pod=answer.pod, error=answer.error, **answer.summary)
+        log.warning(f"{event}_error", pod=answer.pod, error=answer.error, **answer.summary)
     else:
-        log.info("prioritize", pod=answer.pod, **answer.summary)
+        log.info(event, pod=answer.pod, **answer.summary)
     return _json(answer.body, started)
 
 
@@ -157,13 +175,16 @@ async def _readyz(request: web.Request) -> web.Response:
     return web.Response(status=503, text="node and pod watches not synced yet\n")
 
 
-def build_app(view: ClusterView, binder: Binder | None = None) -> web.Application:
+def build_app(view: ClusterView, binder: Binder | None = None, dra_view: DraView | None = None) -> web.Application:
     app = web.Application(client_max_size=MAX_BODY_BYTES)
     app[VIEW_KEY] = view
     if binder is not None:
         app[BINDER_KEY] = binder
+    if dra_view is not None:
+        app[DRA_VIEW_KEY] = dra_view
     app.router.add_post("/filter", _filter)
     app.router.add_post("/prioritize", _prioritize)
+    app.router.add_post("/prioritize-dra", _prioritize_dra)
     app.router.add_post("/bind", _bind)
     app.router.add_get("/healthz", _healthz)
     app.router.add_get("/readyz", _readyz)
@@ -179,11 +200,11 @@ def build_health_app(view: ClusterView) -> web.Application:
 
 
 async def serve(host: str, port: int, stop: asyncio.Event, view: ClusterView, binder: Binder | None = None,
-                health_port: int | None = None) -> None:
+                health_port: int | None = None, dra_view: DraView | None = None) -> None:
     """Listen until `stop` is set or the task is cancelled, then answer every bind waiting for a node's lock with an
     Error (kube-scheduler retries it), stop accepting, let the requests in flight finish (at most
     SHUTDOWN_TIMEOUT_S), and return."""
-    runners = [web.AppRunner(build_app(view, binder), access_log=None, shutdown_timeout=SHUTDOWN_TIMEOUT_S)]
+    runners = [web.AppRunner(build_app(view, binder, dra_view), access_log=None, shutdown_timeout=SHUTDOWN_TIMEOUT_S)]
     if health_port is not None:
         runners.append(web.AppRunner(build_health_app(view), access_log=None))
     try:

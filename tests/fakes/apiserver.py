@@ -49,6 +49,8 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 from kubernetes_asyncio.client import ApiClient, Configuration
 
+from fakes.resourceapi import ResourceApiMixin
+
 MERGE_PATCH = "application/merge-patch+json"
 
 
@@ -168,7 +170,7 @@ class _Event:
     rv: int
     old: dict[str, Any] | None  # None: created
     new: dict[str, Any] | None  # None: deleted
-    kind: str = "pod"  # "pod" | "node"
+    kind: str = "pod"  # "pod" | "node" | "resourceslices" | "resourceclaims"
 
 
 Selector = dict[str, str]  # field path -> value; all must match
@@ -221,10 +223,12 @@ def _precondition(old: Mapping[str, Any], body: Any, plural: str, name: str) -> 
     return None
 
 
-class FakeApiServer:
-    """The stand-in API server; see the module docstring. All test hooks are plain (synchronous) methods."""
+class FakeApiServer(ResourceApiMixin):
+    """The stand-in API server; see the module docstring. All test hooks are plain (synchronous) methods.
+    resource.k8s.io/v1 (ResourceSlices, ResourceClaims, DeviceClasses) is served by fakes.resourceapi."""
 
     def __init__(self) -> None:
+        self._init_resources()
         self._pods: dict[tuple[str, str], dict[str, Any]] = {}
         self._nodes: dict[str, dict[str, Any]] = {}
         self._rv = 1
@@ -253,6 +257,7 @@ class FakeApiServer:
         app.router.add_get("/api/v1/nodes/{name}", self._get_node)
         app.router.add_patch("/api/v1/nodes/{name}", self._patch_node)
         app.router.add_post("/api/v1/namespaces/{ns}/events", self._create_event)
+        self._add_resource_routes(app)
         self._app = app
         self._server = TestServer(app, host="127.0.0.1", port=getattr(self, "_port", None))
         await self._server.start_server()
@@ -542,7 +547,8 @@ class FakeApiServer:
         if raw_rv in ("", "0"):
             # No version: the current state as ADDED events, then changes (the API server's "start at most recent").
             current = self._pods_on(selector, None) if kind == "pod" else [
-                copy.deepcopy(self._nodes[n]) for n in sorted(self._nodes)]
+                copy.deepcopy(self._nodes[n]) for n in sorted(self._nodes)] if kind == "node" else \
+                self._resource_objects(kind)
             backlog: list[dict[str, Any]] = [{"type": "ADDED", "object": p} for p in current]
         else:
             since = int(raw_rv)

@@ -1,0 +1,59 @@
+"""What a container gets from Alnair, whichever front-end admitted it: the limits its units make, and its environment
+and mounts. One definition: the device plugin's Allocate answer and the DRA front-end's CDI spec are both built
+here, so a container admitted either way sees the same GPU, shim, limits and region.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from alnair_agent.constants import (
+    COMPUTE_UNITS_PER_GPU,
+    CONTAINER_REGION_PATH,
+    CONTAINER_RUN_DIR,
+    CONTAINER_SHIM_DIR,
+    CONTAINER_SHIM_PATH,
+    ENV_ALLOCATION_ID,
+    ENV_COMPUTE_LIMIT,
+    ENV_LD_PRELOAD,
+    ENV_MEMORY_LIMIT,
+    ENV_REGION,
+    ENV_VISIBLE_DEVICES,
+    RESOURCE_COMPUTE,
+    RESOURCE_MEMORY,
+)
+from alnair_agent.node.workspace import Allocation
+
+Mount = tuple[str, str, bool]  # (container_path, host_path, read_only)
+
+
+@dataclass(frozen=True)
+class ContainerEdits:
+    envs: dict[str, str]
+    mounts: list[Mount]
+
+
+def limits(memory_units: int, compute_units: int, memory_unit_bytes: int) -> tuple[int, int]:
+    """(memory limit in bytes, compute cap in percent; 0 = none) for a container holding these units."""
+    # A cap of the whole GPU is no cap: the shim then stays out of the launch path.
+    return memory_units * memory_unit_bytes, (compute_units if 0 < compute_units < COMPUTE_UNITS_PER_GPU else 0)
+
+
+def container_edits(alloc: Allocation, run_folder: Path, shim_dir: str) -> ContainerEdits:
+    """The environment and mounts of the container(s) `alloc` serves; `run_folder` is its host folder mounted at
+    /run/alnair (Workspace.container_folder)."""
+    envs = {
+        ENV_VISIBLE_DEVICES: alloc.gpu_uuid,
+        ENV_LD_PRELOAD: CONTAINER_SHIM_PATH,
+        ENV_REGION: CONTAINER_REGION_PATH,
+        ENV_ALLOCATION_ID: alloc.id,
+    }
+    # kubelet merges the device plugin's two resources' answers first-wins per variable: name a limit only once it
+    # is known, so the answers never disagree (the region carries the final limits either way). With pod identity,
+    # and always in DRA mode, both limits are known from the first answer on.
+    if RESOURCE_MEMORY in alloc.wanted:
+        envs[ENV_MEMORY_LIMIT] = str(alloc.memory_limit)
+    if RESOURCE_COMPUTE in alloc.wanted:
+        envs[ENV_COMPUTE_LIMIT] = str(alloc.compute_limit)
+    return ContainerEdits(envs, [(CONTAINER_RUN_DIR, str(run_folder), False), (CONTAINER_SHIM_DIR, shim_dir, True)])
