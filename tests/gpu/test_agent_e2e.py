@@ -19,12 +19,12 @@ import pytest
 
 pytestmark = pytest.mark.gpu
 
-pynvml = pytest.importorskip("pynvml")
+pytest.importorskip("pynvml")
 pytest.importorskip("torch")
 pytest.importorskip("structlog")
 pytest.importorskip("kubernetes_asyncio")
 
-from workloads import gpu_agent, tenant_env  # noqa: E402
+from workloads import gpu_agent, skip_without_gpu_or_shim, tenant_env  # noqa: E402
 
 from alnair_agent.config import Settings  # noqa: E402
 from alnair_agent.constants import ENV_COMPUTE_LIMIT, ENV_MEMORY_LIMIT, RESOURCE_COMPUTE, RESOURCE_MEMORY  # noqa: E402
@@ -50,13 +50,7 @@ sys.stdin.readline()  # hold the memory until the test has read the region
 
 @pytest.fixture
 def nvml_ok():
-    try:
-        pynvml.nvmlInit()
-        pynvml.nvmlShutdown()
-    except pynvml.NVMLError:
-        pytest.skip("no NVIDIA driver / GPU here")
-    if not SHIM.exists():
-        pytest.skip(f"no shim at {SHIM}")
+    skip_without_gpu_or_shim(SHIM)
 
 
 async def scenario(root: Path) -> dict:

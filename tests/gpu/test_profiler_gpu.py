@@ -24,7 +24,7 @@ import pytest
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300)]
 
-pynvml = pytest.importorskip("pynvml")
+pytest.importorskip("pynvml")
 pytest.importorskip("torch")
 pytest.importorskip("structlog")
 pytest.importorskip("kubernetes_asyncio")
@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the API 
 from agent_harness import NODE, kubernetes_for  # noqa: E402
 from fakes.apiserver import FakeApiServer, make_pod  # noqa: E402
 
-from workloads import CALIBRATE, gpu_agent, plain_env, run_py, tenant_env  # noqa: E402
+from workloads import CALIBRATE, gpu_agent, plain_env, run_py, skip_without_gpu_or_shim, tenant_env  # noqa: E402
 
 from alnair_agent.config import Settings  # noqa: E402
 from alnair_agent.constants import RESOURCE_COMPUTE, RESOURCE_MEMORY, USAGE_ANNOTATION  # noqa: E402
@@ -73,13 +73,7 @@ print(json.dumps({"copies_gib": n, "life_s": time.time() - born}), flush=True)
 
 @pytest.fixture
 def nvml_ok():
-    try:
-        pynvml.nvmlInit()
-        pynvml.nvmlShutdown()
-    except pynvml.NVMLError:
-        pytest.skip("no NVIDIA driver / GPU here")
-    if not SHIM.exists():
-        pytest.skip(f"no shim at {SHIM}")
+    skip_without_gpu_or_shim(SHIM)
 
 
 def usage(api: FakeApiServer, pod: str) -> dict:

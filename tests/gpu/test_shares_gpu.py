@@ -20,7 +20,7 @@ import pytest
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(400)]
 
-pynvml = pytest.importorskip("pynvml")
+pytest.importorskip("pynvml")
 pytest.importorskip("torch")
 structlog = pytest.importorskip("structlog")
 pytest.importorskip("kubernetes_asyncio")
@@ -29,6 +29,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
 
 import shares_gpu as sg  # noqa: E402
+from workloads import skip_without_gpu_or_shim  # noqa: E402 - shares_gpu put tests/gpu on the path
 
 SHIM = Path(os.environ.get("ALNAIR_SHIM") or ROOT / "alnair_agent/lib/libalnair.so")
 SECONDS = 2.5  # the measured window (settle 0.83 s before it); the benchmark's default is 3
@@ -41,13 +42,7 @@ GOALS = [("mm-sync", "pair 30+70: ratio"), ("mm-sync", "pair 30+70: shares"), ("
 
 @pytest.fixture(scope="module")
 def rows() -> dict[tuple[str, str], sg.Row]:
-    try:
-        pynvml.nvmlInit()
-        pynvml.nvmlShutdown()
-    except pynvml.NVMLError:
-        pytest.skip("no NVIDIA driver / GPU here")
-    if not SHIM.exists():
-        pytest.skip(f"no shim at {SHIM}")
+    skip_without_gpu_or_shim(SHIM)
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
     out = os.environ.get("ALNAIR_GPU_RESULTS")
     record: dict = {}

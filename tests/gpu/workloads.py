@@ -55,6 +55,20 @@ async def run_py(code: str, env: dict[str, str], *args: str, timeout: float = 60
     return json.loads(out.decode().strip().splitlines()[-1])
 
 
+def skip_without_gpu_or_shim(shim: Path) -> None:
+    """Skip the calling test where there is no NVIDIA driver or GPU (CI), or no shim at `shim`."""
+    import pytest
+    import pynvml
+
+    try:
+        pynvml.nvmlInit()
+        pynvml.nvmlShutdown()
+    except pynvml.NVMLError:
+        pytest.skip("no NVIDIA driver / GPU here")
+    if not shim.exists():
+        pytest.skip(f"no shim at {shim}")
+
+
 def plain_env(index: int | str = 0) -> dict[str, str]:
     """This process's environment without the shim, on one GPU."""
     return {**{k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}, "CUDA_VISIBLE_DEVICES": str(index)}
