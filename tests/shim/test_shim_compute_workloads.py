@@ -145,7 +145,7 @@ def test_turns_stalled_half_written_freeze_nothing(runner, make_region):
 
 def test_per_thread_events_are_destroyed_when_threads_exit(runner, make_region):
     region = make_region(compute_limit=30)
-    res = runner.run("init", "spawnthreads:96:100", region=region)
+    res = runner.run("init", "spawnthreads:96:300", region=region)  # each thread past one sample period
     created, destroyed = res.stats.get("cuEventCreate", 0), res.stats.get("cuEventDestroy_v2", 0)
     assert created >= 96, res.stats
     assert destroyed == created, (created, destroyed)
