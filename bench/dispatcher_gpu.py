@@ -118,7 +118,8 @@ class Node(workloads.Node):
         self.trace: list[list] = []
         self.boosts: list[list] = []  # per tick: (t, GPU, lending together, device utilization read)
         d = agent.dispatcher
-        if d is not None:  # every tick's state, for the JSON (t, key, cap, policy, window part, lent, launches)
+        if d is not None:  # every tick's state, for the JSON (t, key, cap, policy, window part, lent, wait fraction,
+            # GPU time the shim counted in % of the GPU, launches)
             tick = d.tick
 
             def traced(now: float | None = None) -> None:
@@ -126,7 +127,7 @@ class Node(workloads.Node):
                 t = time.time()
                 for c in d.state.values():
                     self.trace.append([round(t, 3), c.key[-6:], c.cap, c.policy, round(d.turns.get(c.key, 0.0), 3),
-                                       c.key in d.lent, round(c.wait_frac, 3), c.launches])
+                                       c.key in d.lent, round(c.wait_frac, 3), round(c.gpu_rate / 1e7, 1), c.launches])
                 for gpu, g in d.gpus.items():
                     self.boosts.append([round(t, 3), gpu[-6:], g.lending, g.device_util])
             d.tick = traced
