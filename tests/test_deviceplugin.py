@@ -155,12 +155,13 @@ CRASH_LOOP_SEEDS = {False: range(6), True: range(100, 104)}
 @pytest.mark.parametrize("same_inode", [False, True], ids=["new-inode", "inode-reused"])
 async def test_kubelet_crash_loop_then_back_registers_within_one_second(root, kubelet, monkeypatch, same_inode):
     """However long kubelet crash-looped, and whatever the agent's backoff had grown to, the kubelet that stays up
-    has both resources registered within 1 s. `inode-reused`: every kubelet.sock has the same inode number, as on
-    a filesystem that reuses a freed one at once (this one often does)."""
+    has both resources registered within 1 s. `inode-reused`: every kubelet.sock looks like the same file (the same
+    inode, as a filesystem that reuses a freed one at once gives, and no other sign of a new file): only the other
+    signs of a new kubelet are left."""
     if same_inode:
         import alnair_agent.kubelet.deviceplugin as deviceplugin
 
-        monkeypatch.setattr(deviceplugin, "_inode", lambda path: 1 if path.exists() else None)
+        monkeypatch.setattr(deviceplugin, "_identity", lambda path: (1, 1) if path.exists() else None)
     async with running_agent(node_settings(root)) as running:
         await registered(kubelet)
         outcomes = [await run_episode(kubelet, Episode.draw(seed, down_s=(1.0, 3.5)))

@@ -3,8 +3,8 @@
 kubelet restarts wipe the socket folder and create a new kubelet.sock; the service notices within
 `REREGISTER_POLL_S` and serves and registers again. A refused registration is retried with jittered backoff (up to
 `REGISTER_RETRY_MAX_S`), but a new kubelet ends that wait within `REREGISTER_POLL_S`: kubelet.sock replaced (another
-inode), the plugin sockets removed (a starting kubelet empties the folder: the sign that works where the filesystem
-hands the new kubelet.sock the old inode number), or a kubelet.sock that refused connections now accepting one. So
+inode, or the same inode made again: its creation time), the plugin sockets removed (a starting kubelet empties the
+folder), or a kubelet.sock that refused connections now accepting one. So
 after a crash loop, however far the backoff had grown, the kubelet that stays up is registered with within a poll.
 """
 
@@ -136,11 +136,14 @@ class HealthBoard:
             return None if self._closed else self._version
 
 
-def _inode(path: Path) -> int | None:
+def _identity(path: Path) -> tuple[int, int] | None:
+    """Which file `path` is: its inode and when it was made (a socket made again under the same name can get the
+    same inode back, as tmpfs does; its creation time differs)."""
     try:
-        return path.stat().st_ino
+        st = path.stat()
     except FileNotFoundError:
         return None
+    return st.st_ino, st.st_ctime_ns
 
 
 def _accepts(path: Path) -> bool:
@@ -162,13 +165,13 @@ class FailedAttempt:
     kubelet's) and whether the plugin's own sockets had been served (a kubelet that starts removes them: gone now,
     even before kubelet refused the Register for want of them, they say a new kubelet is there)."""
 
-    inode: int | None
+    identity: tuple[int, int] | None
     refused_connections: bool
     served: bool
 
     def kubelet_changed(self, kubelet: Path, plugin_sockets: list[Path]) -> str:
         """Why a new kubelet may be there now ("" if nothing changed)."""
-        if _inode(kubelet) != self.inode:
+        if _identity(kubelet) != self.identity:
             return "kubelet_socket_replaced"
         if self.served and not all(p.exists() for p in plugin_sockets):
             return "plugin_sockets_removed"
@@ -231,18 +234,18 @@ class DevicePluginService:
         kubelet = self.plugin_dir / KUBELET_SOCKET_NAME
         try:
             backoff = REREGISTER_POLL_S
-            registered_inode: int | None = None
+            registered: tuple[int, int] | None = None  # the kubelet.sock last registered with
             waiting_logged = False
             while True:
-                inode = _inode(kubelet)
+                identity = _identity(kubelet)
                 sockets_gone = any(not self.socket_path(r).exists() for r in RESOURCES)
-                if inode is None:
+                if identity is None:
                     if not waiting_logged:
                         log.info("kubelet_socket_missing", path=str(kubelet))
                         waiting_logged = True
-                    registered_inode = None
+                    registered = None
                     self.registered.clear()
-                elif inode != registered_inode or sockets_gone:
+                elif identity != registered or sockets_gone:
                     waiting_logged = False
                     self.registered.clear()
                     served = False
@@ -250,17 +253,17 @@ class DevicePluginService:
                         await self._serve()
                         served = True
                         await self._register()
-                        registered_inode = inode
+                        registered = identity
                         backoff = REREGISTER_POLL_S
                     except (grpc.aio.AioRpcError, OSError) as e:
-                        # Forget the socket we last registered with: a new kubelet.sock may reuse its inode at
-                        # once, and our own re-served sockets hide the restart, so without this a refused
-                        # Register would never be retried.
-                        registered_inode = None
+                        # Forget the socket we last registered with: a new kubelet.sock may look like it (the
+                        # same inode, a creation time within the clock's step), and our own re-served sockets
+                        # hide the restart, so without this a refused Register would never be retried.
+                        registered = None
                         detail = e.details() if isinstance(e, grpc.aio.AioRpcError) else str(e)
                         delay = backoff * random.uniform(0.5, 1.0)
                         log.warning("device_plugin_register_failed", error=detail, retry_in_s=round(delay, 3))
-                        failed = FailedAttempt(inode, refused_connections=not _accepts(kubelet), served=served)
+                        failed = FailedAttempt(identity, refused_connections=not _accepts(kubelet), served=served)
                         backoff = min(backoff * 2, REGISTER_RETRY_MAX_S)
                         if await self._wait_for_retry(failed, delay):
                             backoff = REREGISTER_POLL_S  # the backoff was for a kubelet that is gone

@@ -67,7 +67,7 @@ class PluginView:
     service: str  # the chosen gRPC service ("v1.DRAPlugin" or "v1beta1.DRAPlugin")
     registration_socket: Path
     channel: grpc.aio.Channel
-    signature: tuple[int, int]
+    signature: tuple[int, int, int]
 
     def stub(self) -> v1_grpc.DRAPluginStub | v1beta1_grpc.DRAPluginStub:
         """The chosen service's stub (both take the same messages: the method path is what differs)."""
@@ -94,12 +94,14 @@ class _Running:
     cdi_ids: list[str] = field(default_factory=list)
 
 
-def _signature(path: Path) -> tuple[int, int] | None:
+def _signature(path: Path) -> tuple[int, int, int] | None:
     try:
         st = os.lstat(path)
     except OSError:
         return None
-    return (st.st_dev, st.st_ino) if stat.S_ISSOCK(st.st_mode) else None
+    # the creation time too: a socket made again under the same name can get the same inode back (seen on tmpfs),
+    # and kubelet's watcher (inotify) sees every create
+    return (st.st_dev, st.st_ino, st.st_ctime_ns) if stat.S_ISSOCK(st.st_mode) else None
 
 
 class DraKubeletEmulator:
@@ -160,7 +162,7 @@ class DraKubeletEmulator:
 
     # -- the plugin watcher ------------------------------------------------------------------------------------
     async def _watch(self) -> None:
-        tried: dict[Path, tuple[int, int]] = {}
+        tried: dict[Path, tuple[int, int, int]] = {}
         while True:
             try:
                 names = sorted(os.listdir(self.registry_dir))
@@ -187,7 +189,7 @@ class DraKubeletEmulator:
                 await self._notify()
             await asyncio.sleep(SCAN_S)
 
-    async def _register(self, path: Path, sig: tuple[int, int]) -> None:
+    async def _register(self, path: Path, sig: tuple[int, int, int]) -> None:
         async with grpc.aio.insecure_channel(f"unix://{path}") as channel:
             stub = reg_grpc.RegistrationStub(channel)
             try:
