@@ -41,6 +41,7 @@ log = structlog.get_logger(__name__)
 REREGISTER_POLL_S = 0.1
 REGISTER_TIMEOUT_S = 5.0
 REGISTER_RETRY_MAX_S = 5.0
+STOP_GRACE_S = 0.25  # requests in flight on a plugin socket get this long when it is served again or shut down
 
 
 class ResourceServicer(pb_grpc.DevicePluginServicer):
@@ -289,9 +290,11 @@ class DevicePluginService:
         return False
 
     async def _stop_servers(self) -> None:
+        """Both servers at once, with a short grace: a re-serve after a kubelet restart waits for this (one by one
+        at 0.5 s each, it took a re-registration to 1.45 s in a loaded CI run), and what the grace is for, an
+        Allocate in flight, takes milliseconds."""
         servers, self._servers = self._servers, {}
-        for server in servers.values():
-            await server.stop(grace=0.5)
+        await asyncio.gather(*(server.stop(grace=STOP_GRACE_S) for server in servers.values()))
 
     async def shutdown(self) -> None:
         """End ListAndWatch streams, stop the servers and remove our sockets."""
