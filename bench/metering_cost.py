@@ -6,7 +6,7 @@ Each job (bench/dispatcher_gpu.py's small-batch training and inference) runs alo
   memory only      the shim with a region that caps memory only: launches are counted, nothing more;
   metered          the region also caps compute, with a window of all but 1 us of each period, so the turn gate
                    never holds a launch back: every launch takes the metered path (the gate, an event pair on 1 launch
-                   in 64, a fence every 32, the in-flight bound), so the loop's extra time is the meter's own cost;
+                   in 256, a fence every 256, the in-flight bound), so the loop's extra time is the meter's own cost;
   metered, variant the metered mode under another build of the shim (--variant), e.g. one with fewer events:
                    make -C shim BUILD=/tmp/shim-few CFLAGS="-O2 -DSAMPLE_EVERY=4096u -DFENCE_EVERY=1024u ..."
 Prints each job's loop time per mode (median, min, max) and its slowdown against no shim; writes JSON.

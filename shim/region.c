@@ -352,7 +352,7 @@ void alnair_turn_read(struct alnair_turn *t)
             uint64_t free_until = x.free_until;
             default_turn(r, &x);
             x.free_until = free_until;
-        } else if (x.period > 10000000000ull || x.offset >= x.period || x.length > x.period) {
+        } else if (x.period > ALNAIR_MAX_TURN_PERIOD_NS || x.offset >= x.period || x.length > x.period) {
             default_turn(r, &x);
         }
         last_turn = x;

@@ -23,7 +23,7 @@ import os
 import stat
 import struct
 import time
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 from pathlib import Path
 
 from alnair_agent.node import region_layout as L
@@ -56,22 +56,6 @@ _AGENT = _fields("alnair_region_agent")
 _SLOT = _fields("alnair_region_slot")
 
 
-def _slot_struct() -> tuple[struct.Struct, tuple[int, ...]]:
-    """One struct for a whole slot (padding as 'x'), and where each SlotReading field sits in its tuple."""
-    fmt, pos, names = "<", 0, []
-    for f in sorted(next(fields for name, fields, _, _ in L.BLOCKS if name == "alnair_region_slot"),
-                    key=lambda f: f.offset):
-        fmt += "x" * (f.offset - pos) + L.CTYPES[f.ctype][0]
-        pos = f.offset + L.CTYPES[f.ctype][1]
-        names.append(f.name)
-    fmt += "x" * (L.SLOT_SIZE - pos)
-    wanted = ("pid", "start_time", "memory_used", "launches", "gpu_ns", "overrun_ns", "wait_ns", "copy_bytes")
-    return struct.Struct(fmt), tuple(names.index(n) for n in wanted)
-
-
-_SLOT_STRUCT, _SLOT_READ = _slot_struct()
-
-
 def _block_struct(block: str, size: int) -> tuple[struct.Struct, tuple[str, ...]]:
     """One struct for a whole block (padding as 'x') and its field names in order: one pread, one unpack."""
     fields = sorted(next(fs for name, fs, _, _ in L.BLOCKS if name == block), key=lambda f: f.offset)
@@ -82,11 +66,14 @@ def _block_struct(block: str, size: int) -> tuple[struct.Struct, tuple[str, ...]
     return struct.Struct(fmt + "x" * (size - pos)), tuple(f.name for f in fields)
 
 
+_SLOT_STRUCT, _SLOT_NAMES = _block_struct("alnair_region_slot", L.SLOT_SIZE)
+# where each SlotReading field sits in a slot's unpacked tuple
+_SLOT_READ = tuple(_SLOT_NAMES.index(n) for n in ("pid", "start_time", "memory_used", "launches", "gpu_ns",
+                                                   "overrun_ns", "wait_ns", "copy_bytes"))
 _AGENT_STRUCT, _AGENT_NAMES = _block_struct("alnair_region_agent", L.AGENT_BLOCK_SIZE)
 _TURN = ("turn_epoch_ns", "turn_period_ns", "turn_offset_ns", "turn_length_ns", "turn_free_until_ns")
-# No period the agent writes is longer (config bounds ALNAIR_TURN_PERIOD_S), nor any lease: found in a file after
-# a restart, such a value is a container's doing.
-MAX_TURN_PERIOD_NS = 10_000_000_000
+# No lease the agent writes is longer (a few dispatcher ticks): found in a file after a restart, a longer one is a
+# container's doing, as is a period over L.MAX_TURN_PERIOD_NS.
 MAX_LEASE_NS = 10_000_000_000
 _U32 = 0xFFFFFFFF
 
@@ -104,15 +91,14 @@ class Turn:
     free_until_ns: int = 0
 
     def fields(self) -> dict[str, int]:
-        return dict(zip(_TURN, (self.epoch_ns, self.period_ns, self.offset_ns, self.length_ns, self.free_until_ns),
-                        strict=True))
+        return dict(zip(_TURN, astuple(self), strict=True))
 
     def sound(self, now_ns: int) -> bool:
         """A schedule the agent could have written: a period within bounds, a window inside it (or the whole of
         it), an epoch not in the future and a lease not far beyond now."""
         if self.period_ns == 0:
             return self.offset_ns == self.length_ns == self.epoch_ns == 0 and self.free_until_ns <= now_ns + MAX_LEASE_NS
-        return (self.period_ns <= MAX_TURN_PERIOD_NS and self.offset_ns < self.period_ns
+        return (self.period_ns <= L.MAX_TURN_PERIOD_NS and self.offset_ns < self.period_ns
                 and self.length_ns <= self.period_ns and self.epoch_ns <= now_ns
                 and self.free_until_ns <= now_ns + MAX_LEASE_NS)
 

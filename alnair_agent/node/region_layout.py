@@ -44,6 +44,9 @@ HEARTBEAT_STALE_NS = 2_000_000_000
 # The period of a region whose agent has published no schedule (turn_period_ns 0), or of the private region a shim
 # builds from ALNAIR_COMPUTE_LIMIT: the container's window is then its cap's part of this period, at offset 0.
 DEFAULT_TURN_PERIOD_NS = 50_000_000
+# No turn period the agent writes is longer (ALNAIR_TURN_PERIOD_S is at most 1 s): a reader takes a longer one, or a
+# window outside its period, for no schedule at all.
+MAX_TURN_PERIOD_NS = 10_000_000_000
 # compute_limit value meaning "no compute cap": launches pass straight through.
 COMPUTE_UNLIMITED = 0
 # memory_limit value meaning "no memory cap".
@@ -114,6 +117,7 @@ CONSTANTS = (
     ("ALNAIR_REGION_SIZE", f"{REGION_SIZE}u"),
     ("ALNAIR_HEARTBEAT_STALE_NS", f"{HEARTBEAT_STALE_NS}ull"),
     ("ALNAIR_DEFAULT_TURN_PERIOD_NS", f"{DEFAULT_TURN_PERIOD_NS}ull"),
+    ("ALNAIR_MAX_TURN_PERIOD_NS", f"{MAX_TURN_PERIOD_NS}ull"),
     ("ALNAIR_COMPUTE_UNLIMITED", f"{COMPUTE_UNLIMITED}u"),
     ("ALNAIR_MEMORY_UNLIMITED", f"{MEMORY_UNLIMITED}ull"),
 )
