@@ -124,6 +124,9 @@ class DraKubeletEmulator:
         self._watcher: asyncio.Task[None] | None = None
         self._pr_server: grpc.aio.Server | None = None
         self._changed = asyncio.Condition()
+        # channels of plugins registered again at the same endpoint: calls in flight on them finish (a registration
+        # socket whose mode the plugin set after the watcher saw it looks made again); closed with the watcher
+        self._retired: list[grpc.aio.Channel] = []
 
     # -- lifetime --------------------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -139,8 +142,9 @@ class DraKubeletEmulator:
                 await self._watcher
             self._watcher = None
         plugins, self.plugins = self.plugins, {}
-        for view in plugins.values():
-            await view.channel.close()
+        retired, self._retired = self._retired, []
+        for channel in [view.channel for view in plugins.values()] + retired:
+            await channel.close()
 
     async def stop(self) -> None:
         await self._stop_watcher()
@@ -215,7 +219,9 @@ class DraKubeletEmulator:
         if error:
             return
         old = self.plugins.pop(info.name, None)
-        if old is not None:
+        if old is not None and old.endpoint == info.endpoint:
+            self._retired.append(old.channel)
+        elif old is not None:
             await old.channel.close()
         self.plugins[info.name] = PluginView(info.name, info.endpoint, chosen, path,
                                              grpc.aio.insecure_channel(f"unix://{info.endpoint}"), sig)
