@@ -214,7 +214,7 @@ VARIABLES: tuple[Variable, ...] = (
     Variable("ALNAIR_DISPATCH_INTERVAL_S", "dispatch_interval_s", _float_range(0.01, 1.0), "0.05",
              "Seconds between two dispatcher ticks (region counters read, turns laid out, leases renewed or "
              "revoked)."),
-    Variable("ALNAIR_TURN_PERIOD_S", "turn_period_s", _float_range(0.005, 1.0), "0.05",
+    Variable("ALNAIR_TURN_PERIOD_S", "turn_period_s", _float_range(0.005, 1.0), "0.1",
              "The period of each GPU's turns: every capped container gets its cap's part of each period, so a "
              "container waits at most one period minus its window for its turn; shorter periods switch more often."),
     Variable("ALNAIR_DISPATCH_IDLE_S", "dispatch_idle_s", _float_range(0.02, 10.0), "0.15",
@@ -288,7 +288,7 @@ class Settings:
     dispatcher: str = "on"
     compute_policy: str = "strict"
     dispatch_interval_s: float = 0.05
-    turn_period_s: float = 0.05
+    turn_period_s: float = 0.1
     dispatch_idle_s: float = 0.15
     # the DRA front-end
     frontend: str = "auto"

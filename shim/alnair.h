@@ -121,4 +121,14 @@ int alnair_captures_under_way(void); /* some stream of this process is being cap
 #define RADD(p, v) __atomic_add_fetch(&(p), (v), __ATOMIC_ACQ_REL)
 #define RSUB(p, v) __atomic_sub_fetch(&(p), (v), __ATOMIC_ACQ_REL)
 
+/* ---- trace.c: diagnostic builds only (make CFLAGS="-O2 -DALNAIR_TRACE") ------------------------------------
+ * Records of the launch path's decisions (samples, gate refusals, fence bounds) kept in memory and written to
+ * $ALNAIR_TRACE_FILE at process exit; bench/turn_trace.py reads them. A normal build compiles every TRACE to nothing. */
+#ifdef ALNAIR_TRACE
+void alnair_trace(char kind, uint64_t a, uint64_t b, uint64_t c, uint64_t d);
+#define TRACE(k, a, b, c, d) alnair_trace((k), (a), (b), (c), (d))
+#else
+#define TRACE(k, a, b, c, d) ((void)0)
+#endif
+
 #endif /* ALNAIR_H */

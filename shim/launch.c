@@ -16,9 +16,11 @@
  * launches); the grid class is the bit length of the block count, since a kernel's time grows with its waves:
  *   - estimates live in a set-associative cache that evicts the least recently used entry of a set, so any number
  *     of distinct kernels keeps working estimates for the ones running now;
- *   - each thread keeps at most one sample in flight: an event pair around one launch (the first launch of a
- *     (function, class) not yet measured, then 1 in SAMPLE_EVERY launches); when its end event has completed, the
- *     elapsed time updates that estimate (moving average, 1/4 weight to the new sample). A sample is never given up
+ *   - each thread keeps at most one sample in flight: an event pair around one launch (the first FIRST_SAMPLES
+ *     launches of a (function, class), then 1 in SAMPLE_EVERY launches); when its end event has completed, the
+ *     elapsed time updates that estimate (moving average, 1/4 weight to the new sample). A sample whose launch call
+ *     held the host over SAMPLE_HOST_MAX_NS timed the host (its start event ran on an idle GPU that then waited for
+ *     the launch: a first launch loading its module) and is dropped. A sample is never given up
  *     for being slow: a 300 ms kernel is measured when it ends. In its own turns a context has the GPU to itself, so
  *     the event pair times the kernel alone.
  *   - a launch with no estimate is charged a guess: the neighbouring grid class's estimate scaled by 2 (or 1/2),
@@ -69,6 +71,13 @@
 #ifndef POLL_EVERY_MASK
 #define POLL_EVERY_MASK 7u /* a sample in flight is polled every 8 launches */
 #endif
+/* A sample whose launch call held the host this long measured the host, not the GPU: its start event ran on an idle
+ * GPU that then waited for the launch (a kernel's first launch loads its module: 1-5 ms on the H200, which, taken
+ * as its estimate, held every later turn of a training step back by milliseconds). It is dropped and taken again. */
+#define SAMPLE_HOST_MAX_NS 50000ull
+/* A kernel's first samples are taken back to back (one per launch, as the sampler frees up), then 1 in SAMPLE_EVERY:
+ * a program with many kernels would otherwise keep a kernel's first, least settled sample for thousands of launches. */
+#define FIRST_SAMPLES 4u
 #define NFENCE 16u
 #define NCORR 16u
 #define NPEND 8u
@@ -93,6 +102,7 @@ static _Atomic int g_captures;           /* stream captures under way in this pr
 static _Atomic int g_global_captures;    /* of them in global mode: no thread may query an event meanwhile */
 static _Atomic uint64_t g_guess_ns = DEFAULT_COST_NS; /* a launch nothing is known about: recent samples' mean */
 
+
 /* ---- the estimate cache ------------------------------------------------------------------------------------
  * Key: (function or graph, grid-size class = bit length of the block count): a kernel's time grows with its
  * grid, so each size class has its own estimate. Set-associative (EST_WAYS ways per set); a miss evicts the
@@ -103,7 +113,7 @@ struct est {
     _Atomic uint64_t key;
     _Atomic uint64_t ns; /* 0: not measured yet */
     _Atomic uint32_t used;
-    uint32_t pad;
+    _Atomic uint32_t samples; /* samples taken into ns (the first FIRST_SAMPLES are taken back to back) */
 };
 static struct est g_est[EST_SETS * EST_WAYS];
 static _Atomic uint32_t g_est_clock = 1;
@@ -158,6 +168,7 @@ static struct est *est_insert(uint64_t k)
     if (!atomic_compare_exchange_strong(&victim->key, &old, 0))
         return NULL; /* another thread took this way just now: the guess applies this once */
     atomic_store_explicit(&victim->ns, 0, memory_order_relaxed);
+    atomic_store_explicit(&victim->samples, 0, memory_order_relaxed);
     atomic_store_explicit(&victim->used, atomic_fetch_add(&g_est_clock, 1) + 1, memory_order_relaxed);
     atomic_store_explicit(&victim->key, k, memory_order_release);
     return victim;
@@ -232,7 +243,7 @@ struct tstate {
     uint64_t launches, done, charged, completed_charged, last_fence_charged;
     unsigned since_fence;
     CUevent s_start, s_end;
-    uint64_t s_key, s_cost, s_idx;
+    uint64_t s_key, s_cost, s_idx, s_host;
     int s_busy, s_guess;
     struct fence f[NFENCE];
     unsigned fhead, fcount;
@@ -484,6 +495,7 @@ static uint64_t turn_gate(uint64_t cost, struct stream_ctr *sc)
             G.valid = 1;
             break;
         }
+        TRACE('g', backlog, left, cost, (uint64_t)polled);
         if (backlog > 0 && !polled && queries_ok()) {
             poll_fences(); /* the queue may have drained further than its estimate says */
             polled = 1;
@@ -601,8 +613,10 @@ static void poll_fences(void)
             if (f->backed && T.prev_valid && T.prev_stream == f->stream && f->has_seq && T.prev_has_seq &&
                 f->seq - T.prev_seq == f->mine - T.prev_mine && !corrected_in(T.prev_mine, f->mine)) {
                 uint64_t actual = elapsed_ns(T.f[T.prev_idx].ev, f->ev);
-                if (actual != UINT64_MAX)
+                if (actual != UINT64_MAX) {
+                    TRACE('f', actual, f->charged - T.prev_charged, f->mine - T.prev_mine, 0);
                     true_up(actual, f->charged - T.prev_charged);
+                }
             }
             T.prev_valid = 1;
             T.prev_idx = T.fhead;
@@ -617,6 +631,9 @@ static void poll_fences(void)
         T.completed_charged = f->charged;
         /* the work before this fence is done: when every launch on its stream since was this thread's, what is
          * queued there now is at most what this thread charged since */
+        TRACE('b', f->sc != NULL && f->has_seq &&
+                       atomic_load_explicit(&f->sc->launches, memory_order_relaxed) - f->seq == T.done - f->mine,
+              f->sc ? atomic_load_explicit(&f->sc->vft, memory_order_relaxed) : 0, T.charged - f->charged, 0);
         if (f->sc != NULL && f->has_seq &&
             atomic_load_explicit(&f->sc->launches, memory_order_relaxed) - f->seq == T.done - f->mine) {
             uint64_t bound = alnair_now_ns() + (T.charged - f->charged);
@@ -651,6 +668,7 @@ static void wait_inflight(uint64_t max_ns, unsigned max_fences)
     }
     if (t0 != 0) {
         struct alnair_region_slot *s = alnair_slot();
+        TRACE('i', alnair_now_ns() - t0, T.charged - T.completed_charged, T.fcount, 0);
         if (s != NULL)
             RADD(s->wait_ns, alnair_now_ns() - t0);
     }
@@ -702,12 +720,13 @@ static void poll_sample(void)
     if (q != CUDA_SUCCESS)
         return;
     uint64_t ns = elapsed_ns(T.s_start, T.s_end);
-    if (ns == UINT64_MAX)
-        return;
+    if (ns == UINT64_MAX || T.s_host > SAMPLE_HOST_MAX_NS)
+        return; /* a guessed launch among them is left to the fences' true-up */
     if (ns < MIN_COST_NS)
         ns = MIN_COST_NS;
     uint64_t g = atomic_load_explicit(&g_guess_ns, memory_order_relaxed);
     atomic_store_explicit(&g_guess_ns, (7 * g + ns) / 8, memory_order_relaxed);
+    TRACE('s', ns, T.s_cost, T.s_key, (uint64_t)T.s_guess);
     if (T.s_guess) {
         true_up(ns, T.s_cost);
         T.corr[T.ncorr++ % NCORR] = T.s_idx;
@@ -724,6 +743,7 @@ static void poll_sample(void)
     struct est *e = est_insert(T.s_key);
     if (e == NULL)
         return;
+    atomic_fetch_add_explicit(&e->samples, 1, memory_order_relaxed);
     uint64_t old = atomic_load_explicit(&e->ns, memory_order_relaxed);
     /* a moving average, except that a sample far under the estimate is taken at once: an estimate made while the
      * GPU was shared with another context holds its slices, and would keep this one stopping early in its turns */
@@ -742,6 +762,7 @@ static void wait_sample(void)
         poll_sample();
     }
     struct alnair_region_slot *s = alnair_slot();
+    TRACE('w', alnair_now_ns() - t0, T.s_key, 0, 0);
     if (s != NULL)
         RADD(s->wait_ns, alnair_now_ns() - t0);
 }
@@ -750,6 +771,7 @@ static void wait_sample(void)
 struct pre {
     uint64_t key;
     uint64_t cost;
+    uint64_t t_host; /* a sampled launch: when its real call began */
     CUstream stream;
     struct stream_ctr *sc;
     int pt, sampled, skip, guess;
@@ -789,6 +811,7 @@ static __attribute__((noinline)) int pre_launch(struct pre *p, uintptr_t fn, uin
         return 0;
     struct est *e = est_lookup(p->key);
     uint64_t est = e ? atomic_load_explicit(&e->ns, memory_order_relaxed) : 0, near = 0;
+    int settling = e != NULL && atomic_load_explicit(&e->samples, memory_order_relaxed) < FIRST_SAMPLES;
     if (est == 0) {
         p->guess = 1;
         near = est_neighbour(fn, cls);
@@ -806,9 +829,11 @@ static __attribute__((noinline)) int pre_launch(struct pre *p, uintptr_t fn, uin
     T.launches++;
     if (quiet && T.s_busy && est == 0)
         poll_sample(); /* a new size class wants the sampler: is the sample in flight done? */
-    if (quiet && !T.s_busy && (est == 0 || T.launches % SAMPLE_EVERY == 0) && ensure_ctx() == 0 &&
-        get_event(&T.s_start) == 0 && get_event(&T.s_end) == 0 && record(T.s_start, s, pt) == 0)
+    if (quiet && !T.s_busy && (est == 0 || settling || T.launches % SAMPLE_EVERY == 0) && ensure_ctx() == 0 &&
+        get_event(&T.s_start) == 0 && get_event(&T.s_end) == 0 && record(T.s_start, s, pt) == 0) {
         p->sampled = 1;
+        p->t_host = alnair_now_ns();
+    }
     return 0;
 }
 
@@ -829,6 +854,7 @@ static __attribute__((noinline)) void post_launch(struct pre *p, CUresult rc)
     T.done++;
     if (p->sampled && record(T.s_end, p->stream, p->pt) == 0) {
         T.s_busy = 1;
+        T.s_host = alnair_now_ns() - p->t_host;
         T.s_key = p->key;
         T.s_cost = p->cost;
         T.s_guess = p->guess;

@@ -62,56 +62,132 @@ def test_forged_counters_count_only_as_activity():
 
 def gpu_with(active: set[str], util: float | None = None, now: float = 10.0) -> C.Gpu:
     g = C.Gpu(epoch_ns=0)
-    C.note_active(g, frozenset(active), now - 1.0)
+    C.note_active(g, frozenset(active), now - C.ARRIVAL_HOLD_S - 1.0)
     if util is not None:
         C.note_device_util(g, util, now - 0.5)
     return g
+
+
+def ran(cs: list[C.Container], rates: dict[str, float], t0: float, t1: float, dt: float = 0.05) -> float:
+    """The containers' counters, ticked from t0 to t1 with these launch rates (per s); returns t1."""
+    t = t0
+    while t < t1 - 1e-9:
+        t = round(t + dt, 6)
+        for x in cs:
+            C.observe_counters(x, t, dt, x.launches + round(rates.get(x.key, 0) * dt), 0, 0)
+    return t
+
+
+def elastic_pair() -> list[C.Container]:
+    cs = [c("a", 50, C.ELASTIC), c("b", 50, C.ELASTIC)]
+    for x in cs:
+        C.observe_counters(x, 0.0, 0.05, 0, 0, 0)
+    return cs
 
 
 @pytest.mark.parametrize("containers,active,util,uncapped,want", [
     ([c("a", 30, C.ELASTIC), c("b", 70)], {"a"}, None, False, {"a"}),            # alone: lent the GPU
     ([c("a", 30, C.ELASTIC), c("b", 70)], {"a", "b"}, 10.0, False, set()),       # a strict one is active
     ([c("a", 30), c("b", 70)], {"a"}, None, False, set()),                       # strict: never lent
-    ([c("a", 50, C.ELASTIC), c("b", 50, C.ELASTIC)], {"a", "b"}, 60.0, False, {"a", "b"}),  # GPU not full: both
+    ([c("a", 50, C.ELASTIC), c("b", 50, C.ELASTIC)], {"a", "b"}, 60.0, False, {"a", "b"}),  # GPU not full: a trial
     ([c("a", 50, C.ELASTIC), c("b", 50, C.ELASTIC)], {"a", "b"}, 99.0, False, set()),  # full: their windows
     ([c("a", 50, C.ELASTIC), c("b", 50, C.ELASTIC)], {"a", "b"}, None, False, set()),  # not known yet: windows
     ([c("a", 30, C.ELASTIC)], {"a"}, None, True, set()),                         # an uncapped one runs beside it
 ])
 def test_lending_table(containers, active, util, uncapped, want):
+    ran(containers, {x.key: 1000.0 for x in containers}, 0.0, 10.0)
     g = gpu_with(active, util)
     C.update_lending(g, containers, uncapped, 10.0)
     assert C.lent(g, containers, uncapped) == want
 
 
 def test_a_change_in_who_is_active_ends_every_lease_at_once():
-    cs = [c("a", 50, C.ELASTIC), c("b", 50, C.ELASTIC)]
-    g = gpu_with({"a", "b"}, 60.0)
-    C.update_lending(g, cs, False, 10.0)
+    cs = elastic_pair()
+    t = ran(cs, {"a": 1000, "b": 1000}, 0.0, 10.0)
+    g = gpu_with({"a", "b"}, 60.0, t)
+    assert C.update_lending(g, cs, False, t) == "trial"
     assert C.lent(g, cs, False) == {"a", "b"}
-    assert C.note_active(g, frozenset({"a"}), 10.05)
-    C.update_lending(g, cs, False, 10.05)
+    assert C.note_active(g, frozenset({"a"}), t + 0.05)
+    C.update_lending(g, cs, False, t + 0.05)
     assert C.lent(g, cs, False) == {"a"}  # alone now
-    assert C.note_active(g, frozenset({"a", "b"}), 10.1)
-    C.update_lending(g, cs, False, 10.1)
-    assert C.lent(g, cs, False) == set()  # the newcomer is back: windows until a utilization says otherwise
+    assert C.note_active(g, frozenset({"a", "b"}), t + 0.1)
+    C.update_lending(g, cs, False, t + 0.1)
+    assert C.lent(g, cs, False) == set()  # the newcomer is back: its windows
 
 
-def test_a_saturated_lending_is_held_off_for_longer_each_time():
-    """Windows leave the GPU half idle (lend it); lent together the pair fills it (windows again, and no new loan
-    for a hold that doubles each time)."""
-    cs = [c("a", 50, C.ELASTIC), c("b", 50, C.ELASTIC)]
-    g = gpu_with({"a", "b"})
-    t, ended, holds = 10.0, None, []
-    while len(holds) < 4:
-        t += 0.05
-        C.note_device_util(g, 99.0 if g.lending else 50.0, t)
-        was = g.lending
-        C.update_lending(g, cs, False, t)
-        if was and not g.lending:
-            ended = t
-        elif g.lending and not was and ended is not None:
-            holds.append(round(t - ended, 2))
-    assert holds == sorted(holds) and holds[-1] >= 7.5 * holds[0], holds
+def test_no_trial_until_the_newcomer_has_held_its_windows_for_the_arrival_hold():
+    cs = elastic_pair()
+    t = ran(cs, {"a": 1000, "b": 1000}, 0.0, 10.0)
+    g = C.Gpu(epoch_ns=0)
+    C.note_active(g, frozenset({"a", "b"}), t)
+    while t < 10.0 + C.ARRIVAL_HOLD_S - 0.05:
+        t = ran(cs, {"a": 1000, "b": 1000}, t, t + 0.05)
+        C.note_device_util(g, 40.0, t)
+        assert C.update_lending(g, cs, False, t) is None and not g.lending, t
+    t = ran(cs, {"a": 1000, "b": 1000}, t, t + 0.1)
+    C.note_device_util(g, 40.0, t)
+    assert C.update_lending(g, cs, False, t) == "trial"
+
+
+def trial(cs: list[C.Container], g: C.Gpu, t: float, lent_rates: dict[str, float]) -> tuple[str | None, float]:
+    """Tick through one trial with these launch rates while lent; what ended it and when."""
+    assert g.lending and g.trial_end is not None
+    while True:
+        t = ran(cs, lent_rates, t, t + 0.05)
+        change = C.update_lending(g, cs, False, t)
+        if change is not None:
+            return change, t
+
+
+@pytest.mark.parametrize("lent_rates,want", [
+    ({"a": 1500, "b": 1400}, "kept"),    # gap-y jobs filling each other's gaps: both faster lent together
+    ({"a": 1500, "b": 900}, "slowed"),   # one of them slower than on its windows: its cap is its guarantee
+    ({"a": 600, "b": 600}, "slowed"),    # two busy jobs only slow each other
+    ({"a": 960, "b": 1000}, "kept"),     # within KEEP_FRAC
+])
+def test_a_trial_goes_on_only_while_it_slows_nobody(lent_rates, want):
+    cs = elastic_pair()
+    t = ran(cs, {"a": 1000, "b": 1000}, 0.0, 10.0)
+    g = gpu_with({"a", "b"}, 50.0, t)
+    assert C.update_lending(g, cs, False, t) == "trial"
+    change, ended = trial(cs, g, t, lent_rates)
+    assert change == want
+    assert ended - t <= C.TRIAL_S + 0.051  # judged within a tick of TRIAL_S
+    assert g.lending == (want == "kept")
+
+
+def test_trials_that_slow_someone_back_off_doubling():
+    cs = elastic_pair()
+    t = ran(cs, {"a": 1000, "b": 1000}, 0.0, 10.0)
+    g = gpu_with({"a", "b"}, None, t)
+    starts = []
+    while len(starts) < 5:
+        t = ran(cs, {"a": 1000, "b": 1000}, t, t + 0.05)
+        C.note_device_util(g, 50.0, t - C.SETTLE_S)
+        if C.update_lending(g, cs, False, t) == "trial":
+            starts.append(t)
+            _, t = trial(cs, g, t, {"a": 500, "b": 500})
+    gaps = [round(b - a, 2) for a, b in zip(starts, starts[1:])]
+    assert gaps == sorted(gaps) and gaps[-1] >= 6 * gaps[0], gaps
+
+
+def test_a_full_gpu_ends_lending_and_a_long_one_is_checked_again():
+    cs = elastic_pair()
+    t = ran(cs, {"a": 1000, "b": 1000}, 0.0, 10.0)
+    g = gpu_with({"a", "b"}, 50.0, t)
+    C.update_lending(g, cs, False, t)
+    t0 = t  # the trial began: RECHECK_S counts from here
+    change, t = trial(cs, g, t, {"a": 1500, "b": 1500})
+    assert change == "kept"
+    while (change := C.update_lending(g, cs, False, t)) is None:
+        t = ran(cs, {"a": 1500, "b": 1500}, t, t + 0.05)
+    assert change == "recheck" and C.RECHECK_S <= t - t0 + 1e-6 <= C.RECHECK_S + 0.06 and not g.lending
+    hold_before = g.hold_s
+    t = ran(cs, {"a": 1000, "b": 1000}, t, t + 1.0)
+    C.note_device_util(g, 50.0, t)
+    assert C.update_lending(g, cs, False, t) == "trial"  # a recheck holds nothing off
+    C.note_device_util(g, 99.0, t + 0.05)
+    assert C.update_lending(g, cs, False, t + 0.05) == "full" and g.hold_s == min(2 * hold_before, C.HOLD_MAX_S)
 
 
 def test_a_sample_taken_right_after_a_change_is_not_used():

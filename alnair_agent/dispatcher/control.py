@@ -18,20 +18,30 @@ first launch after a pause finds its turn where it was.
 
 Lending (elastic): an elastic container is lent the whole GPU (a lease, `turn_free_until_ns`, renewed every tick
 for LEASE_TICKS ticks) while no other container on its GPU is active, or while every active one there is elastic
-and the GPU is not saturated. The second case keeps packing: jobs that leave the GPU idle part of the time (a
-small-batch training loop, batch-1 inference) run side by side and fill each other's gaps, as they do with no
-limits at all. It is entered only on a device utilization (NVML's device figure, which is exact) under FREE_ENTER
-read after the last change in who is active, and left at once on one at FREE_LEAVE or over (the GPU is full: the
-caps' split rules again), after which it is not tried again for a hold time that doubles each time (HOLD_MIN_S ..
-HOLD_MAX_S), so a pair that saturates the GPU once lent settles on windows instead of flapping. Any change in who is
-active ends every lease on the GPU at that tick: a container that starts (its first launch, or its first after
-DISPATCH_IDLE_S) has its own window at once and the lender is back in its own within one tick and its queue (the
-shim bounds what it has in flight).
+and lending them the GPU together slows none of them. The second case keeps packing: jobs that leave the GPU idle
+part of the time (a small-batch training loop, batch-1 inference) run side by side and fill each other's gaps, as
+they do with no limits at all; two jobs that each keep the GPU busy would only slow each other (the driver
+time-slices them), and an elastic container's cap is its guarantee. So lending together is a trial, judged by
+what each container does, not by a model of it:
+  - it is tried only after every active container has run on its windows for ARRIVAL_HOLD_S since the last change
+    in who is active (a container that arrives gets its window, and keeps it while the others settle), with a
+    device utilization (NVML's device figure, exact) under FREE_ENTER read after that change;
+  - each container's launch rate over the last BASELINE_S on its windows is its baseline (the same program's
+    launches per second are its progress);
+  - after TRIAL_S lent together, any container whose launch rate is under KEEP_FRAC of its baseline ends the trial:
+    windows again at that tick, and no new trial for a hold time that doubles each time (HOLD_MIN_S .. HOLD_MAX_S),
+    so a pair that only slows each other settles on windows; a trial that slows nobody goes on;
+  - a device utilization at FREE_LEAVE or over ends lending at once (with the same hold), and a lending that went on
+    RECHECK_S goes back to windows for a new baseline and trial (programs change what they do).
+Any change in who is active ends every lease on the GPU at that tick: a container that starts (its first launch,
+or its first after DISPATCH_IDLE_S) has its own window at once and the lender is back in its own within one tick
+and its queue (the shim bounds what it has in flight).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 
 STRICT = "strict"
 ELASTIC = "elastic"
@@ -40,9 +50,15 @@ POLICIES = (STRICT, ELASTIC)
 LEASE_TICKS = 3  # a lease outlives this many ticks: a late tick does not end it, a stopped agent soon does
 FREE_ENTER = 85.0  # device utilization (%) under which active elastic containers may be lent the GPU together
 FREE_LEAVE = 95.0  # ... and at or over which they are back in their windows
-HOLD_MIN_S, HOLD_MAX_S = 1.0, 32.0  # after a saturated lending, no new one for this long (doubling)
+HOLD_MIN_S, HOLD_MAX_S = 1.0, 32.0  # after a lending that slowed someone or filled the GPU: no trial this long (doubling)
 HOLD_RESET_S = 60.0  # a GPU that stayed on windows this long starts again from HOLD_MIN_S
 SETTLE_S = 0.3  # a utilization sample taken this soon after a change still holds the old mix (NVML's ~1/6 s period)
+ARRIVAL_HOLD_S = 5.0  # after a change in who is active, windows at least this long before a trial
+BASELINE_S = 0.5  # a container's launch rate on its windows over this long: its baseline for a trial
+TRIAL_S = 0.25  # lent together this long, then judged against the baselines
+KEEP_FRAC = 0.95  # a trial goes on only while every container launches at least this part of its baseline
+RECHECK_S = 20.0  # a lending that went on this long goes back to windows for a new baseline and trial
+HISTORY = 64  # (time, launches) samples kept per container: 3.2 s at the default 50 ms tick
 
 
 @dataclass
@@ -59,9 +75,19 @@ class Container:
     wait_frac: float = 0.0
     last_active: float = -1e18  # monotonic s of the last launch or wait
     seen: bool = False
+    history: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=HISTORY))  # (s, launches)
 
     def active(self, now: float, idle_s: float) -> bool:
         return now - self.last_active <= idle_s
+
+    def launch_rate(self, since: float) -> float | None:
+        """Launches per second from the last sample at or before `since` to the newest; None when the history does
+        not reach back that far."""
+        start = next((h for h in reversed(self.history) if h[0] <= since), None)
+        if start is None or not self.history or self.history[-1][0] <= start[0]:
+            return None
+        end = self.history[-1]
+        return (end[1] - start[1]) / (end[0] - start[0])
 
 
 def observe_counters(c: Container, now: float, dt: float, launches: int, wait: int, gpu: int) -> None:
@@ -69,7 +95,11 @@ def observe_counters(c: Container, now: float, dt: float, launches: int, wait: i
     lie) counts as no activity and restarts the differences from the new value; a rise counts only as activity."""
     if not c.seen:
         c.launches, c.wait, c.gpu, c.seen = launches, wait, gpu, True
+        c.history.append((now, launches))
         return
+    if launches < c.launches:
+        c.history.clear()  # a new count: rates start again from it
+    c.history.append((now, launches))
     grew = launches > c.launches or wait > c.wait or gpu > c.gpu
     d_gpu = max(0, gpu - c.gpu)
     d_wait = max(0, wait - c.wait)
@@ -92,6 +122,10 @@ class Gpu:
     hold_s: float = HOLD_MIN_S
     device_util: float | None = None  # newest NVML device utilization (%) read after the last change
     windows_since: float = -1e18  # monotonic s lending together last ended (for HOLD_RESET_S)
+    trial_end: float | None = None  # lent together on trial until then (None: not on trial)
+    baseline: dict[str, float] = field(default_factory=dict)  # launch rates on windows when the trial began
+    trial_from: dict[str, tuple[float, int]] = field(default_factory=dict)  # (s, launches) when it began
+    lent_since: float = -1e18  # monotonic s lending together began (for RECHECK_S)
 
 
 def note_active(gpu: Gpu, active: frozenset[str], now: float) -> bool:
@@ -101,8 +135,28 @@ def note_active(gpu: Gpu, active: frozenset[str], now: float) -> bool:
         return False
     gpu.active, gpu.changed_at, gpu.device_util = active, now, None
     if gpu.lending:
-        gpu.lending, gpu.windows_since = False, now
+        end_lending(gpu, now, hold=False)
     return True
+
+
+def end_lending(gpu: Gpu, now: float, hold: bool) -> None:
+    """Back to windows; with `hold`, no new trial for the hold time, which doubles."""
+    gpu.lending, gpu.windows_since, gpu.trial_end = False, now, None
+    gpu.baseline, gpu.trial_from = {}, {}
+    if hold:
+        gpu.hold_until = now + gpu.hold_s
+        gpu.hold_s = min(gpu.hold_s * 2, HOLD_MAX_S)
+
+
+def slowed(gpu: Gpu, active: list[Container], now: float) -> list[str]:
+    """The containers whose launch rate since the trial began is under KEEP_FRAC of their baseline."""
+    out = []
+    for c in active:
+        t0, n0 = gpu.trial_from.get(c.key, (now, c.launches))
+        base = gpu.baseline.get(c.key)
+        if base is None or now <= t0 or (c.launches - n0) / (now - t0) < KEEP_FRAC * base:
+            out.append(c.key)
+    return out
 
 
 def note_device_util(gpu: Gpu, util: float, sampled_at: float) -> None:
@@ -111,24 +165,46 @@ def note_device_util(gpu: Gpu, util: float, sampled_at: float) -> None:
         gpu.device_util = util
 
 
-def update_lending(gpu: Gpu, containers: list[Container], uncapped_active: bool, now: float) -> None:
-    """Whether the GPU's active containers, all elastic, are lent the GPU together (see the module docstring)."""
+def update_lending(gpu: Gpu, containers: list[Container], uncapped_active: bool, now: float) -> str | None:
+    """Whether the GPU's active containers, all elastic, are lent the GPU together (see the module docstring).
+    Returns what changed, for the log: "trial", "kept", "slowed", "full", "recheck" (None: nothing)."""
     active = [c for c in containers if c.key in gpu.active]
     together = len(active) >= 2 and not uncapped_active and all(c.policy == ELASTIC for c in active)
     util, gpu.device_util = gpu.device_util, None  # each sample acts once
     if not together:
-        gpu.lending = False
-        return
+        if gpu.lending:
+            end_lending(gpu, now, hold=False)
+        return None
     if gpu.lending:
         if util is not None and util >= FREE_LEAVE:
-            gpu.lending, gpu.windows_since = False, now
-            gpu.hold_until = now + gpu.hold_s
-            gpu.hold_s = min(gpu.hold_s * 2, HOLD_MAX_S)
-        return
+            end_lending(gpu, now, hold=True)
+            return "full"
+        if gpu.trial_end is not None:
+            if now < gpu.trial_end:
+                return None
+            if slowed(gpu, active, now):
+                end_lending(gpu, now, hold=True)
+                return "slowed"
+            gpu.trial_end, gpu.hold_s = None, HOLD_MIN_S
+            return "kept"
+        if now - gpu.lent_since >= RECHECK_S:
+            end_lending(gpu, now, hold=False)
+            return "recheck"
+        return None
     if now - gpu.windows_since >= HOLD_RESET_S:
         gpu.hold_s = HOLD_MIN_S
-    if util is not None and util < FREE_ENTER and now >= gpu.hold_until:
-        gpu.lending = True
+    on_windows = max(gpu.changed_at, gpu.windows_since)
+    if now < gpu.changed_at + ARRIVAL_HOLD_S or now < gpu.hold_until or now - on_windows < BASELINE_S:
+        return None
+    if util is None or util >= FREE_ENTER:
+        return None
+    baseline = {c.key: c.launch_rate(now - BASELINE_S) for c in active}
+    if any(r is None or r <= 0 for r in baseline.values()):
+        return None
+    gpu.lending, gpu.lent_since, gpu.trial_end = True, now, now + TRIAL_S
+    gpu.baseline = {k: float(r) for k, r in baseline.items() if r is not None}
+    gpu.trial_from = {c.key: (now, c.launches) for c in active}
+    return "trial"
 
 
 def lent(gpu: Gpu, containers: list[Container], uncapped_active: bool) -> set[str]:

@@ -43,7 +43,7 @@ REGION_SIZE = SLOTS_OFFSET + MAX_SLOTS * SLOT_SIZE
 HEARTBEAT_STALE_NS = 2_000_000_000
 # The period of a region whose agent has published no schedule (turn_period_ns 0), or of the private region a shim
 # builds from ALNAIR_COMPUTE_LIMIT: the container's window is then its cap's part of this period, at offset 0.
-DEFAULT_TURN_PERIOD_NS = 50_000_000
+DEFAULT_TURN_PERIOD_NS = 100_000_000
 # No turn period the agent writes is longer (ALNAIR_TURN_PERIOD_S is at most 1 s): a reader takes a longer one, or a
 # window outside its period, for no schedule at all.
 MAX_TURN_PERIOD_NS = 10_000_000_000

@@ -576,6 +576,26 @@ static void run_op(const char *op, int argc, char **argv, int i)
         uint64_t wall = mono() - t0;
         printf("run launches=%llu bad=%llu gpu_ns=%llu wall_ns=%llu cpu_ns=0\n", (unsigned long long)n,
                (unsigned long long)bad, (unsigned long long)(n * b), (unsigned long long)wall);
+    } else if (sscanf(op, "steps:%llu:%llu:%llu", &a, &b, &c) == 3) {
+        /* steps:MS:K:DUR  a training-like step: K distinct kernels of DUR ns each (functions of their own, so each
+         * has its own estimate), then a wait for the GPU (loss.item()), for MS ms; "steps" counts the steps */
+        CUfunction fns[256];
+        char prefix[16];
+        for (unsigned long long k = 0; k < b && k < 256; k++) {
+            snprintf(prefix, sizeof prefix, "step%llu", k);
+            fns[k] = named_fn(prefix, c);
+        }
+        uint64_t t0 = mono(), n = 0, steps = 0, bad = 0;
+        while (mono() - t0 < a * 1000000ull) {
+            for (unsigned long long k = 0; k < b && k < 256; k++, n++)
+                bad += api.Launch(fns[k], 1, 1, 1, 1, 1, 1, 0, NULL, NULL, NULL) != CUDA_SUCCESS;
+            api.StreamSync(NULL);
+            steps++;
+        }
+        uint64_t wall = mono() - t0;
+        printf("run launches=%llu bad=%llu gpu_ns=%llu wall_ns=%llu cpu_ns=0 steps=%llu\n", (unsigned long long)n,
+               (unsigned long long)bad, (unsigned long long)(n * c), (unsigned long long)wall,
+               (unsigned long long)steps);
     } else if (sscanf(op, "gaps:%llu:%llu:%llu", &a, &b, &c) == 3) {
         /* gaps:MS:DUR:SLEEP  a DUR-ns kernel, wait for it, sleep SLEEP ns, for MS ms: a job that leaves the GPU idle
          * part of the time (an inference server between requests, a training loop waiting for data) */

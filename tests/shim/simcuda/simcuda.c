@@ -22,6 +22,7 @@
  * - Legacy launches (cuLaunch, cuLaunchGrid[Async]) and cuLaunchCooperativeKernelMultiDevice.
  * - cuGetProcAddress(_v2) maps (symbol, cudaVersion, per-thread flag) to variants like the real driver does,
  *   from its own table (never through dlsym).
+ * - SIMCUDA_FIRST_LAUNCH_NS: a function's first launch holds the host that long (lazy module loading).
  * - SIMCUDA_STATS=path: at exit, "name count" lines: calls per entry point, busy_ns, peak memory.
  * - SIMCUDA_TIMELINE_DIR=dir: kernels of all processes on one GPU (NVIDIA_VISIBLE_DEVICES) take turns on a shared
  *   timeline file there, which the agent's simulated backend reads (simtimeline.h).
@@ -381,7 +382,7 @@ API CUresult cuCtxSetCurrent(CUcontext c) { CALLED(); cur_ctx = c; return CUDA_S
 API CUresult cuCtxGetCurrent(CUcontext *c) { *c = cur_ctx; return CUDA_SUCCESS; }
 
 /* ---- modules and functions ------------------------------------------------------------------------------------ */
-struct CUfunc_st { char name[32]; uint64_t base_ns; };
+struct CUfunc_st { char name[32]; uint64_t base_ns; _Atomic int loaded; };
 API CUresult cuModuleLoadData(void **m, const void *img) { (void)img; CALLED(); *m = (void *)0x1; return CUDA_SUCCESS; }
 API CUresult cuModuleGetFunction(CUfunction *f, void *m, const char *name)
 {
@@ -497,8 +498,21 @@ static CUresult run_kind(CUstream hs, int pt, uint64_t dur, enum simtl_kind kind
     }
 }
 
+/* SIMCUDA_FIRST_LAUNCH_NS: a function's first launch holds the host this long before it is queued, as the real
+ * driver's lazy module loading does (CUDA_MODULE_LOADING=LAZY, the default: 1-5 ms per module on the H200). */
+static void first_launch(CUfunction f)
+{
+    if (f == NULL || atomic_exchange(&f->loaded, 1))
+        return;
+    const char *v = getenv("SIMCUDA_FIRST_LAUNCH_NS");
+    uint64_t ns = v ? strtoull(v, NULL, 10) : 0;
+    if (ns)
+        sleep_until(now_ns() + ns);
+}
+
 static uint64_t duration(CUfunction f, uint64_t blocks, void **params)
 {
+    first_launch(f);
     const char *w = getenv("SIMCUDA_WAVE_BLOCKS");
     uint64_t per = w ? strtoull(w, NULL, 10) : 128, waves = (blocks + per - 1) / per;
     uint64_t base = params && params[0] ? *(uint64_t *)params[0] : f && f->base_ns ? f->base_ns : 1000u;
