@@ -272,3 +272,16 @@ def test_tenant_env_passes_every_answer_variable_with_host_paths() -> None:
     assert env["LD_PRELOAD"] == "/tmp/shim/libalnair.so" and env["CUDA_VISIBLE_DEVICES"] == "1"
     assert env["ALNAIR_ALLOCATION_ID"] == "a1" and env["ALNAIR_COMPUTE_LIMIT"] == "30"
     assert env["ALNAIR_MEMORY_LIMIT"] == "5"  # first answer wins, as kubelet merges them
+
+
+def test_the_alone_reference_is_the_fastest_run_and_says_when_runs_disagree() -> None:
+    runs = [{"rate": 460.0, "unit": "inference", "nvml": 14.0}, {"rate": 740.0, "unit": "inference", "nvml": 24.0},
+            {"error": "Traceback\nRuntimeError: child exited 1"}]
+    ref = sg.reference(runs)
+    assert ref["rate"] == 740.0 and ref["nvml"] == 24.0 and ref["runs"] == [460.0, 740.0]
+    assert ref["spread"] > sg.REF_SPREAD
+    [row] = sg.alone_rows("infer", ref)
+    assert "UNSTABLE" in row.figure and "460.0 / 740.0" in row.figure
+    steady = sg.reference([{"rate": 100.0, "unit": "u", "nvml": 50.0}, {"rate": 104.0, "unit": "u", "nvml": 50.0}])
+    assert "UNSTABLE" not in sg.alone_rows("mm", steady)[0].figure
+    assert "error" in sg.reference([{"error": "x\nboom"}])
