@@ -26,9 +26,13 @@ class FakeRegion:
     launches: int = 0
     broken: bool = False
     turns: list[Turn] = field(default_factory=list)
+    per_tick: int = 10  # launches per tick while launching on its windows
+    per_tick_lent: int | None = None  # ... while lent the GPU (None: the same)
 
     def advance(self) -> None:
-        self.launches += 10 if self.launching else 0
+        lent = bool(self.turns) and self.turns[-1].free_until_ns > 0
+        rate = self.per_tick_lent if lent and self.per_tick_lent is not None else self.per_tick
+        self.launches += rate if self.launching else 0
 
     def slots(self) -> list[SlotReading]:
         if self.broken:
@@ -113,25 +117,39 @@ def test_a_lease_is_short_and_renewed():
     assert b.free_until_ns - b.epoch_ns < 10e9  # a lease outlives a few ticks, not the agent
 
 
-def test_elastic_pair_lent_together_while_the_gpu_has_room_then_windows_when_full():
+def sample_util(profiler, t: float, util: float) -> None:
+    profiler.samples += 1
+    profiler.sample_at = t
+    profiler.last = Samples(gpus=(GpuSample(GPU, gpu_util=util),))
+
+
+def lent_flags(regions: dict[str, FakeRegion]) -> list[bool]:
+    return [r.turns[-1].free_until_ns > 0 for r in regions.values()]
+
+
+@pytest.mark.parametrize("lent_rate,kept", [(15, True), (10, True), (6, False)])
+def test_elastic_pair_lent_together_on_trial_then_windows_when_full(lent_rate, kept):
+    """Two active elastic containers: windows for the arrival hold, then (the GPU has room) lent the GPU together on
+    trial; the trial goes on while neither launches slower than on its windows, and a full GPU ends it."""
     d, regions, profiler = node({"a": 50, "b": 50}, policy=C.ELASTIC)
     for r in regions.values():
         r.launching = True
+        r.per_tick_lent = lent_rate
     t = [100.0]
-    ticks(d, regions, 10, t)
-    assert all(r.turns[-1].free_until_ns == 0 for r in regions.values())  # nothing known yet: windows
-
-    def sample(util: float) -> None:
-        profiler.samples += 1
-        profiler.sample_at = t[0]
-        profiler.last = Samples(gpus=(GpuSample(GPU, gpu_util=util),))
-
-    sample(55.0)
+    ticks(d, regions, int(C.ARRIVAL_HOLD_S / 0.05) - 2, t)
+    sample_util(profiler, t[0], 55.0)
     ticks(d, regions, 1, t)
-    assert all(r.turns[-1].free_until_ns > 0 for r in regions.values())
-    sample(99.0)
+    assert not any(lent_flags(regions))  # still inside the arrival hold: windows
+    ticks(d, regions, 4, t)
+    sample_util(profiler, t[0], 55.0)
     ticks(d, regions, 1, t)
-    assert all(r.turns[-1].free_until_ns == 0 for r in regions.values())
+    assert all(lent_flags(regions))  # on trial
+    ticks(d, regions, int(C.TRIAL_S / 0.05) + 1, t)
+    assert all(lent_flags(regions)) == kept and (any(lent_flags(regions)) == kept)
+    if kept:
+        sample_util(profiler, t[0], 99.0)
+        ticks(d, regions, 1, t)
+        assert not any(lent_flags(regions))
     assert d.lent == set()
 
 
