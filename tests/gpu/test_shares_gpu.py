@@ -35,9 +35,10 @@ SHIM = Path(os.environ.get("ALNAIR_SHIM") or ROOT / "alnair_agent/lib/libalnair.
 SECONDS = 2.5  # the measured window (settle 0.83 s before it); the benchmark's default is 3
 SHAPES = ["mm-sync", "small", "mm"]
 STEPS = [sg.Step("pair", ("mm-sync",)), sg.Step("caps", ("small",), 30), sg.Step("elastic", ("mm",))]
+# The launch-bound loop keeps the GPU 29-31 % busy alone (its host sets the pace), so at a 30 % cap NVML reads
+# ~9 %: its NVML row is shown by the benchmark, not asserted (no time share can put it at 30).
 GOALS = [("mm-sync", "pair 30+70: ratio"), ("mm-sync", "pair 30+70: shares"), ("small", "cap 30: share"),
-         ("small", "cap 30: NVML"), ("mm", "elastic: 30 % alone"), ("mm", "elastic: 70 % arrives"),
-         ("mm", "elastic: lender back")]
+         ("mm", "elastic: 30 % alone"), ("mm", "elastic: 70 % arrives"), ("mm", "elastic: lender back")]
 
 
 @pytest.fixture(scope="module")
