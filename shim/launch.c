@@ -75,6 +75,9 @@
  * GPU that then waited for the launch (a kernel's first launch loads its module: 1-5 ms on the H200, which, taken
  * as its estimate, held every later turn of a training step back by milliseconds). It is dropped and taken again. */
 #define SAMPLE_HOST_MAX_NS 50000ull
+/* ... at most this many times per kernel: a kernel whose every launch holds the host that long would otherwise never
+ * get an estimate, and each of its launches would wait for the sample in flight (a stream run one kernel at a time). */
+#define MAX_DROPS 2u
 /* A kernel's first samples are taken back to back (one per launch, as the sampler frees up), then 1 in SAMPLE_EVERY:
  * a program with many kernels would otherwise keep a kernel's first, least settled sample for thousands of launches. */
 #define FIRST_SAMPLES 4u
@@ -114,6 +117,8 @@ struct est {
     _Atomic uint64_t ns; /* 0: not measured yet */
     _Atomic uint32_t used;
     _Atomic uint32_t samples; /* samples taken into ns (the first FIRST_SAMPLES are taken back to back) */
+    _Atomic uint32_t dropped; /* samples dropped for holding the host (at most MAX_DROPS, then taken as they are) */
+    uint32_t pad;
 };
 static struct est g_est[EST_SETS * EST_WAYS];
 static _Atomic uint32_t g_est_clock = 1;
@@ -169,6 +174,7 @@ static struct est *est_insert(uint64_t k)
         return NULL; /* another thread took this way just now: the guess applies this once */
     atomic_store_explicit(&victim->ns, 0, memory_order_relaxed);
     atomic_store_explicit(&victim->samples, 0, memory_order_relaxed);
+    atomic_store_explicit(&victim->dropped, 0, memory_order_relaxed);
     atomic_store_explicit(&victim->used, atomic_fetch_add(&g_est_clock, 1) + 1, memory_order_relaxed);
     atomic_store_explicit(&victim->key, k, memory_order_release);
     return victim;
@@ -720,8 +726,13 @@ static void poll_sample(void)
     if (q != CUDA_SUCCESS)
         return;
     uint64_t ns = elapsed_ns(T.s_start, T.s_end);
-    if (ns == UINT64_MAX || T.s_host > SAMPLE_HOST_MAX_NS)
-        return; /* a guessed launch among them is left to the fences' true-up */
+    if (ns == UINT64_MAX)
+        return;
+    if (T.s_host > SAMPLE_HOST_MAX_NS) {
+        struct est *d = est_insert(T.s_key);
+        if (d == NULL || atomic_fetch_add_explicit(&d->dropped, 1, memory_order_relaxed) < MAX_DROPS)
+            return; /* a guessed launch among them is left to the fences' true-up */
+    }
     if (ns < MIN_COST_NS)
         ns = MIN_COST_NS;
     uint64_t g = atomic_load_explicit(&g_guess_ns, memory_order_relaxed);

@@ -172,3 +172,14 @@ def test_a_first_launch_that_holds_the_host_is_not_taken_as_the_kernels_time(run
     assert steps[1] >= 0.7 * steps[0], steps  # before the fix: 14 steps against 470
     for c, d in zip(counted, done, strict=True):
         assert 0.8 * d <= c <= 1.3 * d, (counted, done)
+
+
+def test_a_kernel_whose_every_launch_holds_the_host_still_gets_an_estimate(runner, make_region):
+    """The other side of dropping host-held samples: a kernel whose every launch call holds the host (here 150 us
+    for a 300 us kernel) is dropped only twice, then measured as it is. Without an estimate, each of its launches
+    would wait for the sample in flight: one kernel at a time, the GPU idle while the host launches. Queued ahead,
+    the GPU stays busy in the window."""
+    region = make_region(compute_limit=50)
+    res = runner.run("init", "run:1500:300000", region=region, env={"SIMCUDA_LAUNCH_HOLD_NS": "150000"})
+    gpu, _ = share(res)
+    assert gpu >= 0.38, res.lines  # one at a time: 300 / (300 + 150 + the sample's wait) of the window, ~0.3

@@ -22,7 +22,8 @@
  * - Legacy launches (cuLaunch, cuLaunchGrid[Async]) and cuLaunchCooperativeKernelMultiDevice.
  * - cuGetProcAddress(_v2) maps (symbol, cudaVersion, per-thread flag) to variants like the real driver does,
  *   from its own table (never through dlsym).
- * - SIMCUDA_FIRST_LAUNCH_NS: a function's first launch holds the host that long (lazy module loading).
+ * - SIMCUDA_FIRST_LAUNCH_NS: a function's first launch holds the host that long (lazy module loading);
+ *   SIMCUDA_LAUNCH_HOLD_NS: every launch does.
  * - SIMCUDA_STATS=path: at exit, "name count" lines: calls per entry point, busy_ns, peak memory.
  * - SIMCUDA_TIMELINE_DIR=dir: kernels of all processes on one GPU (NVIDIA_VISIBLE_DEVICES) take turns on a shared
  *   timeline file there, which the agent's simulated backend reads (simtimeline.h).
@@ -502,10 +503,12 @@ static CUresult run_kind(CUstream hs, int pt, uint64_t dur, enum simtl_kind kind
  * driver's lazy module loading does (CUDA_MODULE_LOADING=LAZY, the default: 1-5 ms per module on the H200). */
 static void first_launch(CUfunction f)
 {
-    if (f == NULL || atomic_exchange(&f->loaded, 1))
-        return;
-    const char *v = getenv("SIMCUDA_FIRST_LAUNCH_NS");
-    uint64_t ns = v ? strtoull(v, NULL, 10) : 0;
+    const char *every = getenv("SIMCUDA_LAUNCH_HOLD_NS"); /* every launch holds the host this long */
+    uint64_t ns = every ? strtoull(every, NULL, 10) : 0;
+    if (f != NULL && !atomic_exchange(&f->loaded, 1)) {
+        const char *v = getenv("SIMCUDA_FIRST_LAUNCH_NS");
+        ns += v ? strtoull(v, NULL, 10) : 0;
+    }
     if (ns)
         sleep_until(now_ns() + ns);
 }
