@@ -64,18 +64,22 @@ def region_of(workspace: Path, alloc_id: str) -> Path:
 
 
 def ledger_ok(workspace: Path, units_per_gpu: dict[str, int], kubelet: KubeletEmulator) -> None:
-    """Every folder has its record; among the records kubelet still backs (a record none of whose IDs kubelet
-    holds was freed by kubelet: an answer the agent wrote but kubelet never received), no device ID is in two
-    and no GPU holds more units than it has."""
+    """Every folder has its record; counting only the device IDs kubelet backs for each record (none: an answer the
+    agent wrote but kubelet never received; some: kubelet received the memory answer and not the compute one, then
+    holds only the memory for that container and hands the compute IDs to another), no device ID is in two records
+    and no GPU holds more units than it has. A record the agent has identified is backed only by what kubelet holds
+    for its own container."""
     seen: set[str] = set()
     used: dict[tuple[str, str], int] = {}
-    backed = set(kubelet_ids(kubelet))
+    owner = {i: (key.namespace, key.pod, key.container) for key, c in kubelet.assigned.items()
+             for ids in c.values() for i in ids}
     for folder in workspace.iterdir():
         assert (folder / ALLOCATION_FILE_NAME).is_file(), f"half-made folder {folder.name} left"
         record = json.loads((folder / ALLOCATION_FILE_NAME).read_text())
-        if not {i for ids in record["device_ids"].values() for i in ids} & backed:
-            continue
-        for resource, ids in record["device_ids"].items():
+        mine = (record.get("namespace"), record.get("pod_name"), record.get("container"))
+        by_resource = {r: [i for i in ids if i in owner and (record.get("pod_name") is None or owner[i] == mine)]
+                       for r, ids in record["device_ids"].items()}
+        for resource, ids in by_resource.items():
             assert not seen & set(ids), (f"device IDs {seen & set(ids)} recorded twice: "
                                          f"{[p.read_text() for p in workspace.glob('*/allocation.json')]} "
                                          f"kubelet: {kubelet.assigned}")
@@ -186,6 +190,34 @@ async def test_sigkill_mid_allocate_loses_nothing_and_double_books_nothing(root)
             for i in range(3):
                 await kubelet.admit("default", f"late{i}", "main", {MEM: 1, SM: 5})
             ledger_ok(settings.workspace, units, kubelet)
+
+
+@pytest.mark.parametrize("first", [MEM, SM])
+async def test_a_half_record_left_by_a_killed_agent_is_never_paired_with_a_new_call(root, first):
+    """Without an API server a container's two resources are paired by arrival. The agent answered one resource of
+    a container and was killed before the other: kubelet's admission of that container failed with it, and never
+    continues. After the restart, the next container's first call must not become the other half of the dead
+    admission's record (seen under load: every later pairing then shifted by one and two records held the same
+    compute IDs)."""
+    settings = node_settings(root, gpu_policy="spread")
+    async with kubelet_for(settings) as kubelet:
+        async with agent_process(settings) as agent:
+            await registered(kubelet, timeout=20)
+            free = kubelet.healthy_devices(first)
+            await kubelet.allocate_raw(first, free[:1] if first == MEM else free[:5])  # half of an admission
+            kill(agent)
+        before = len(kubelet.registrations)
+        async with agent_process(settings):
+            await registered(kubelet, timeout=20, since=before)
+            await kubelet.admit("default", "next", "main", {MEM: 1, SM: 5})
+            want = kubelet.assigned[next(k for k in kubelet.assigned if k.pod == "next")]
+            await wait_until(lambda: any(json.loads(r).get("pod_name") == "next"
+                                         for r in records(settings.workspace).values()), 10)
+            # kubelet offers the dead call's devices again, so the stale half may carry next's name too; the
+            # record that answered next's two calls holds exactly what kubelet gave it
+            [record] = [r for r in map(json.loads, records(settings.workspace).values())
+                        if r.get("pod_name") == "next" and set(r["device_ids"]) == {MEM, SM}]
+            assert record["device_ids"] == want, (record, want)
 
 
 async def test_sigkill_with_tenants_running_keeps_records_and_limits(root):

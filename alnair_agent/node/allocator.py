@@ -15,7 +15,9 @@ The first of a container's resources creates its ONE folder and region with the 
 second names the same folder and limits. Every Allocate answer is backed by a record on disk before it returns.
 
 Without an API server (single-tenant mode) there is no pod identity: each resource is placed as kubelet asks for
-it and a container's memory and compute are paired by arrival (`PAIR_WINDOW_S`).
+it and a container's memory and compute are paired by arrival (`PAIR_WINDOW_S`), only with a record this agent
+process made: kubelet never continues an admission across an agent restart (the call after ours failed, and the
+container's admission with it), so a half record found on disk is never the other half of a new call.
 
 Units held: a record's device IDs, unless kubelet offers them as available again or the record's pod is gone,
 finished or the container ended (kubelet's record and the pod win; the folder itself is removed later by the
@@ -133,6 +135,7 @@ class Allocator:
         # Called (pod, {container: Granted}) once every Alnair container of a pod is allocated.
         self.on_pod_allocated: Callable[[PodInfo, dict[str, Granted]], None] | None = None
         self._lock = asyncio.Lock()
+        self._made_here: set[str] = set()  # records created by this process (unidentified pairing: _open_for)
 
     # -- state -----------------------------------------------------------------------------------------------
     @property
@@ -229,6 +232,7 @@ class Allocator:
 
     def remove(self, alloc_id: str) -> Allocation | None:
         self.freed_by_kubelet.discard(alloc_id)
+        self._made_here.discard(alloc_id)
         return self.allocations.pop(alloc_id, None)
 
     def _release_freed(self, available: list[str]) -> None:
@@ -585,7 +589,7 @@ class Allocator:
         now = time.time()
         for alloc in sorted(self.allocations.values(), key=lambda a: a.created_at, reverse=True):
             if (not alloc.identified and alloc.claim is None and not alloc.device_ids.get(resource)
-                    and now - alloc.created_at <= PAIR_WINDOW_S):
+                    and now - alloc.created_at <= PAIR_WINDOW_S and alloc.id in self._made_here):
                 return alloc
         return None
 
@@ -624,6 +628,7 @@ class Allocator:
                                         f"{self.workspace.root}: {e}") from e
         region.close()
         self.allocations[alloc.id] = alloc
+        self._made_here.add(alloc.id)
         return alloc
 
     def _complete(self, alloc: Allocation, resource: str, device_ids: list[str]) -> Allocation:
