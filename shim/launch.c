@@ -105,7 +105,6 @@ static _Atomic int g_captures;           /* stream captures under way in this pr
 static _Atomic int g_global_captures;    /* of them in global mode: no thread may query an event meanwhile */
 static _Atomic uint64_t g_guess_ns = DEFAULT_COST_NS; /* a launch nothing is known about: recent samples' mean */
 
-
 /* ---- the estimate cache ------------------------------------------------------------------------------------
  * Key: (function or graph, grid-size class = bit length of the block count): a kernel's time grows with its
  * grid, so each size class has its own estimate. Set-associative (EST_WAYS ways per set); a miss evicts the
@@ -637,11 +636,11 @@ static void poll_fences(void)
         T.completed_charged = f->charged;
         /* the work before this fence is done: when every launch on its stream since was this thread's, what is
          * queued there now is at most what this thread charged since */
-        TRACE('b', f->sc != NULL && f->has_seq &&
-                       atomic_load_explicit(&f->sc->launches, memory_order_relaxed) - f->seq == T.done - f->mine,
-              f->sc ? atomic_load_explicit(&f->sc->vft, memory_order_relaxed) : 0, T.charged - f->charged, 0);
-        if (f->sc != NULL && f->has_seq &&
-            atomic_load_explicit(&f->sc->launches, memory_order_relaxed) - f->seq == T.done - f->mine) {
+        int alone = f->sc != NULL && f->has_seq &&
+                    atomic_load_explicit(&f->sc->launches, memory_order_relaxed) - f->seq == T.done - f->mine;
+        TRACE('b', (uint64_t)alone, f->sc ? atomic_load_explicit(&f->sc->vft, memory_order_relaxed) : 0,
+              T.charged - f->charged, 0);
+        if (alone) {
             uint64_t bound = alnair_now_ns() + (T.charged - f->charged);
             uint64_t v = atomic_load_explicit(&f->sc->vft, memory_order_relaxed);
             while (v > bound && !atomic_compare_exchange_weak(&f->sc->vft, &v, bound)) {
@@ -674,9 +673,10 @@ static void wait_inflight(uint64_t max_ns, unsigned max_fences)
     }
     if (t0 != 0) {
         struct alnair_region_slot *s = alnair_slot();
-        TRACE('i', alnair_now_ns() - t0, T.charged - T.completed_charged, T.fcount, 0);
+        uint64_t waited = alnair_now_ns() - t0;
+        TRACE('i', waited, T.charged - T.completed_charged, T.fcount, 0);
         if (s != NULL)
-            RADD(s->wait_ns, alnair_now_ns() - t0);
+            RADD(s->wait_ns, waited);
     }
 }
 
@@ -728,11 +728,10 @@ static void poll_sample(void)
     uint64_t ns = elapsed_ns(T.s_start, T.s_end);
     if (ns == UINT64_MAX)
         return;
-    if (T.s_host > SAMPLE_HOST_MAX_NS) {
-        struct est *d = est_insert(T.s_key);
-        if (d == NULL || atomic_fetch_add_explicit(&d->dropped, 1, memory_order_relaxed) < MAX_DROPS)
-            return; /* a guessed launch among them is left to the fences' true-up */
-    }
+    struct est *e = est_insert(T.s_key);
+    if (T.s_host > SAMPLE_HOST_MAX_NS &&
+        (e == NULL || atomic_fetch_add_explicit(&e->dropped, 1, memory_order_relaxed) < MAX_DROPS))
+        return; /* a guessed launch among them is left to the fences' true-up */
     if (ns < MIN_COST_NS)
         ns = MIN_COST_NS;
     uint64_t g = atomic_load_explicit(&g_guess_ns, memory_order_relaxed);
@@ -751,7 +750,6 @@ static void poll_sample(void)
         T.corr[T.ncorr++ % NCORR] = T.pend[i].idx;
         T.pend[i] = T.pend[--T.npend];
     }
-    struct est *e = est_insert(T.s_key);
     if (e == NULL)
         return;
     atomic_fetch_add_explicit(&e->samples, 1, memory_order_relaxed);
@@ -773,9 +771,10 @@ static void wait_sample(void)
         poll_sample();
     }
     struct alnair_region_slot *s = alnair_slot();
-    TRACE('w', alnair_now_ns() - t0, T.s_key, 0, 0);
+    uint64_t waited = alnair_now_ns() - t0;
+    TRACE('w', waited, T.s_key, 0, 0);
     if (s != NULL)
-        RADD(s->wait_ns, alnair_now_ns() - t0);
+        RADD(s->wait_ns, waited);
 }
 
 /* ---- the metered path ------------------------------------------------------------------------------------------ */
