@@ -366,10 +366,12 @@ if __name__ == "__main__":
     ap.add_argument("--dispatcher", choices=("on", "off"), default="on",
                     help="off: the same runs with no turns laid out (each shim its cap's part of the default period), for "
                          "comparison")
+    ap.add_argument("--log-level", choices=("debug", "info", "warning"), default="warning",
+                    help="the in-process agent's log level (info: its dispatcher's lending decisions, among others)")
     ARGS = ap.parse_args()
     import structlog
     import logging
-    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(getattr(logging, ARGS.log_level.upper())))
     res = asyncio.run(main())
     if ARGS.json:
         ARGS.json.write_text(json.dumps(res, indent=1, default=str))

@@ -73,6 +73,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "bench"), str(ROOT / "tests" / "gpu")]
 
 from benchstats import write_json  # noqa: E402
+from cpus import APPLY as APPLY_CPUS, CpuPlan  # noqa: E402
 from workloads import Node, NvmlUtilization, plain_env, run_py  # noqa: E402 - light: heavy imports happen when used
 
 from alnair_agent.constants import ENV_ALLOCATION_ID  # noqa: E402
@@ -101,6 +102,7 @@ READY_TIMEOUT_S = 180.0
 # recorded when the GPU was idle); loops that wait take host time after each wait.
 TENANT_HEAD = """
 import os, sys, time
+""" + APPLY_CPUS + """
 born = time.time()
 seconds, barrier, ready = float(sys.argv[1]), sys.argv[2], sys.argv[3]
 with open(ready + ".pid", "w") as f:
@@ -622,14 +624,18 @@ class Tenants:
     """One scenario's tenant processes: each sets up, says so (a file) and waits at its own barrier. On exit the
     ones never released are told to abort, and any still running after their loops' time are killed by their pid."""
 
-    def __init__(self) -> None:
+    def __init__(self, cpus: CpuPlan | None = None) -> None:
         self.folder = Path(tempfile.mkdtemp(prefix="aln-bench-", dir="/tmp"))
         self.all: list[Tenant] = []
+        self.cpus = cpus
+        if cpus is not None:
+            cpus.reset()
 
     async def __aenter__(self) -> "Tenants":
         return self
 
     def start(self, name: str, shape: str, env: dict[str, str], seconds: float) -> Tenant:
+        env = self.cpus.env(env) if self.cpus is not None else env
         t = Tenant(name, SHAPES[shape], env, seconds, self.folder)
         argv = (f"{seconds:.3f}", str(t.path("go")), str(t.path("ready")))
         t.task = asyncio.create_task(run_py(t.shape.code, env, *argv), name=f"tenant-{name}")
@@ -732,6 +738,7 @@ class Bench:
     gpu: int = 0
     memory_gib: int = 12
     alone_repeat: int = 2
+    cpus: CpuPlan | None = None  # --pin: a CPU of its own for each tenant, the benchmark on the first core
     alone: dict[str, dict] = field(default_factory=dict)
 
     def node(self, policy: str) -> Node:
@@ -750,7 +757,7 @@ class Bench:
         together, run one after another, shape by shape in turn."""
         env, w = plain_env(self.gpu), self.windows
         runs: dict[str, list[dict]] = {s: [] for s in shapes}
-        async with Tenants() as ts:
+        async with Tenants(self.cpus) as ts:
             tenants = [ts.start(f"{s}#{i}", s, env, w.run_s) for i in range(self.alone_repeat) for s in shapes]
             dead = await ts.settle_ready()
             with self.sampler(env) as nv:
@@ -776,7 +783,7 @@ class Bench:
         shapes = [s for s in step.shapes if s not in out]
         if not shapes:
             return out
-        async with self.node("strict") as node, Tenants() as ts:
+        async with self.node("strict") as node, Tenants(self.cpus) as ts:
             envs = [await node.admit(step.cap, self.memory_gib) for _ in shapes]
             tenants = [ts.start(s, s, e, w.run_s) for s, e in zip(shapes, envs)]
             dead = await ts.settle_ready()
@@ -794,7 +801,7 @@ class Bench:
     async def together(self, step: Step, caps: Sequence[int]) -> dict:
         shape, w = step.shapes[0], self.windows
         rate = self.rate(shape)
-        async with self.node("strict") as node, Tenants() as ts:
+        async with self.node("strict") as node, Tenants(self.cpus) as ts:
             envs = [await node.admit(c, self.memory_gib) for c in caps]
             tenants = [ts.start(f"{shape}-{c}", shape, e, w.run_s) for c, e in zip(caps, envs)]
             await ts.ready()
@@ -811,7 +818,7 @@ class Bench:
     async def elastic(self, step: Step) -> dict:
         shape, e = step.shapes[0], self.windows.elastic
         rate = self.rate(shape)
-        async with self.node("elastic") as node, Tenants() as ts:
+        async with self.node("elastic") as node, Tenants(self.cpus) as ts:
             lender_env, newcomer_env = await node.admit(ELASTIC[0], self.memory_gib), \
                 await node.admit(ELASTIC[1], self.memory_gib)
             lender = ts.start(f"{shape}-lender", shape, lender_env, e.settle + e.lone + e.horizon + 1.0)
@@ -903,7 +910,8 @@ async def run(bench: Bench, shapes: Sequence[str], steps: Sequence[Step], only: 
     try:
         config = {"shim": str(bench.shim), "seconds": bench.windows.seconds, "dispatcher": bench.dispatcher,
                   "settings": bench.settings, "shapes": list(shapes), "only": sorted(only), "caps": list(caps),
-                  "steps": [s.key for s in steps]}
+                  "steps": [s.key for s in steps],
+                  "cpus": bench.cpus.describe() if bench.cpus is not None else None}
         record.update({"config": config, "gpu": gpu_record(bench.gpu), "alone": {}, "scenarios": {}})
         record["estimate_s"] = round(estimate_s(steps, bench.windows, len(shapes) * bench.alone_repeat))
         say(f"{len(steps)} scenario runs on {len(shapes)} shapes; estimated {record['estimate_s'] / 60:.1f} min")
@@ -967,6 +975,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--setting", type=parse_setting, action="append", default=[], metavar="NAME=VALUE",
                     help="a further agent Settings field (repeatable), e.g. profile_interval_s=0.5")
     ap.add_argument("--gpu", type=int, default=0, help="the GPU index the alone references run on (the node's GPU)")
+    ap.add_argument("--pin", action="store_true",
+                    help="a logical CPU of its own for each tenant, the benchmark (agent, sampler) on the first core")
     ap.add_argument("--alone-repeat", type=int, default=2,
                     help="alone runs of each program (processes of their own); the fastest is its reference")
     a = ap.parse_args(argv)
@@ -983,7 +993,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
     if a.alone_repeat < 1:
         ap.error("--alone-repeat must be at least 1")
-    bench = Bench(a.shim, Windows(a.seconds), a.dispatcher, dict(a.setting), a.gpu, alone_repeat=a.alone_repeat)
+    cpus = CpuPlan.make() if a.pin else None
+    if cpus is not None:
+        cpus.pin_self()
+        say(f"pinned: {cpus.describe()}")
+    bench = Bench(a.shim, Windows(a.seconds), a.dispatcher, dict(a.setting), a.gpu, alone_repeat=a.alone_repeat,
+                  cpus=cpus)
     steps = plan(shapes, only, caps, pack=not a.caps_one_per_node)
     record: dict[str, Any] = {}
     stopped = False

@@ -25,6 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "bench"), str(ROOT / "tests" / "gpu")]
 
 from benchstats import machine, write_json  # noqa: E402
+from cpus import CpuPlan  # noqa: E402
 from shares_gpu import SHAPES, TENANT_HEAD, parse_setting  # noqa: E402
 from workloads import Node, plain_env, run_py  # noqa: E402
 
@@ -111,7 +112,7 @@ def summarise(o: dict, ref: dict | None) -> dict[str, Any]:
 
 
 async def one(shim: Path, shape: str, caps: list[int], seconds: float, settings: dict, folder: Path,
-              trace_dir: Path | None = None) -> list[dict]:
+              trace_dir: Path | None = None, cpus: CpuPlan | None = None) -> list[dict]:
     """Tenants at `caps` together on one node (one cap: alone; 0 = no shim, no node)."""
     envs: list[dict[str, str]]
     if caps == [0]:
@@ -123,6 +124,9 @@ async def one(shim: Path, shape: str, caps: list[int], seconds: float, settings:
     try:
         names = [folder / f"{shape}-{'-'.join(map(str, caps))}-{i}" for i in range(len(caps))]
         go = folder / f"go-{shape}-{'-'.join(map(str, caps))}"
+        if cpus is not None:
+            cpus.reset()
+            envs = [cpus.env(e) for e in envs]
         if trace_dir is not None:
             envs = [{**e, "ALNAIR_TRACE_FILE": str(trace_dir / f"{n.name}.trace")} for e, n in zip(envs, names)]
         tasks = [asyncio.create_task(run_py(code(shape), e, f"{seconds}", str(go), str(n) + ".ready"))
@@ -139,7 +143,12 @@ async def one(shim: Path, shape: str, caps: list[int], seconds: float, settings:
 
 
 async def run(a: argparse.Namespace) -> dict:
-    out: dict[str, Any] = {"machine": machine(), "settings": dict(a.setting), "runs": []}
+    cpus = CpuPlan.make() if a.pin else None
+    if cpus is not None:
+        cpus.pin_self()
+        print(f"pinned: {cpus.describe()}", flush=True)
+    out: dict[str, Any] = {"machine": machine(), "settings": dict(a.setting), "runs": [],
+                           "cpus": cpus.describe() if cpus is not None else None}
     folder = Path("/tmp/aln-trace")
     folder.mkdir(exist_ok=True)
     for shape in a.shapes.split(","):
@@ -147,7 +156,7 @@ async def run(a: argparse.Namespace) -> dict:
         groups = [[int(c)] for c in a.caps.split(",")] + ([[int(c) for c in a.pair.split(",")]] if a.pair else [])
         for caps in groups:
             try:
-                outs = await one(a.shim, shape, caps, a.seconds, dict(a.setting), folder, a.trace_dir)
+                outs = await one(a.shim, shape, caps, a.seconds, dict(a.setting), folder, a.trace_dir, cpus)
             except Exception as e:  # noqa: BLE001 - a diagnostic: record it, go on
                 print(f"{shape} {caps}: error {e!r}"[:400], flush=True)
                 out["runs"].append({"shape": shape, "caps": caps, "error": repr(e)[-2000:]})
@@ -171,6 +180,7 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=3.0)
     ap.add_argument("--setting", type=parse_setting, action="append", default=[], metavar="NAME=VALUE")
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--pin", action="store_true", help="a CPU of its own for each tenant (bench/cpus.py)")
     ap.add_argument("--trace-dir", type=Path, help="with a shim built -DALNAIR_TRACE: each tenant's trace goes here")
     a = ap.parse_args()
     import logging
