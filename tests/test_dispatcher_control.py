@@ -171,7 +171,9 @@ def test_trials_that_slow_someone_back_off_doubling():
     assert gaps == sorted(gaps) and gaps[-1] >= 6 * gaps[0], gaps
 
 
-def test_a_full_gpu_ends_lending_and_a_long_one_is_checked_again():
+def test_a_busy_gpu_does_not_end_lending_and_a_long_one_is_checked_again():
+    """Two jobs lent the GPU together that slow neither drive the device to 95-100 % (they fill each other's gaps):
+    that is the packing wanted, so lending goes on until the recheck."""
     cs = elastic_pair()
     t = ran(cs, {"a": 1000, "b": 1000}, 0.0, 10.0)
     g = gpu_with({"a", "b"}, 50.0, t)
@@ -180,14 +182,13 @@ def test_a_full_gpu_ends_lending_and_a_long_one_is_checked_again():
     change, t = trial(cs, g, t, {"a": 1500, "b": 1500})
     assert change == "kept"
     while (change := C.update_lending(g, cs, False, t)) is None:
+        C.note_device_util(g, 99.0, t)
         t = ran(cs, {"a": 1500, "b": 1500}, t, t + 0.05)
     assert change == "recheck" and C.RECHECK_S <= t - t0 + 1e-6 <= C.RECHECK_S + 0.06 and not g.lending
     hold_before = g.hold_s
     t = ran(cs, {"a": 1000, "b": 1000}, t, t + 1.0)
     C.note_device_util(g, 50.0, t)
-    assert C.update_lending(g, cs, False, t) == "trial"  # a recheck holds nothing off
-    C.note_device_util(g, 99.0, t + 0.05)
-    assert C.update_lending(g, cs, False, t + 0.05) == "full" and g.hold_s == min(2 * hold_before, C.HOLD_MAX_S)
+    assert C.update_lending(g, cs, False, t) == "trial" and g.hold_s == hold_before  # a recheck holds nothing off
 
 
 def test_a_sample_taken_right_after_a_change_is_not_used():
