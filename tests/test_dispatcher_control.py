@@ -139,13 +139,13 @@ def trial(cs: list[C.Container], g: C.Gpu, t: float, lent_rates: dict[str, float
             return change, t
 
 
-@pytest.mark.parametrize("lent_rates,want", [
-    ({"a": 1500, "b": 1400}, "kept"),    # gap-y jobs filling each other's gaps: both faster lent together
-    ({"a": 1500, "b": 900}, "slowed"),   # one of them slower than on its windows: its cap is its guarantee
-    ({"a": 600, "b": 600}, "slowed"),    # two busy jobs only slow each other
-    ({"a": 960, "b": 1000}, "kept"),     # within KEEP_FRAC
+@pytest.mark.parametrize("lent_rates,want,late", [
+    ({"a": 1500, "b": 1400}, "kept", []),        # gap-y jobs filling each other's gaps: both faster lent together
+    ({"a": 1500, "b": 900}, "slowed", ["b"]),    # one of them slower than on its windows: its cap is its guarantee
+    ({"a": 600, "b": 600}, "slowed", ["a", "b"]),  # two busy jobs only slow each other
+    ({"a": 960, "b": 1000}, "kept", []),         # within KEEP_FRAC
 ])
-def test_a_trial_goes_on_only_while_it_slows_nobody(lent_rates, want):
+def test_a_trial_goes_on_only_while_it_slows_nobody(lent_rates, want, late):
     cs = elastic_pair()
     t = ran(cs, {"a": 1000, "b": 1000}, 0.0, 10.0)
     g = gpu_with({"a", "b"}, 50.0, t)
@@ -154,6 +154,7 @@ def test_a_trial_goes_on_only_while_it_slows_nobody(lent_rates, want):
     assert change == want
     assert ended - t <= C.TRIAL_S + 0.051  # judged within a tick of TRIAL_S
     assert g.lending == (want == "kept")
+    assert sorted(g.slowed) == late  # named in the dispatcher's lending_together log
 
 
 def test_trials_that_slow_someone_back_off_doubling():

@@ -128,6 +128,7 @@ class Gpu:
     baseline: dict[str, float] = field(default_factory=dict)  # launch rates on windows when the trial began
     trial_from: dict[str, tuple[float, int]] = field(default_factory=dict)  # (s, launches) when it began
     lent_since: float = -1e18  # monotonic s lending together began (for RECHECK_S)
+    slowed: list[str] = field(default_factory=list)  # who the last trial that ended "slowed" slowed (for the log)
 
 
 def note_active(gpu: Gpu, active: frozenset[str], now: float) -> bool:
@@ -181,8 +182,10 @@ def update_lending(gpu: Gpu, containers: list[Container], uncapped_active: bool,
         if gpu.trial_end is not None:
             if now < gpu.trial_end:
                 return None
-            if slowed(gpu, active, now):
+            late = slowed(gpu, active, now)
+            if late:
                 end_lending(gpu, now, hold=True)
+                gpu.slowed = late
                 return "slowed"
             gpu.trial_end, gpu.hold_s = None, HOLD_MIN_S
             return "kept"

@@ -114,7 +114,8 @@ class Dispatcher:
             change = C.update_lending(gpu, containers, bool(others), now)
             if change is not None:
                 log.info("lending_together", gpu=gpu_uuid, change=change, containers=sorted(gpu.active),
-                         hold_s=gpu.hold_s if change == "slowed" else None)
+                         hold_s=gpu.hold_s if change == "slowed" else None,
+                         slowed=gpu.slowed if change == "slowed" else None)
             lent = C.lent(gpu, containers, bool(others))
             self.lent |= lent
             lease_end = now_ns + int(C.LEASE_TICKS * self.interval_s * 1e9)
