@@ -5,7 +5,9 @@
  * thread has queued, plus this launch, is estimated to end before the window does; otherwise the thread sleeps until
  * its next window. So the turn is handed over drained: the driver never interleaves two capped contexts, and the
  * container's GPU time is its windows' time, whatever the program's shape (a loop that synchronizes, launch-bound
- * small kernels, long kernels). A kernel longer than the whole window is launched at a window's start with nothing
+ * small kernels, long kernels). Where the time after its window is nobody's (turn_spare_ns: the caps leave part of
+ * the period unreserved), a launch in the window may run into it, and what runs past the end is owed like an
+ * overrun (a tail too short for the next launch is not lost). A kernel longer than the whole window is launched at a window's start with nothing
  * queued, and what it runs past the window's end (overrun_ns) is paid back by skipping as much of the next windows
  * (process-wide). An elastic container lent the GPU (turn_free_until_ns) launches at any time until the lease ends.
  * Each stream's queue is tracked as a virtual finish time: each launch moves it to max(it, now) + cost; a fence that
@@ -279,6 +281,7 @@ static __thread struct {
     int valid;
     uint32_t seq, procs;
     uint64_t start, end, free_until; /* end: UINT64_MAX when every moment is its turn */
+    uint64_t room; /* how far past `end` a launch's work may run: the slack, or the spare time after the window */
 } G __attribute__((tls_model("initial-exec")));
 
 /* Per-thread events are destroyed when the thread exits (a pthread key destructor, armed at the first event). */
@@ -449,6 +452,16 @@ static inline void clear_debt(void)
         atomic_store_explicit(&g_debt, 0, memory_order_relaxed); /* owed to nobody while lent the GPU */
 }
 
+/* A launch whose work (after `backlog`) is estimated to end more than the slack past the window's end (`left` from
+ * now) runs into the spare time after the window, nobody's: that part is owed, paid back by skipping as much of the
+ * next windows, so the container's time stays its windows' and a tail too short for its next launch is not lost. */
+static inline void owe_past(uint64_t backlog, uint64_t cost, uint64_t left)
+{
+    uint64_t lim = left + WINDOW_SLACK_NS, end = backlog + cost;
+    if (UNLIKELY(end > lim))
+        owe(end - lim - (backlog > lim ? backlog - lim : 0));
+}
+
 static uint64_t turn_gate(uint64_t cost, struct stream_ctr *sc)
 {
     uint64_t t0 = 0, now = alnair_now_ns();
@@ -460,8 +473,11 @@ static uint64_t turn_gate(uint64_t cost, struct stream_ctr *sc)
         }
         if (now >= G.start && now < G.end) {
             uint64_t vft = sc != NULL ? atomic_load_explicit(&sc->vft, memory_order_relaxed) : 0;
-            if ((vft > now ? vft - now : 0) * G.procs + cost <= G.end - now + WINDOW_SLACK_NS)
+            uint64_t backlog = (vft > now ? vft - now : 0) * G.procs;
+            if (backlog + cost <= G.end - now + G.room) {
+                owe_past(backlog, cost, G.end - now);
                 goto go;
+            }
         }
     }
     G.valid = 0;
@@ -496,11 +512,14 @@ static uint64_t turn_gate(uint64_t cost, struct stream_ctr *sc)
         uint64_t vft = sc != NULL ? atomic_load_explicit(&sc->vft, memory_order_relaxed) : 0;
         uint32_t procs = window_procs(ws);
         uint64_t backlog = (vft > now ? vft - now : 0) * procs, left = we - now;
-        if (backlog + cost <= left + WINDOW_SLACK_NS) {
+        uint64_t room = t.spare > WINDOW_SLACK_NS ? t.spare : WINDOW_SLACK_NS;
+        if (backlog + cost <= left + room) {
+            owe_past(backlog, cost, left);
             G.seq = seq;
             G.procs = procs;
             G.start = start;
             G.end = we;
+            G.room = room;
             G.free_until = 0;
             G.valid = 1;
             break;

@@ -335,6 +335,7 @@ static void default_turn(struct alnair_region *r, struct alnair_turn *t)
     t->offset = 0;
     t->length = c - 1u < 99u ? (uint64_t)c * (ALNAIR_DEFAULT_TURN_PERIOD_NS / 100u) : ALNAIR_DEFAULT_TURN_PERIOD_NS;
     t->free_until = 0;
+    t->spare = 0;
 }
 
 void alnair_turn_read(struct alnair_turn *t)
@@ -344,7 +345,7 @@ void alnair_turn_read(struct alnair_turn *t)
         uint32_t s1 = RLOAD(r->agent.turn_seq);
         struct alnair_turn x = {RLOAD(r->agent.turn_epoch_ns), RLOAD(r->agent.turn_period_ns),
                                 RLOAD(r->agent.turn_offset_ns), RLOAD(r->agent.turn_length_ns),
-                                RLOAD(r->agent.turn_free_until_ns)};
+                                RLOAD(r->agent.turn_free_until_ns), RLOAD(r->agent.turn_spare_ns)};
         uint32_t s2 = RLOAD(r->agent.turn_seq);
         if (s1 != s2 || (s1 & 1))
             continue;
@@ -354,6 +355,8 @@ void alnair_turn_read(struct alnair_turn *t)
             x.free_until = free_until;
         } else if (x.period > ALNAIR_MAX_TURN_PERIOD_NS || x.offset >= x.period || x.length > x.period) {
             default_turn(r, &x);
+        } else if (x.spare > x.period - x.length) {
+            x.spare = 0; /* more than the period leaves: not the agent's; no running past the window */
         }
         last_turn = x;
         last_turn_valid = 1;

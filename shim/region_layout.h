@@ -7,13 +7,13 @@
 #include <stdint.h>
 
 #define ALNAIR_REGION_MAGIC 0x524E4C41u
-#define ALNAIR_REGION_VERSION 2u
+#define ALNAIR_REGION_VERSION 3u
 #define ALNAIR_REGION_MAX_SLOTS 64u
 #define ALNAIR_REGION_HEADER_SIZE 64u
-#define ALNAIR_REGION_AGENT_BLOCK_SIZE 64u
+#define ALNAIR_REGION_AGENT_BLOCK_SIZE 128u
 #define ALNAIR_REGION_SLOT_SIZE 64u
-#define ALNAIR_REGION_SLOTS_OFFSET 128u
-#define ALNAIR_REGION_SIZE 4224u
+#define ALNAIR_REGION_SLOTS_OFFSET 192u
+#define ALNAIR_REGION_SIZE 4288u
 #define ALNAIR_HEARTBEAT_STALE_NS 2000000000ull
 #define ALNAIR_DEFAULT_TURN_PERIOD_NS 100000000ull
 #define ALNAIR_MAX_TURN_PERIOD_NS 10000000000ull
@@ -36,7 +36,7 @@ _Static_assert(offsetof(struct alnair_region_header, size) == 8, "alnair_region_
 _Static_assert(offsetof(struct alnair_region_header, slot_count) == 16, "alnair_region_header.slot_count");
 _Static_assert(offsetof(struct alnair_region_header, slot_size) == 20, "alnair_region_header.slot_size");
 
-/* 64 bytes at offset 64 */
+/* 128 bytes at offset 64 */
 struct alnair_region_agent {
     uint64_t memory_limit; /* bytes of GPU memory the container may hold; 0 = no limit */
     uint32_t compute_limit; /* percent of one GPU, 1..100; 0 = no compute limit */
@@ -47,8 +47,10 @@ struct alnair_region_agent {
     uint64_t turn_offset_ns; /* turns: where this container's window begins in each period */
     uint64_t turn_length_ns; /* turns: its window's length (>= the period: always its turn) */
     uint64_t turn_free_until_ns; /* turns: until this CLOCK_MONOTONIC ns it may launch at any time (an elastic container lent the GPU; 0 = never) */
+    uint64_t turn_spare_ns; /* turns: how long after its window's end no other window begins (work may run that far past the end, owed back by skipping as much of its next windows); <= period - length */
+    uint8_t _pad72[56];
 };
-_Static_assert(sizeof(struct alnair_region_agent) == 64, "alnair_region_agent size");
+_Static_assert(sizeof(struct alnair_region_agent) == 128, "alnair_region_agent size");
 _Static_assert(offsetof(struct alnair_region_agent, memory_limit) == 0, "alnair_region_agent.memory_limit");
 _Static_assert(offsetof(struct alnair_region_agent, compute_limit) == 8, "alnair_region_agent.compute_limit");
 _Static_assert(offsetof(struct alnair_region_agent, turn_seq) == 12, "alnair_region_agent.turn_seq");
@@ -58,8 +60,9 @@ _Static_assert(offsetof(struct alnair_region_agent, turn_period_ns) == 32, "alna
 _Static_assert(offsetof(struct alnair_region_agent, turn_offset_ns) == 40, "alnair_region_agent.turn_offset_ns");
 _Static_assert(offsetof(struct alnair_region_agent, turn_length_ns) == 48, "alnair_region_agent.turn_length_ns");
 _Static_assert(offsetof(struct alnair_region_agent, turn_free_until_ns) == 56, "alnair_region_agent.turn_free_until_ns");
+_Static_assert(offsetof(struct alnair_region_agent, turn_spare_ns) == 64, "alnair_region_agent.turn_spare_ns");
 
-/* 64 bytes at offset 128 + slot * size */
+/* 64 bytes at offset 192 + slot * size */
 struct alnair_region_slot {
     int32_t pid; /* owner's pid in the container; 0 = free (claimed by CAS 0 -> pid) */
     uint32_t flags; /* reserved, 0 */

@@ -46,6 +46,34 @@ def test_layout_table(containers, want):
     assert {k: round(100 * length / P) for k, (_, length) in w.items()} == want
 
 
+@given(st.lists(st.tuples(st.integers(1, 99), st.sampled_from(C.POLICIES)), min_size=1, max_size=12),
+       st.integers(5_000_000, 1_000_000_000))
+def test_spare_time_after_a_window_never_reaches_another_window(caps, period):
+    """Work may run a window's spare past its end: that time must be nobody's window, in this period or the next."""
+    containers = [c(f"a{i:02}", cap, pol) for i, (cap, pol) in enumerate(caps)]
+    w = C.layout(containers, period)
+    sp = C.spares(w, period)
+    spans = [(off + k * period, off + length + k * period) for off, length in w.values() if length for k in (0, 1)]
+    for key, (off, length) in w.items():
+        end = off + length
+        assert 0 <= sp[key] <= period - length
+        assert not any(s0 < end + sp[key] and s1 > end for s0, s1 in spans if (s0, s1) != (off, end)), (key, w, sp)
+    if sum(cap for cap, _ in caps) < 100 and all(pol == C.STRICT for _, pol in caps):
+        assert max(sp.values()) > 0  # the unreserved time is someone's spare
+
+
+@pytest.mark.parametrize("containers,want", [
+    ([c("a", 30)], {"a": 70}),                                    # alone: the rest of the period is nobody's
+    ([c("a", 30), c("b", 70)], {"a": 0, "b": 0}),
+    ([c("a", 20), c("b", 30)], {"a": 0, "b": 50}),                # only the last window is followed by it
+    ([c("a", 30), c("b", 50, C.ELASTIC)], {"a": 0, "b": 0}),      # the elastic one has it: nothing spare
+    ([c("a", 30, C.ELASTIC)], {"a": 0}),
+])
+def test_spare_table(containers, want):
+    w = C.layout(containers, P)
+    assert {k: round(100 * v / P) for k, v in C.spares(w, P).items()} == want
+
+
 def test_the_layout_is_stable_whatever_the_order():
     a, b, d = c("a", 20), c("b", 30), c("d", 50)
     assert C.layout([d, a, b], P) == C.layout([a, b, d], P)

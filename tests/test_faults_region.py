@@ -177,3 +177,22 @@ def file_block(path) -> dict[str, int]:  # type: ignore[no-untyped-def]
         return region.read_agent_block()
     finally:
         region.close()
+
+
+@pytest.mark.parametrize("turn", [
+    Turn(1, 50_000_000, 0, 20_000_000, 0, 30_000_001),  # spare past the period's end
+    Turn(1, 50_000_000, 0, 20_000_000, 0, -1),
+    Turn(0, 0, 0, 0, 0, 1),  # no schedule has no spare
+])
+def test_a_spare_the_period_cannot_hold_is_refused_and_never_sound(tmp_path, turn):
+    path = tmp_path / "region"
+    Region.create(path, 0, 30).close()
+    region = Region.open(path)
+    try:
+        if turn.period_ns:
+            with pytest.raises(ValueError, match="not a schedule"):
+                region.set_turn(turn)
+        assert not turn.sound(monotonic_ns())
+        assert region.set_turn(Turn(1, 50_000_000, 0, 20_000_000, 0, 30_000_000))  # all the period leaves: fine
+    finally:
+        region.close()

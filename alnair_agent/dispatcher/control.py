@@ -13,7 +13,8 @@ its own window.
 
 The layout: windows in a stable order (by allocation id), each `cap` % of the period, one after another from offset
 0; what the caps leave (100 % less their sum) goes to the elastic containers in proportion to their caps (a lone
-elastic container at 30 % gets the whole period). Containers that are idle keep their windows, so a strict one's
+elastic container at 30 % gets the whole period). With no elastic container it is nobody's: the last window is
+told so (its spare), and its work may run into it, owed back by skipping as much of its next windows. Containers that are idle keep their windows, so a strict one's
 first launch after a pause finds its turn where it was.
 
 Lending (elastic): an elastic container is lent the whole GPU (a lease, `turn_free_until_ns`, renewed every tick
@@ -220,6 +221,19 @@ def lent(gpu: Gpu, containers: list[Container], uncapped_active: bool) -> set[st
             out.add(c.key)
         elif gpu.lending:
             out.add(c.key)
+    return out
+
+
+def spares(windows: dict[str, tuple[int, int]], period_ns: int) -> dict[str, int]:
+    """How long after each window no other window begins (the time the caps leave unreserved, when some window is
+    followed by it): a container's work may run that far past its window's end, and what does is owed back by the
+    shim, so a window's tail too short for its next launch is not lost. Windows of no length are no windows."""
+    starts = sorted(o for o, n in windows.values() if n > 0)
+    out: dict[str, int] = {}
+    for key, (offset, length) in windows.items():
+        end = offset + length
+        nxt = next((s for s in starts if s >= end), starts[0] + period_ns if starts else end)
+        out[key] = max(0, min(nxt - end, period_ns - length)) if length > 0 else 0
     return out
 
 

@@ -120,10 +120,12 @@ class Dispatcher:
             self.lent |= lent
             lease_end = now_ns + int(C.LEASE_TICKS * self.interval_s * 1e9)
             windows = C.layout(containers, self.period_ns)
+            spare = C.spares(windows, self.period_ns)
             for c in containers:
                 offset, length = windows[c.key]
                 self.turns[c.key] = length / self.period_ns
-                turn = Turn(gpu.epoch_ns, self.period_ns, offset, length, lease_end if c.key in lent else 0)
+                turn = Turn(gpu.epoch_ns, self.period_ns, offset, length, lease_end if c.key in lent else 0,
+                            spare[c.key])
                 self._put(c.key, lambda r, t=turn: r.set_turn(t))
         for gpu_uuid in [g for g in self.gpus if g not in by_gpu]:
             del self.gpus[gpu_uuid]

@@ -71,7 +71,7 @@ _SLOT_STRUCT, _SLOT_NAMES = _block_struct("alnair_region_slot", L.SLOT_SIZE)
 _SLOT_READ = tuple(_SLOT_NAMES.index(n) for n in ("pid", "start_time", "memory_used", "launches", "gpu_ns",
                                                    "overrun_ns", "wait_ns", "copy_bytes"))
 _AGENT_STRUCT, _AGENT_NAMES = _block_struct("alnair_region_agent", L.AGENT_BLOCK_SIZE)
-_TURN = ("turn_epoch_ns", "turn_period_ns", "turn_offset_ns", "turn_length_ns", "turn_free_until_ns")
+_TURN = ("turn_epoch_ns", "turn_period_ns", "turn_offset_ns", "turn_length_ns", "turn_free_until_ns", "turn_spare_ns")
 # No lease the agent writes is longer (a few dispatcher ticks): found in a file after a restart, a longer one is a
 # container's doing, as is a period over L.MAX_TURN_PERIOD_NS.
 MAX_LEASE_NS = 10_000_000_000
@@ -81,14 +81,15 @@ _U32 = 0xFFFFFFFF
 @dataclass(frozen=True)
 class Turn:
     """A container's turns on its GPU: it may launch during [epoch + k*period + offset, ... + length) for every k,
-    and at any time before free_until (monotonic ns). period 0: no schedule (the shim takes its cap's part of the
-    default period at offset 0)."""
+    and at any time before free_until (monotonic ns); work may run spare_ns past a window's end (nobody's time, owed
+    back). period 0: no schedule (the shim takes its cap's part of the default period at offset 0)."""
 
     epoch_ns: int = 0
     period_ns: int = 0
     offset_ns: int = 0
     length_ns: int = 0
     free_until_ns: int = 0
+    spare_ns: int = 0
 
     def fields(self) -> dict[str, int]:
         return dict(zip(_TURN, astuple(self), strict=True))
@@ -97,10 +98,11 @@ class Turn:
         """A schedule the agent could have written: a period within bounds, a window inside it (or the whole of
         it), an epoch not in the future and a lease not far beyond now."""
         if self.period_ns == 0:
-            return self.offset_ns == self.length_ns == self.epoch_ns == 0 and self.free_until_ns <= now_ns + MAX_LEASE_NS
+            return (self.offset_ns == self.length_ns == self.epoch_ns == self.spare_ns == 0
+                    and self.free_until_ns <= now_ns + MAX_LEASE_NS)
         return (self.period_ns <= L.MAX_TURN_PERIOD_NS and self.offset_ns < self.period_ns
-                and self.length_ns <= self.period_ns and self.epoch_ns <= now_ns
-                and self.free_until_ns <= now_ns + MAX_LEASE_NS)
+                and self.length_ns <= self.period_ns and 0 <= self.spare_ns <= self.period_ns - self.length_ns
+                and self.epoch_ns <= now_ns and self.free_until_ns <= now_ns + MAX_LEASE_NS)
 
 
 @dataclass
@@ -332,7 +334,8 @@ class Region:
     def set_turn(self, turn: Turn) -> bool:
         """Publish the container's turns (under the sequence lock); False when they are already these."""
         if turn.period_ns < 0 or not 0 <= turn.offset_ns <= max(turn.period_ns - 1, 0) \
-                or not 0 <= turn.length_ns <= turn.period_ns or min(turn.epoch_ns, turn.free_until_ns) < 0:
+                or not 0 <= turn.length_ns <= turn.period_ns or min(turn.epoch_ns, turn.free_until_ns) < 0 \
+                or not 0 <= turn.spare_ns <= turn.period_ns - turn.length_ns:
             raise ValueError(f"not a schedule: {turn}")
         if turn == self.turn():
             return False

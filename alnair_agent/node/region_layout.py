@@ -6,7 +6,7 @@ a test fails when the checked-in header differs from what this module generates.
 
 Layout (little-endian, naturally aligned, every field 4 or 8 bytes so plain atomics work on it):
 
-    [header 64 B][agent block 64 B][slot 0 .. MAX_SLOTS-1, 64 B each]
+    [header 64 B][agent block 128 B][slot 0 .. MAX_SLOTS-1, 64 B each]
 
 Writers: the header and the agent block are written by the agent only (the shim only reads them); each slot is
 claimed by one process of the container (compare-and-swap on `pid`) and written by that process only. Counters
@@ -19,7 +19,9 @@ windows of one GPU's containers do not overlap, so the driver never interleaves 
 container's GPU time is its windows' time by construction: a cap of c % is a window of c % of the period. The shim
 stops launching when its queued work would run past its window's end, so a turn hands the GPU over drained; work it
 could not help running past the end (a kernel longer than the window) is paid back by skipping that much of its
-next windows. An elastic container may be lent the whole period (`turn_free_until_ns`: until then it may launch at
+next windows. The time after a window that is nobody's (`turn_spare_ns`: the caps of the GPU's containers leave
+part of the period unreserved) may be run into, and what runs there is owed back the same way: a window's tail
+too short for the next launch is not lost when nobody needs it. An elastic container may be lent the whole period (`turn_free_until_ns`: until then it may launch at
 any time); the lease is short and the agent renews it, so when the agent stops the windows rule again. Because the
 schedule runs on the clock, a dead or restarting agent leaves the last windows in force: never a stall, never
 uncapped.
@@ -31,10 +33,10 @@ import sys
 from dataclasses import dataclass
 
 MAGIC = 0x524E4C41  # b"ALNR" read as a little-endian u32
-VERSION = 2  # 2: turns (windows in a period) replace the token grant line of version 1
+VERSION = 3  # 2: turns (windows in a period) replace the token grant line of version 1; 3: turn_spare_ns
 MAX_SLOTS = 64
 HEADER_SIZE = 64
-AGENT_BLOCK_SIZE = 64
+AGENT_BLOCK_SIZE = 128
 SLOT_SIZE = 64
 SLOTS_OFFSET = HEADER_SIZE + AGENT_BLOCK_SIZE
 REGION_SIZE = SLOTS_OFFSET + MAX_SLOTS * SLOT_SIZE
@@ -83,6 +85,8 @@ AGENT_FIELDS = (
     Field("turn_length_ns", "uint64_t", 48, "turns: its window's length (>= the period: always its turn)"),
     Field("turn_free_until_ns", "uint64_t", 56, "turns: until this CLOCK_MONOTONIC ns it may launch at any time "
           "(an elastic container lent the GPU; 0 = never)"),
+    Field("turn_spare_ns", "uint64_t", 64, "turns: how long after its window's end no other window begins (work may "
+          "run that far past the end, owed back by skipping as much of its next windows); <= period - length"),
 )
 
 SLOT_FIELDS = (
