@@ -100,6 +100,22 @@ def wait_holding(p: subprocess.Popen) -> list[str]:
             return lines
 
 
+def shares_together(runner: "Runner", regions: list[Path], op: str, tmp: Path) -> list[float]:
+    """Processes running `op` at once on one simulated GPU, one per region: each one's GPU time / wall time."""
+    env = one_gpu(tmp)
+    procs = [runner.start("init", op, "hold", region=path, env=env) for path in regions]
+    shares = []
+    try:
+        for p in procs:
+            lines = wait_holding(p)
+            run = dict(w.split("=") for w in lines[-2].split() if "=" in w)
+            shares.append(int(run["gpu_ns"]) / int(run["wall_ns"]))
+    finally:
+        for p in procs:
+            release(p)
+    return shares
+
+
 def release(p: subprocess.Popen) -> str:
     out, _ = p.communicate("go\n", timeout=30)
     return out or ""

@@ -72,20 +72,9 @@ def test_two_containers_windows_never_overlap_and_each_gets_its_part(runner, mak
         r = Region.open(path)
         r.set_turn(Turn(epoch, 50_000_000, off, length))
         r.close()
-    from shimkit import one_gpu, release, wait_holding
+    from shimkit import shares_together
 
-    env = one_gpu(tmp_path)
-    procs = [runner.start("init", "run:3000:500000", "hold", region=path, env=env) for path in regions]
-
-    shares = []
-    try:
-        for p in procs:
-            lines = wait_holding(p)
-            run = dict(w.split("=") for w in lines[-2].split() if "=" in w)
-            shares.append(int(run["gpu_ns"]) / int(run["wall_ns"]))
-    finally:
-        for p in procs:
-            release(p)
+    shares = shares_together(runner, regions, "run:3000:500000", tmp_path)
     assert 27 <= 100 * shares[0] <= 33 and 67 <= 100 * shares[1] <= 73, shares  # each within 3 points
     assert 0.386 <= shares[0] / shares[1] <= 0.471, shares  # 3 : 7 = 0.43, within 10 %
 

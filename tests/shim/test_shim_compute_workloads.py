@@ -13,7 +13,7 @@ import pytest
 
 from alnair_agent.node import region_layout as L
 from alnair_agent.node.region import Region, Turn, monotonic_ns
-from shimkit import one_gpu, release, wait_holding
+from shimkit import one_gpu, release, shares_together, wait_holding
 
 
 def share(res, nth: int = 0) -> float:
@@ -93,17 +93,7 @@ def test_spare_time_is_never_another_containers_window(runner, make_region, tmp_
         r = Region.open(regions[cap])
         r.set_turn(turn)
         r.close()
-    env = one_gpu(tmp_path)
-    procs = [runner.start("init", "mix:3000:200000:64:64", "hold", region=regions[cap], env=env) for cap in turns]
-    shares = []
-    try:
-        for p in procs:
-            lines = wait_holding(p)
-            run = dict(w.split("=") for w in lines[-2].split() if "=" in w)
-            shares.append(int(run["gpu_ns"]) / int(run["wall_ns"]))
-    finally:
-        for p in procs:
-            release(p)
+    shares = shares_together(runner, [regions[cap] for cap in turns], "mix:3000:200000:64:64", tmp_path)
     # The 30 % one has no spare: it loses its own tails (0.26 alone, as above) and nothing to its neighbour, which
     # would take up to 20 of its 30 ms a period if it ran into its window. Two contexts on one GPU lose to each
     # other's overruns as before (the 50 % one: 0.45 without a spare, 0.46-0.48 with it, here).
