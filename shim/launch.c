@@ -409,13 +409,15 @@ static void nap_until(uint64_t until, uint64_t now)
 }
 
 /* The part of the window starting at `ws` (length `len`) that the process's debt skips: taken from the debt once
- * per window, by whichever thread comes first. */
+ * per window, by whichever thread comes first, and decided then even when nothing is owed: debt that arises later
+ * in the window (its tail run into spare time, a true-up) is the next window's to pay. Taken again mid-window, it
+ * was paid from a start already past, which skipped nothing (a 90 % container with 10 ms of spare ran at 99 %). */
 static uint64_t debt_shift(uint64_t ws, uint64_t len)
 {
     uint64_t w = atomic_load_explicit(&g_paid_window, memory_order_acquire);
     if (w == ws)
         return atomic_load_explicit(&g_paid_shift, memory_order_relaxed);
-    if (w > ws || atomic_load_explicit(&g_debt, memory_order_relaxed) == 0)
+    if (w > ws)
         return 0;
     if (!atomic_compare_exchange_strong(&g_paid_window, &w, ws))
         return atomic_load_explicit(&g_paid_shift, memory_order_relaxed);

@@ -82,6 +82,17 @@ def test_a_windows_tail_runs_into_spare_time_and_pays_it_back(runner, make_regio
     assert 0.27 <= shares[1] <= 0.33 and shares[1] > shares[0], shares
 
 
+def test_what_runs_into_spare_time_is_paid_from_the_next_window(runner, make_region):
+    """A 90 % window followed by 10 ms of spare: its tail runs 9 ms past its end every period, paid by skipping as much
+    of the next window's start. The debt arose after the window's own payment was decided; taken again mid-window,
+    it was paid from a start already past and skipped nothing (0.99)."""
+    region = make_region(compute_limit=90)
+    r = Region.open(region)
+    r.set_turn(Turn(monotonic_ns(), 100_000_000, 0, 90_000_000, 0, 10_000_000))
+    r.close()
+    assert 0.86 <= share(runner.run("init", "run:2000:1000000", region=region)) <= 0.93
+
+
 def test_spare_time_is_never_another_containers_window(runner, make_region, tmp_path):
     """30 % and 50 % containers on one simulated GPU, the 50 % one followed by 20 ms of nobody's time: it runs into
     that, never into the 30 % one's window, and each keeps its part."""
