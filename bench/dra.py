@@ -1,11 +1,14 @@
 """The DRA front-end: NodePrepareResources latency with 100 claims on the node (goal: p99 <= 10 ms), and 100 claims
 onto 5 simulated nodes through the allocator stand-in with no double booking.
 
-Part 1: the real agent (8 simulated 80 GiB GPUs, ALNAIR_FRONTEND=dra), the API server stand-in (resource.k8s.io/v1
-through kubernetes-asyncio) and the DRA kubelet emulator share one process and talk real gRPC over unix sockets.
-100 claims of 4 GiB + 6 % are allocated by the allocator stand-in (kube-scheduler's rules for consumable capacity)
-and prepared one after the other; each NodePrepareResources is timed as kubelet sees it (it includes the agent's GET
-of the claim from the API server, the folder, region and record, and the CDI spec). Then each is unprepared.
+Part 1: the real agent (8 simulated 80 GiB GPUs, ALNAIR_FRONTEND=dra) runs as its own process (`python -m
+alnair_agent.main`, reaching the API server stand-in by KUBECONFIG, as on a node), so the stand-ins never run on its
+event loop; the API server stand-in (resource.k8s.io/v1 through kubernetes-asyncio) and the DRA kubelet emulator
+share this process, and all talk real gRPC over unix sockets and HTTP. 100 claims of 4 GiB + 6 % are allocated by
+the allocator stand-in (kube-scheduler's rules for consumable capacity) and prepared one after the other; each
+NodePrepareResources is timed as kubelet sees it (the gRPC round trip: the agent's GET of the claim from the API
+server, the folder, region and record, and the CDI spec). Then each is unprepared. Held and left slices are the
+agent's records on disk.
 
 Part 2: five such agents (4 GPUs of 40 GiB each) publish their slices to one API server; 100 claims of random size
 (1-8 GiB, 5-30 %, seeded) are allocated by one scheduler stand-in trying the nodes in a random order, then prepared on
@@ -48,11 +51,17 @@ def stats(values: list[float]) -> dict[str, float]:
     return {"n": len(values), "p50_ms": statistics.median(values), "p99_ms": pct(values, 0.99), "max_ms": max(values)}
 
 
+def records(workspace: Path) -> int:
+    """Allocation records on disk: what the agent process holds (its folders are its ledger across restarts)."""
+    return sum(1 for f in workspace.glob("*/allocation.json")) if workspace.is_dir() else 0
+
+
 async def prepare_latency(claims: int) -> dict[str, Any]:
     root = short_tmp()
     try:
         async with FakeApiServer() as api:
-            async with dra_node(root, api, sim_gpus=parse_sim_gpus("8x80GiB"), resync_interval_s=1.0) as node:
+            async with dra_node(root, api, process=True, sim_gpus=parse_sim_gpus("8x80GiB"),
+                                resync_interval_s=1.0) as node:
                 pods = []
                 for n in range(claims):
                     node.claim(f"claim-{n:03d}", [{"name": "gpu", "memory": "4Gi", "compute": "6"}])
@@ -64,17 +73,18 @@ async def prepare_latency(claims: int) -> dict[str, Any]:
                     t0 = time.perf_counter()
                     await node.start(pod)
                     admit.append((time.perf_counter() - t0) * 1e3)
-                held = len(node.running.agent.allocator.allocations)
+                held = records(node.settings.workspace)
                 for pod in pods:
                     await node.finish(pod)
                 calls: dict[str, list[float]] = {}
                 for rpc, seconds in node.kubelet.call_times:
                     calls.setdefault(rpc, []).append(seconds * 1e3)
-                left = len(node.running.agent.allocator.allocations)
+                left = records(node.settings.workspace)
     finally:
         remove_tree(root)
     return {"claims": claims, "held_after_prepare": held, "left_after_unprepare": left,
-            "calls": {**{k: stats(v) for k, v in calls.items()}, "prepare + start (kubelet)": stats(admit)}}
+            "calls": {**{k: stats(v) for k, v in calls.items()}, "prepare + start (kubelet)": stats(admit)},
+            "prepare_ms_in_order": calls.get("NodePrepareResources", [])}
 
 
 def consumed(claim: dict[str, Any]) -> list[tuple[str, str, int, int]]:

@@ -90,6 +90,10 @@ def env_for(settings: Settings) -> dict[str, str]:
         "ALNAIR_PLACE_UNSCHEDULED": "true" if settings.place_unscheduled else "false",
         "ALNAIR_LOG_FORMAT": "json",
         "ALNAIR_HEALTH_INTERVAL_S": str(settings.health_interval_s),
+        "ALNAIR_FRONTEND": settings.frontend,
+        "ALNAIR_DRA_PLUGIN_DIR": str(settings.dra_plugin_dir),
+        "ALNAIR_PLUGINS_REGISTRY_DIR": str(settings.plugins_registry_dir),
+        "ALNAIR_CDI_DIR": str(settings.cdi_dir),
         "PYTHONUNBUFFERED": "1",  # the log file is read while the agent runs
     })
     if settings.sim_faults_file is not None:

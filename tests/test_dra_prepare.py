@@ -311,3 +311,29 @@ async def test_prepare_waits_for_nothing_when_kubelet_names_a_claim_of_another_d
         ref = Claim("default", claim["metadata"]["uid"], "nic")
         assert await node.kubelet.prepare_once(DRA_DRIVER, [ref]) == {}
         assert node.kubelet.prepared[ref.uid] == [] and not node.running.agent.allocator.allocations
+
+
+async def test_the_agent_process_prepares_claims_and_keeps_them_through_a_kill(root, api):
+    """`python -m alnair_agent.main` with ALNAIR_FRONTEND=dra and a KUBECONFIG (the production wiring): a claim is
+    prepared, survives a SIGKILL of the agent (the record and spec were on disk before the answer), is prepared
+    again with the same devices, and its folder goes with the unprepare."""
+    async with dra_node(root, api, process=True) as node:
+        node.claim("c1", [{"name": "gpu", "memory": "4Gi", "compute": "30"}])
+        pod = node.pod("p1", {"gpu": "c1"}, [("main", [("gpu", None)])])
+        node.schedule(pod, ["c1"])
+        before = (await node.start(pod))["main"]
+        assert before.envs[ENV_MEMORY_LIMIT] == str(4 * GiB) and before.envs[ENV_COMPUTE_LIMIT] == "30"
+        assert region_limits(node, before) == (4 * GiB, 30)
+        assert node.process is not None and node.process.proc is not None
+        node.process.proc.kill()
+        await asyncio.to_thread(node.process.proc.wait, 10)
+        await node.start_agent()
+        ref = node.refs(pod)["gpu"]
+        ids = node.kubelet.cdi_ids(ref.uid)
+        assert await node.kubelet.prepare_once(DRA_DRIVER, [ref]) == {}  # kubelet's retry after the restart
+        assert node.kubelet.cdi_ids(ref.uid) == ids
+        after = node.kubelet.start_container("default", "p1", "main", [(ref, None)])
+        assert after.envs == before.envs and after.mounts == before.mounts
+        await node.finish(pod)
+        assert not list(node.settings.workspace.glob("*/allocation.json"))
+        assert not list(node.settings.cdi_dir.glob("*.json"))

@@ -7,11 +7,18 @@ resource.k8s.io/v1 and the allocator stand-in playing kube-scheduler; and the ob
         node.schedule(pod, ["c1"])                       # allocation + reservedFor, as kube-scheduler writes them
         view = await node.start(pod)                     # kubelet: prepare the pod's claims, create its containers
         await node.finish(pod)                           # containers gone, claims unprepared
+
+    async with dra_node(root, api, process=True) as node:  # the agent as its own process (`python -m
+        ...                                                # alnair_agent.main`, KUBECONFIG to the stand-in): no
+                                                           # `node.running`; measures the agent on its own loop
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import signal
+import subprocess
 import uuid
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field, replace
@@ -19,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from agent_harness import NODE, RunningAgent, kubernetes_for, node_settings, running_agent
+from agent_harness import NODE, AgentProcess, RunningAgent, kubernetes_for, node_settings, running_agent
 from fakes.apiserver import FakeApiServer, make_pod
 from fakes.dra_allocator import Allocator, reserved_for
 
@@ -81,9 +88,13 @@ class DraNode:
     node: str = NODE
     pods: dict[str, dict[str, Any]] = field(default_factory=dict)  # name -> pod JSON
     _agent: Any = None  # the running agent's context manager
+    process: AgentProcess | None = None  # the agent as its own process (then `running` is None)
 
     async def start_agent(self) -> None:
         since = sum(d == DRA_DRIVER for d, _ in self.kubelet.registrations)
+        if self.process is not None:
+            await self._start_process(since)
+            return
         self._agent = running_agent(self.settings, kubernetes_for(self.client, dra=True, node=self.node))
         self.running = await self._agent.__aenter__()
         await self.kubelet.wait_registered(DRA_DRIVER, since=since)
@@ -91,7 +102,38 @@ class DraNode:
         assert dra is not None and self.running.agent.frontend == "dra"
         await dra.slices.synced.wait()
 
+    async def _start_process(self, since: int) -> None:
+        """`python -m alnair_agent.main`: registered with kubelet and its slice published (a fresh interpreter
+        imports for a few seconds; the slice is what tells the agent is serving)."""
+        assert self.process is not None
+        self.process.start()
+        try:
+            await self.kubelet.wait_registered(DRA_DRIVER, timeout=60, since=since)
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + 30
+            while self.api.resource_slice(slice_name(self.node)) is None:
+                assert self.process.proc is not None and self.process.proc.poll() is None, self.process.output()[-3000:]
+                assert loop.time() < deadline, "no ResourceSlice from the agent process"
+                await asyncio.sleep(0.05)
+        except BaseException:
+            self._stop_process()
+            raise
+
+    def _stop_process(self) -> None:
+        proc = self.process.proc if self.process is not None else None
+        if proc is None or proc.poll() is not None:
+            return
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+
     async def stop_agent(self) -> None:
+        if self.process is not None:
+            await asyncio.to_thread(self._stop_process)  # the stand-ins keep answering while it shuts down
+            return
         agent, self._agent = self._agent, None
         if agent is not None:
             await agent.__aexit__(None, None, None)
@@ -175,21 +217,30 @@ class DraNode:
 
 
 @contextlib.asynccontextmanager
-async def dra_node(root: Path, api: FakeApiServer, **overrides: Any) -> AsyncIterator[DraNode]:
+async def dra_node(root: Path, api: FakeApiServer, process: bool = False, **overrides: Any) -> AsyncIterator[DraNode]:
     """The real agent with the DRA front-end on `root`, its kubelet, and the DeviceClass on the API server
-    (`node_name=` in `overrides` names another node: several can share one API server)."""
+    (`node_name=` in `overrides` names another node: several can share one API server). `process`: the agent runs
+    as its own process, reaching the stand-in by KUBECONFIG, as on a node."""
     settings = replace(node_settings(root, frontend="dra", dra_plugin_dir=root / "plugins" / "alnair",
                                      plugins_registry_dir=root / "plugins_registry", cdi_dir=root / "cdi",
                                      place_unscheduled=False), **overrides)
     if DRA_DEVICE_CLASS not in api._classes:
         api.add_device_class(device_class())
+    agent_process = None
+    if process:
+        if settings.node_name not in api._nodes:  # the agent's node report goes on it
+            api.add_node(settings.node_name)
+        root.mkdir(parents=True, exist_ok=True)
+        agent_process = AgentProcess(settings, extra_env={
+            "ALNAIR_KUBERNETES": "auto", "KUBECONFIG": str(api.write_kubeconfig(root / "kubeconfig"))})
     client = api.api_client()
     try:
         async with DraKubeletEmulator(settings.plugins_registry_dir, settings.cdi_dir,
                                       settings.pod_resources_socket) as kubelet:
             allocator = Allocator({DRA_DEVICE_CLASS: device_class()})
             allocator.learn(api.claims())  # kube-scheduler's view: what claims already hold
-            node = DraNode(api, settings, kubelet, None, allocator, client, settings.node_name)  # type: ignore[arg-type]
+            node = DraNode(api, settings, kubelet, None, allocator, client, settings.node_name,  # type: ignore[arg-type]
+                           process=agent_process)
             await node.start_agent()
             assert api.resource_slice(slice_name(settings.node_name)) is not None
             try:
