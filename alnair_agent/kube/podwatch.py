@@ -42,6 +42,7 @@ class PodWatch:
         self.node_name = node_name
         self._timing = timing
         self._pods: dict[str, PodInfo] = {}
+        self._names: dict[tuple[str, str], str] = {}  # (namespace, name) -> uid: `find` without a scan
         self._synced = asyncio.Event()
         self._changed = asyncio.Event()  # replaced on every change; waiters hold the one they saw
         self._generation = 0
@@ -77,10 +78,8 @@ class PodWatch:
 
     def find(self, namespace: str, name: str) -> PodInfo | None:
         """The pod by namespace and name (pod-resources names pods this way, not by uid)."""
-        for pod in self._pods.values():
-            if pod.namespace == namespace and pod.name == name:
-                return pod
-        return None
+        uid = self._names.get((namespace, name))
+        return self._pods.get(uid) if uid is not None else None
 
     def bound_order(self, uid: str) -> int:
         """Position of the pod in the order the watch first saw pods bound to this node (lower = earlier)."""
@@ -130,13 +129,17 @@ class PodWatch:
                 log_invalid(pod)
             self._note_bound(pod.uid)
         self._pods = pods
+        self._names = {}
+        for uid, p in pods.items():
+            self._names.setdefault((p.namespace, p.name), uid)  # the first of a name, as a scan would find it
         self._bound = {uid: n for uid, n in self._bound.items() if uid in pods}
         self._bump()
 
     def _on_event(self, kind: str, obj: Mapping[str, Any]) -> None:
         if kind == "DELETED":
             uid = (obj.get("metadata") or {}).get("uid")
-            if isinstance(uid, str) and self._pods.pop(uid, None) is not None:
+            if isinstance(uid, str) and (gone := self._pods.pop(uid, None)) is not None:
+                self._forget_name(gone)
                 self._bound.pop(uid, None)
                 self._bump()
             return
@@ -156,6 +159,7 @@ class PodWatch:
         if pod.node_name != self.node_name:  # moved off this node (cannot happen once bound; be safe)
             if old is not None:
                 del self._pods[pod.uid]
+                self._forget_name(old)
                 self._bound.pop(pod.uid, None)
                 self._bump()
             return
@@ -163,8 +167,20 @@ class PodWatch:
             log_invalid(pod)
         if old != pod:
             self._pods[pod.uid] = pod
+            self._names.setdefault((pod.namespace, pod.name), pod.uid)
             self._note_bound(pod.uid)
             self._bump()
+
+    def _forget_name(self, pod: PodInfo) -> None:
+        """The pod left the map: its name now finds another pod of that name still here (a StatefulSet's next one,
+        seen before this one's deletion), if any."""
+        key = (pod.namespace, pod.name)
+        if self._names.get(key) != pod.uid:
+            return
+        del self._names[key]
+        other = next((uid for uid, p in self._pods.items() if (p.namespace, p.name) == key), None)
+        if other is not None:
+            self._names[key] = other
 
     def _note_bound(self, uid: str) -> None:
         if uid not in self._bound:

@@ -3,6 +3,10 @@
 The one such loop: the agent's pod watch and the extender's nodes and pods use it. Raw JSON (no client models:
 cheaper, and thousands of Node objects stay affordable), resumed from the last resourceVersion, a fresh LIST on
 410 Gone, capped exponential backoff with jitter on failures (so a fleet does not retry in lockstep after an outage).
+
+The watch stream is read here, line by line, rather than through kubernetes-asyncio's `Watch`: that class builds a
+new API client (an SSL context: the system's CA bundle loaded, 50 ms of a 2-core node's event loop) for every watch
+connection, and encodes and decodes every event once more to hand back a copy this loop never uses.
 """
 
 from __future__ import annotations
@@ -13,9 +17,10 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import json
+
 import aiohttp
 import structlog
-from kubernetes_asyncio import watch
 from kubernetes_asyncio.client.exceptions import ApiException
 
 from alnair_agent.kube.client import read_json
@@ -109,26 +114,45 @@ class Reflector:
         events = 0
         timeout = aiohttp.ClientTimeout(sock_connect=self.timing.connect_timeout_s,
                                         sock_read=self.timing.watch_timeout_s + self.timing.connect_timeout_s)
-        async with watch.Watch(return_type="object") as w:
-            stream = w.stream(self.list_call, resource_version=self._rv, timeout_seconds=self.timing.watch_timeout_s,
-                              allow_watch_bookmarks=True, _request_timeout=timeout, **self._kwargs())
-            try:
-                async for event in stream:
-                    self._apply(event)
-                    events += 1
-            except ApiException:
-                raise
-            except Exception as e:
-                # kubernetes-asyncio's Watch signals a malformed event with a bare Exception: retried, not a crash.
-                if type(e) is not Exception:
-                    raise
-                raise WatchProtocolError(str(e)[:200]) from None
+        resp = await self.list_call(watch=True, resource_version=self._rv, timeout_seconds=self.timing.watch_timeout_s,
+                                    allow_watch_bookmarks=True, _preload_content=False, _request_timeout=timeout,
+                                    **self._kwargs())
+        try:
+            if not 200 <= resp.status <= 299:
+                await read_json(resp)  # raises ApiException with the server's Status
+            while line := await resp.content.readline():  # b"": the server ended the watch (its timeout)
+                self._apply(self._event(line))
+                events += 1
+                # A burst of buffered events is read without suspending: let the loop's other work (a kubelet call
+                # waiting on the agent) run between two of them, not after the whole burst.
+                await asyncio.sleep(0)
+        finally:
+            resp.release()
         return events > 0 or loop.time() - started >= self.timing.min_healthy_s
 
-    def _apply(self, event: Any) -> None:
-        if not isinstance(event, Mapping) or not isinstance(event.get("raw_object"), Mapping):
+    def _event(self, line: bytes) -> Mapping[str, Any]:
+        """One line of the stream as a watch event; an ERROR event (410 Gone: our version fell out of the history)
+        or a bare Status raises ApiException with its code, anything else unreadable WatchProtocolError."""
+        try:
+            event = json.loads(line)
+        except ValueError:
+            raise WatchProtocolError(f"{self.name}: not JSON: {line[:200]!r}") from None
+        if not isinstance(event, Mapping):
             raise WatchProtocolError(f"{self.name}: not a watch event: {event!r:.200}")
-        kind, obj = event.get("type"), event["raw_object"]
+        if "type" not in event or "object" not in event:
+            if "code" in event:  # a Status in place of an event
+                raise ApiException(status=event["code"], reason=f"{event.get('reason')}: {event.get('message')}")
+            raise WatchProtocolError(f"{self.name}: not a watch event: {event!r:.200}")
+        obj = event["object"]
+        if event["type"] == "ERROR":
+            status = obj if isinstance(obj, Mapping) else {}
+            raise ApiException(status=status.get("code"), reason=f"{status.get('reason')}: {status.get('message')}")
+        return event
+
+    def _apply(self, event: Mapping[str, Any]) -> None:
+        kind, obj = event.get("type"), event["object"]
+        if not isinstance(obj, Mapping):
+            raise WatchProtocolError(f"{self.name}: not a watch event: {event!r:.200}")
         if kind in ("ADDED", "MODIFIED", "DELETED"):
             self.on_event(kind, obj)
         elif kind != "BOOKMARK":
