@@ -4,6 +4,7 @@ rate-limited, retried after failures, dropped for pods that are gone, and a flus
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import AsyncIterator
 
 import pytest
@@ -105,6 +106,49 @@ async def test_flush_does_not_wait_for_the_rate_limit(api: FakeApiServer, client
         writer.set_pod("default", "p1", {FIG: "final"})
         assert await writer.flush(2)  # the ended container's last figures go out now, not in 30 s
     assert api.pod_annotations("default", "p1") == {FIG: "final"}
+
+
+async def test_a_burst_of_pods_is_paced_over_all_objects_and_a_flush_skips_the_pace(api: FakeApiServer,
+                                                                                    client: ApiClient) -> None:
+    """A hundred new pods' first figures go out at `patches_per_s` after a `burst`, the node's report first; what a
+    flush waits for (an unprepare's final figures) goes at once."""
+    names = [f"q{i:02d}" for i in range(30)]
+    for name in names:
+        api.add_pod(make_pod(name))
+    timing = WriterTiming(min_interval_s=0.05, patches_per_s=20.0, burst=5)
+    writer = AnnotationWriter(client, NODE, timing)
+    async with running(writer.run()):
+        for name in names[:20]:
+            writer.set_pod("default", name, {FIG: "1"})
+        writer.set_node({NODE_GPU_DEVICES: "report"})
+        await wait_until(lambda: len(api.patches) >= 5)
+        assert "node" in [p.kind for p in api.patches[:5]]  # in the first burst (its patches race each other)
+        cpu = time.process_time()
+        await wait_until(lambda: len(api.patches) >= 20, timeout=5)
+        assert time.process_time() - cpu < 0.4  # it sleeps until the next token (it once spun through the wait)
+        spread = api.patches[19].at - api.patches[0].at
+        assert spread >= 15 / timing.patches_per_s * 0.8  # 5 at once, then one per 50 ms
+        for name in names[20:]:
+            writer.set_pod("default", name, {FIG: "final"})
+        before = len(api.patches)
+        assert await writer.flush(0.5)  # 10 more at once, not in half a second of tokens
+        assert len(api.patches) - before >= 10
+    assert all(api.pod_annotations("default", n) == {FIG: "final"} for n in names[20:])
+
+
+async def test_a_flush_of_one_pod_waits_for_that_pod_only(api: FakeApiServer, client: ApiClient) -> None:
+    writer = AnnotationWriter(client, NODE, WriterTiming(min_interval_s=30, patches_per_s=0.1, burst=1))
+    async with running(writer.run()):
+        writer.set_pod("default", "p1", {FIG: "1"})
+        await wait_until(lambda: len(api.patches) == 1)  # the one token: p1's next write waits ~10 s
+        writer.set_pod("default", "p1", {FIG: "2"})
+        writer.set_pod("default", "p2", {FIG: "final"})
+        assert await writer.flush(2, pod=("default", "p2"))
+        assert api.pod_annotations("default", "p2") == {FIG: "final"}
+        assert api.pod_annotations("default", "p1") == {FIG: "1"}  # not sent with it: paced as before
+        assert await writer.flush(2, pod=("default", "gone"))  # nothing set for it: nothing to wait for
+        assert await writer.flush(2)  # and a flush of all sends the rest
+    assert api.pod_annotations("default", "p1") == {FIG: "2"}
 
 
 async def test_retries_after_server_errors_with_backoff(api: FakeApiServer, client: ApiClient) -> None:

@@ -40,7 +40,7 @@ class Sink:
 
     def set_node(self, annotations: dict) -> None: ...
 
-    async def flush(self, timeout: float) -> bool:
+    async def flush(self, timeout: float, pod: tuple[str, str] | None = None) -> bool:
         return True
 
     def forget_pod(self, namespace: str, name: str) -> None: ...

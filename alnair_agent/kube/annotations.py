@@ -2,10 +2,13 @@
 
 Other services say what an annotation should be (`set_pod`, `set_node`; None removes it); this service sends
 only what changed since the last successful write, at most one patch per object per `min_interval_s` (values set
-in between are coalesced into the next patch), retries 5xx/429/connection failures with capped exponential
+in between are coalesced into the next patch) and at most `patches_per_s` over all objects (a burst of `burst`;
+client-go's QPS limit: a hundred new pods' first figures must not land on the API server, nor on the node's cores
+under kubelet's calls, in one go), retries 5xx/429/connection failures with capped exponential
 backoff, keeps values the server refuses (400/422) and retries them after the longest backoff, and drops a pod's
 pending values with a warning on 404 (the pod is gone). `flush` returns once all that
 was set before it is written: the agent removes an ended container's workspace only after its last figures are.
+What a flush or an urgent set waits for skips both limits; the node's report goes before pods' figures.
 
 kubernetes-asyncio picks strategic-merge-patch for a dict body unless told otherwise; the patch content type is
 always passed explicitly as application/merge-patch+json (nodes and pods both accept it; `null` deletes a key).
@@ -42,6 +45,12 @@ class WriterTiming:
     backoff_max_s: float = 30.0
     request_timeout_s: float = 10.0
     max_concurrent: int = 8  # patches in flight at once, over all objects
+    patches_per_s: float = 20.0  # over all objects, for what no flush waits on
+    burst: int = 10
+
+    def __post_init__(self) -> None:
+        if not self.patches_per_s > 0 or self.burst < 1:
+            raise ValueError(f"patches_per_s must be > 0 and burst >= 1, got {self.patches_per_s}, {self.burst}")
 
 
 @dataclass
@@ -55,6 +64,7 @@ class _Target:
     written: dict[str, str | None] = field(default_factory=dict)
     pending: dict[str, int] = field(default_factory=dict)  # key -> sequence number of its earliest unsent set
     in_flight: dict[str, int] = field(default_factory=dict)  # the same, for the patch being sent
+    flush_mark: int = 0  # changes up to here are sent without waiting for the rate limits (a flush of this pod)
     last_attempt_at: float = -math.inf
     retry_at: float = -math.inf
     backoff_s: float = 0.0
@@ -105,20 +115,36 @@ class AnnotationWriter:
         """How many objects have changes not yet written."""
         return sum(1 for t in self._targets.values() if t.oldest_unwritten() is not None)
 
-    async def flush(self, timeout: float | None = None) -> bool:
-        """Wait until everything set before this call has been written (or dropped: pod gone, patch refused).
-        Pending changes are sent without waiting for the rate limit. True when done, False on timeout."""
+    async def flush(self, timeout: float | None = None, pod: tuple[str, str] | None = None) -> bool:
+        """Wait until everything set before this call has been written (or dropped: pod gone, patch refused); with
+        `pod` (namespace, name), only what was set for that pod (an unprepare waits for its own pod's last figures,
+        not for every pod's). Those changes are sent without waiting for the rate limits. True when done, False on
+        timeout."""
         if self._api is None:
             return True
         mark = self._seq
-        self._flush_mark = max(self._flush_mark, mark)
+        if pod is None:
+            self._flush_mark = max(self._flush_mark, mark)
+            done = lambda: self._done_up_to(mark)  # noqa: E731 - the one condition, checked in two places
+        else:
+            key = ("pod", *pod)
+            target = self._targets.get(key)
+            if target is None:
+                return True
+            target.flush_mark = max(target.flush_mark, mark)
+
+            def done() -> bool:
+                if self._targets.get(key) is not target:  # dropped (pod gone) or forgotten
+                    return True
+                oldest = target.oldest_unwritten()
+                return oldest is None or oldest > mark
         self._wake.set()
         try:
             async with asyncio.timeout(timeout):
-                while not self._done_up_to(mark):
+                while not done():
                     await self._progress.wait()
         except TimeoutError:
-            return self._done_up_to(mark)
+            return done()
         return True
 
     # -- the service -----------------------------------------------------------------------------------------
@@ -130,15 +156,25 @@ class AnnotationWriter:
         core = CoreV1Api(self._api)
         loop = asyncio.get_running_loop()
         limit = asyncio.Semaphore(self._timing.max_concurrent)
+        rate, burst = self._timing.patches_per_s, self._timing.burst
+        tokens, refilled = float(burst), loop.time()
         while True:
             now = loop.time()
+            tokens, refilled = min(float(burst), tokens + (now - refilled) * rate), now
             due = [t for t in self._targets.values() if t.pending and self._due_at(t) <= now]
-            if due:
+            urgent = [t for t in due if self._flushing(t)]
+            paced = sorted((t for t in due if not self._flushing(t)),
+                           key=lambda t: (t.kind != "node", t.oldest_unwritten() or 0))
+            taken = paced[:int(tokens)]
+            tokens -= len(taken)
+            if urgent or taken:
                 async with asyncio.TaskGroup() as tg:
-                    for target in due:
+                    for target in urgent + taken:
                         tg.create_task(self._write(core, target, limit))
                 continue
-            waits = [self._due_at(t) - now for t in self._targets.values() if t.pending]
+            waits = [at - now for t in self._targets.values() if t.pending and (at := self._due_at(t)) > now]
+            if paced:  # due, but over the rate: until the next token
+                waits.append((1.0 - tokens) / rate)
             self._wake.clear()
             try:
                 async with asyncio.timeout(max(0.0, min(waits)) if waits else None):
@@ -164,9 +200,12 @@ class AnnotationWriter:
         if changed:
             self._wake.set()
 
-    def _due_at(self, t: _Target) -> float:
+    def _flushing(self, t: _Target) -> bool:
         oldest = t.oldest_unwritten()
-        if oldest is not None and oldest <= self._flush_mark:
+        return oldest is not None and oldest <= max(self._flush_mark, t.flush_mark)
+
+    def _due_at(self, t: _Target) -> float:
+        if self._flushing(t):
             return t.retry_at  # a flush is waiting: skip the rate limit, never the backoff
         return max(t.last_attempt_at + self._timing.min_interval_s, t.retry_at)
 

@@ -83,6 +83,9 @@ class Profiler:
         self.sampled_s = 0.0
         self.sample_at = 0.0
         self._regions_at: float | None = None  # monotonic s the slots were last read (the metered rates' window)
+        # the tick's worker thread, while it runs: a cancelled tick cannot stop it, and it opens regions into
+        # `_regions`, so closing them waits for it (closing under it: "dictionary changed size during iteration")
+        self._collecting: asyncio.Future[_Collected] | None = None
 
     # -- what the reconciler calls -----------------------------------------------------------------------------
     def seen(self, alloc: "Allocation") -> None:
@@ -103,7 +106,7 @@ class Profiler:
         key = (alloc.namespace, alloc.pod_name)
         self._keep_ended(alloc, u)
         self._publish(key, time.monotonic())
-        return await self.annotations.flush(timeout=timeout)
+        return await self.annotations.flush(timeout=timeout, pod=key)  # this pod's, not every pending figure
 
     def forget(self, alloc: "Allocation") -> None:
         """The allocation is retired (its last figures are written)."""
@@ -137,6 +140,9 @@ class Profiler:
                     log.exception("profiler_tick_failed")
                 await self._until_next(started)
         finally:
+            collecting = self._collecting
+            if collecting is not None and not collecting.done():
+                await asyncio.wait([collecting], timeout=5.0)
             self.close()
 
     async def _until_next(self, started: float) -> None:
@@ -144,7 +150,8 @@ class Profiler:
 
     async def tick(self) -> None:
         snap = self._snapshot()
-        collected = await asyncio.to_thread(self._collect, snap)
+        self._collecting = asyncio.ensure_future(asyncio.to_thread(self._collect, snap))
+        collected = await asyncio.shield(self._collecting)  # cancelled, the thread still ends before `close`
         now_mono, now = time.monotonic(), time.time()
         dt = collected.samples.window_s  # 0 on the first sample: nothing to add yet
         self.last = collected.samples
@@ -348,12 +355,13 @@ class Profiler:
     def _publish_due(self, now: float) -> None:
         if self.annotations is None or not self._synced():
             return  # never write before the pods' current annotations are known: they are merged
-        for key in self._pod_keys():
+        for key, allocs in self._pod_keys().items():
             if now - self._published.get(key, -1e18) >= self.annotate_interval_s:
-                self._publish(key, now)
+                self._publish(key, now, allocs)
 
-    def _publish(self, key: PodKey, now: float) -> None:
-        """Write the pod's usage annotation: as found on the pod, with this agent's entries replaced."""
+    def _publish(self, key: PodKey, now: float, allocs: "list[Allocation] | None" = None) -> None:
+        """Write the pod's usage annotation: as found on the pod, with this agent's entries replaced (`allocs`: the
+        pod's allocations, where the caller has them: a pass over every pod must not look them up per pod)."""
         assert self.annotations is not None
         entries: dict[str, object] = {}
         pod = self.pods.find(*key) if self.pods is not None else None
@@ -362,7 +370,10 @@ class Profiler:
         uid = self._ended_uid.get(key, "")
         if pod is None or not uid or pod.uid == uid:
             entries.update(self._ended.get(key, {}))
-        for alloc in self._pod_keys().get(key, []):
+        if allocs is None:
+            allocs = [a for a in self.allocator.allocations.values()
+                      if a.identified and a.container and (a.namespace, a.pod_name) == key]
+        for alloc in allocs:
             u = self.usage.get(alloc.id) or self._entry(alloc)
             entries[alloc.container] = u.entry()
         self._published[key] = now
