@@ -10,6 +10,7 @@ import os
 import random
 import struct
 import time
+from dataclasses import replace
 
 import pytest
 from agent_harness import node_settings, registered
@@ -194,5 +195,24 @@ def test_a_spare_the_period_cannot_hold_is_refused_and_never_sound(tmp_path, tur
                 region.set_turn(turn)
         assert not turn.sound(monotonic_ns())
         assert region.set_turn(Turn(1, 50_000_000, 0, 20_000_000, 0, 30_000_000))  # all the period leaves: fine
+    finally:
+        region.close()
+
+
+def test_set_turn_writes_a_turn_that_differs_only_in_its_spare(tmp_path):
+    """set_turn skips a turn already written by comparing the block's fields with the Turn's: every field counts,
+    the spare included (a change of the spare alone must reach the shim)."""
+    path = tmp_path / "region"
+    Region.create(path, 0, 30).close()
+    region = Region.open(path)
+    try:
+        turn = Turn(1, 50_000_000, 0, 20_000_000, 0, 0)
+        assert region.set_turn(turn)
+        assert not region.set_turn(turn)  # already these
+        for changed in (replace(turn, spare_ns=5_000_000), replace(turn, spare_ns=5_000_000, free_until_ns=7),
+                        replace(turn, spare_ns=5_000_000, free_until_ns=7, offset_ns=1)):
+            assert region.set_turn(changed)
+            assert region.turn() == changed
+            assert not region.set_turn(changed)
     finally:
         region.close()

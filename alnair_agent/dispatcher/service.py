@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, TypeVar
 
 import structlog
@@ -30,6 +30,9 @@ log = structlog.get_logger(__name__)
 T = TypeVar("T")
 
 REOPEN_S = 1.0  # a region that could not be opened is tried again after this long
+# A tick gives the event loop back after reading this many containers' regions, and after each GPU's turns: with
+# a hundred slices a tick is milliseconds of file calls, which a kubelet call arriving meanwhile must not wait out.
+READS_PER_STEP = 4
 
 
 def parse_policy(value: str | None, default: str) -> tuple[str, bool]:
@@ -71,7 +74,8 @@ class Dispatcher:
             while True:
                 started = time.monotonic()
                 try:
-                    self.tick(started)
+                    for _ in self._steps(started):
+                        await asyncio.sleep(0)
                 except Exception:  # noqa: BLE001 - a dispatcher fault must not stop the agent; turns stay in force
                     log.exception("dispatcher_tick_failed")
                 await asyncio.sleep(max(0.0, self.interval_s - (time.monotonic() - started)))
@@ -80,13 +84,23 @@ class Dispatcher:
 
     # -- one tick ------------------------------------------------------------------------------------------------
     def tick(self, now: float | None = None) -> None:
-        now = time.monotonic() if now is None else now
+        for _ in self._steps(time.monotonic() if now is None else now):
+            pass
+
+    def _steps(self, now: float) -> Iterator[None]:
+        """One tick, yielding where the service may give the loop back (between batches of region reads, between
+        GPUs); `tick` runs it through at once. What a step reads is as of `now`: a read a millisecond later only
+        moves counters into the next tick's window."""
         dt, self._last = max(now - self._last, 1e-6), now
         self.ticks += 1
         by_gpu: dict[str, list[C.Container]] = {}
         uncapped: dict[str, set[str]] = {}  # GPU -> containers without a cap that launched there lately
         live = set()
-        for alloc in list(self.allocator.allocations.values()):
+        for n, alloc in enumerate(list(self.allocator.allocations.values())):
+            if n and n % READS_PER_STEP == 0:
+                yield
+            if alloc.id not in self.allocator.allocations:
+                continue  # retired during a step: its folder is gone
             if not 0 < alloc.compute_limit < 100:  # no cap: the shim stays out of the launch path
                 if self._uncapped_active(alloc, now):
                     uncapped.setdefault(alloc.gpu_uuid, set()).add(alloc.id)
@@ -101,8 +115,11 @@ class Dispatcher:
             self._forget(alloc_id)
         utils = self._device_utils()
         now_ns = monotonic_ns()
-        self.lent, self.turns = set(), {}
-        for gpu_uuid, containers in by_gpu.items():
+        all_lent: set[str] = set()
+        turns: dict[str, float] = {}
+        for i, (gpu_uuid, containers) in enumerate(by_gpu.items()):
+            if i:
+                yield
             gpu = self.gpus.get(gpu_uuid)
             if gpu is None:
                 gpu = self.gpus[gpu_uuid] = C.Gpu(epoch_ns=now_ns)
@@ -117,16 +134,17 @@ class Dispatcher:
                          hold_s=gpu.hold_s if change == "slowed" else None,
                          slowed=gpu.slowed if change == "slowed" else None)
             lent = C.lent(gpu, containers, bool(others))
-            self.lent |= lent
+            all_lent |= lent
             lease_end = now_ns + int(C.LEASE_TICKS * self.interval_s * 1e9)
             windows = C.layout(containers, self.period_ns)
             spare = C.spares(windows, self.period_ns)
             for c in containers:
                 offset, length = windows[c.key]
-                self.turns[c.key] = length / self.period_ns
+                turns[c.key] = length / self.period_ns
                 turn = Turn(gpu.epoch_ns, self.period_ns, offset, length, lease_end if c.key in lent else 0,
                             spare[c.key])
                 self._put(c.key, lambda r, t=turn: r.set_turn(t))
+        self.lent, self.turns = all_lent, turns
         for gpu_uuid in [g for g in self.gpus if g not in by_gpu]:
             del self.gpus[gpu_uuid]
 

@@ -41,6 +41,10 @@ UNSEEN_GRACE_S = 30.0
 # One reconcile pass waits at most this long for ended containers' final figures to be written (an API outage
 # must not hold the pass: what is not written yet is retried on the next pass, the folder kept meanwhile).
 FINAL_FLUSH_S = 2.0
+# Passes over every record (the folder sweep, the heartbeat) give the event loop back after this many records: a
+# pass over hundreds of slices is milliseconds of file calls, and a kubelet call arriving meanwhile must not wait
+# for all of it.
+RECORDS_PER_STEP = 8
 
 
 class PodStates(Protocol):
@@ -61,7 +65,7 @@ class AnnotationSink(Protocol):
 
     def set_node(self, annotations: dict[str, str | None]) -> None: ...
 
-    async def flush(self, timeout: float) -> bool: ...
+    async def flush(self, timeout: float, pod: tuple[str, str] | None = None) -> bool: ...
 
     def forget_pod(self, namespace: str, name: str) -> None: ...
 
@@ -150,15 +154,20 @@ class Reconciler:
         except OSError as e:
             log.warning("allocation_record_write_failed", allocation=alloc.id, error=str(e))
 
-    def _sweep(self) -> None:
-        for alloc in list(self.allocator.allocations.values()):
+    async def _sweep(self) -> None:
+        records = list(self.allocator.allocations.values())
+        for n, alloc in enumerate(records):
+            if n and n % RECORDS_PER_STEP == 0:
+                await asyncio.sleep(0)
+            if alloc.id not in self.allocator.allocations:
+                continue  # retired meanwhile: its folder is gone
             freed = self.workspace.sweep(alloc.id)
             if freed:
                 log.warning("container_files_removed", allocation=alloc.id, pod=alloc.ref(), bytes=freed,
                             reason="only the region belongs in /run/alnair")
 
     async def once(self) -> None:
-        self._sweep()  # first: what a container piled up in its folder must not fail the rest of the pass
+        await self._sweep()  # first: what a container piled up in its folder must not fail the rest of the pass
         held = await self._held()
         by_id: dict[str, DeviceAssignment] | None = None
         if held is not None:
@@ -300,13 +309,16 @@ class Reconciler:
     def _pod_gone(self, alloc: Allocation) -> bool:
         return self.pods is not None and self.pods.synced and self._pod(alloc) is None
 
-    def beat(self) -> None:
-        """The heartbeat into every live region; agent fields the container overwrote are put back (the agent is
-        their only writer: a container that zeroes its own limits, or scribbles over its turns, gets them
-        rewritten within one beat). Only the agent's own record of them counts (region.AgentBlock), and limits
-        that differ from the allocation's are set from the allocation."""
+    def beat(self, alloc_ids: list[str] | None = None) -> None:
+        """The heartbeat into every live region (or those of `alloc_ids`); agent fields the container overwrote are
+        put back (the agent is their only writer: a container that zeroes its own limits, or scribbles over its
+        turns, gets them rewritten within one beat). Only the agent's own record of them counts
+        (region.AgentBlock), and limits that differ from the allocation's are set from the allocation."""
         now = time.clock_gettime_ns(time.CLOCK_MONOTONIC)
-        for alloc_id, alloc in list(self.allocator.allocations.items()):
+        for alloc_id in list(self.allocator.allocations) if alloc_ids is None else alloc_ids:
+            alloc = self.allocator.allocations.get(alloc_id)
+            if alloc is None:
+                continue  # retired since the beat began
             region = self._region(alloc_id)
             if region is None:
                 continue
@@ -339,7 +351,11 @@ class Reconciler:
 
     async def run_heartbeat(self) -> None:
         while True:
-            self.beat()
+            ids = list(self.allocator.allocations)
+            for start in range(0, len(ids), RECORDS_PER_STEP):
+                if start:
+                    await asyncio.sleep(0)
+                self.beat(ids[start:start + RECORDS_PER_STEP])
             await asyncio.sleep(HEARTBEAT_INTERVAL_S)
 
     def close(self) -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import operator
 import os
 import stat
 import struct
@@ -72,6 +73,8 @@ _SLOT_READ = tuple(_SLOT_NAMES.index(n) for n in ("pid", "start_time", "memory_u
                                                    "overrun_ns", "wait_ns", "copy_bytes"))
 _AGENT_STRUCT, _AGENT_NAMES = _block_struct("alnair_region_agent", L.AGENT_BLOCK_SIZE)
 _TURN = ("turn_epoch_ns", "turn_period_ns", "turn_offset_ns", "turn_length_ns", "turn_free_until_ns", "turn_spare_ns")
+_TURN_OF = operator.itemgetter(*_TURN)  # the turn fields of an agent block's values, in Turn's order
+_TURN_ATTRS = operator.attrgetter(*(f.removeprefix("turn_") for f in _TURN))  # the same fields of a Turn
 # No lease the agent writes is longer (a few dispatcher ticks): found in a file after a restart, a longer one is a
 # container's doing, as is a period over L.MAX_TURN_PERIOD_NS.
 MAX_LEASE_NS = 10_000_000_000
@@ -328,8 +331,7 @@ class Region:
 
     def turn(self) -> Turn:
         """The container's turns as the agent last wrote them."""
-        v = self.block.values
-        return Turn(*(v[f] for f in _TURN))
+        return Turn(*_TURN_OF(self.block.values))
 
     def set_turn(self, turn: Turn) -> bool:
         """Publish the container's turns (under the sequence lock); False when they are already these."""
@@ -337,8 +339,8 @@ class Region:
                 or not 0 <= turn.length_ns <= turn.period_ns or min(turn.epoch_ns, turn.free_until_ns) < 0 \
                 or not 0 <= turn.spare_ns <= turn.period_ns - turn.length_ns:
             raise ValueError(f"not a schedule: {turn}")
-        if turn == self.turn():
-            return False
+        if _TURN_OF(self.block.values) == _TURN_ATTRS(turn):
+            return False  # the dispatcher's every tick, for every capped container: no Turn built to compare
         self._write_turn(turn)
         return True
 
@@ -354,9 +356,12 @@ class Region:
     def slots(self) -> list[SlotReading]:
         """The claimed slots. A slot with a pid <= 0 is free (or garbage only the container could have written)."""
         data = self._read(L.SLOTS_OFFSET, L.MAX_SLOTS * L.SLOT_SIZE)
+        pids = _PIDS_STRUCT.unpack(data)
+        if max(pids) <= 0:  # no process in it (a slice whose containers have not started): the common case
+            return []
         return [
             SlotReading(i, *(values[k] for k in _SLOT_READ))
-            for i, pid in enumerate(_PIDS_STRUCT.unpack(data)) if pid > 0
+            for i, pid in enumerate(pids) if pid > 0
             for values in (_SLOT_STRUCT.unpack_from(data, i * L.SLOT_SIZE),)
         ]
 
