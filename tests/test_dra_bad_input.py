@@ -5,6 +5,7 @@ wrong (kubelet shows it on the pod), and nothing already held changes."""
 from __future__ import annotations
 
 import copy
+import shutil
 from typing import Any
 
 from fakes.dra import dra_node
@@ -72,6 +73,16 @@ CASES = [
 ]
 
 
+def spec_names(node) -> list[str]:  # type: ignore[no-untyped-def]
+    """The CDI folder's specs, as a runtime reads them (not the hidden temporary files, spares made ahead among them)."""
+    return sorted(p.name for p in node.settings.cdi_dir.iterdir() if not p.name.startswith("."))
+
+
+def allocation_folders(node) -> list[str]:  # type: ignore[no-untyped-def]
+    """The workspace's allocation folders (not its hidden `.spares`: folders made ahead, which no claim holds)."""
+    return sorted(p.name for p in node.settings.workspace.iterdir() if not p.name.startswith("."))
+
+
 async def test_bad_claims_are_refused_naming_what_is_wrong_and_lose_nothing_held(root, api):
     async with dra_node(root, api) as node:
         node.claim("held", [{"name": "gpu", "memory": "4Gi", "compute": "40"}])
@@ -81,15 +92,15 @@ async def test_bad_claims_are_refused_naming_what_is_wrong_and_lose_nothing_held
         allocator = node.running.agent.allocator
         before = {a.id: copy.deepcopy(a) for a in allocator.allocations.values()}
         rooms = allocator.rooms()
-        spec_files = sorted(p.name for p in node.settings.cdi_dir.iterdir())
+        spec_files = spec_names(node)
         for i, (what, results, message) in enumerate(CASES):
             ref = forge(api, f"bad-{i}", results)
             errors = await node.kubelet.prepare_once(DRA_DRIVER, [ref])
             assert message in errors[ref.uid], (what, errors)
             assert {a.id: a for a in allocator.allocations.values()} == before, what
         assert allocator.rooms() == rooms
-        assert sorted(p.name for p in node.settings.cdi_dir.iterdir()) == spec_files
-        assert sorted(p.name for p in node.settings.workspace.iterdir()) == sorted(before)
+        assert spec_names(node) == spec_files
+        assert allocation_folders(node) == sorted(before)
         again = node.kubelet.resolve(before_view.cdi_ids)  # the held container's devices resolve as before
         assert again.envs == before_view.envs and again.mounts == before_view.mounts
 
@@ -126,16 +137,16 @@ async def test_a_spec_that_cannot_be_written_refuses_the_claim_and_leaves_nothin
     async with dra_node(root, api) as node:
         ref = forge(api, "c", [GOOD])
         cdi = node.settings.cdi_dir
-        cdi.rmdir()
+        shutil.rmtree(cdi)  # with the spare spec files made ahead in it
         cdi.write_text("")  # the spec cannot be written (even by root): its folder is a file
         try:
             errors = await node.kubelet.prepare_once(DRA_DRIVER, [ref])
         finally:
             cdi.unlink()
-            cdi.mkdir()
+            cdi.mkdir(exist_ok=True)  # the agent may make it again first (a spare spec file made ahead)
         assert "cannot write its slice" in errors[ref.uid] and "CDI spec" in errors[ref.uid]
         assert not node.running.agent.allocator.allocations
-        assert not [p for p in node.settings.workspace.iterdir()]
+        assert not allocation_folders(node)
         await node.kubelet.prepare(DRA_DRIVER, [ref])
         assert len(node.running.agent.allocator.allocations) == 1
 

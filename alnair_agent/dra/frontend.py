@@ -145,6 +145,6 @@ class DraFrontEnd:
     def services(self) -> list[tuple[str, Coroutine[Any, Any, None]]]:
         out: list[tuple[str, Coroutine[Any, Any, None]]] = [("dra-plugin", self.plugin.run()),
                                                             ("dra-housekeeping", self.housekeeping())]
-        if self.serving:
-            out.append(("dra-slices", self.slices.run()))
+        if self.serving:  # only a serving front-end makes new slices: only it keeps folders made ahead
+            out += [("dra-slices", self.slices.run()), ("dra-spares", self.ledger.keep_spares())]
         return out

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -35,13 +36,17 @@ from alnair_agent.node import edits
 from alnair_agent.node.allocator import Allocator
 from alnair_agent.node.inventory import Gpu
 from alnair_agent.node.region import RegionError
-from alnair_agent.node.workspace import Allocation, ClaimShare, Workspace, new_allocation_id
+from alnair_agent.node.workspace import Allocation, ClaimShare, Spare, Workspace, new_allocation_id
 
 log = structlog.get_logger(__name__)
 
 # Unprepare waits at most this long for a claim's final usage figures (an API outage must not hold kubelet's call:
 # the claim is refused, kubelet calls again, the folders stay meanwhile).
 FINAL_FLUSH_S = 2.0
+# Slice folders and spec files made ahead, in a worker thread, for prepares to take (`Workspace.make_spare`,
+# `CdiWriter.make_spare`): a burst of more prepares than this makes the rest as before, in the call.
+SPARES = 4
+SPARE_RETRY_S = 5.0  # after a spare could not be made (a full disk): the prepares make their own meanwhile
 
 
 class PrepareError(Exception):
@@ -124,11 +129,38 @@ class DraLedger:
         # (re-prepared and unprepared), so no GPU is offered by both front-ends.
         self.accept_new = accept_new
         self._lock = asyncio.Lock()
+        # Claim UID -> its records' allocation ids, and the records whose containers are not named yet: a prepare
+        # touches its own claim's records only, never a scan of every record on the node. Only this ledger makes
+        # and retires claim records (after the allocator's restore, which comes first); lookups still check the
+        # allocator, which stays the one truth of what is held.
+        self._by_claim: dict[str, set[str]] = {}
+        self._unnamed: set[str] = set()
+        self._spares: list[Spare] = []
+        self._spec_spares: list[str] = []
+        self._spare_taken = asyncio.Event()
+        for alloc in self.records():
+            self._index(alloc)
 
     # -- the records -----------------------------------------------------------------------------------------
     def records(self, claim_uid: str | None = None) -> list[Allocation]:
-        return [a for a in self.allocator.allocations.values()
-                if a.claim is not None and (claim_uid is None or a.claim.uid == claim_uid)]
+        if claim_uid is not None:
+            held = self.allocator.allocations
+            return [a for i in self._by_claim.get(claim_uid, ()) if (a := held.get(i)) is not None
+                    and a.claim is not None and a.claim.uid == claim_uid]
+        return [a for a in self.allocator.allocations.values() if a.claim is not None]
+
+    def _index(self, alloc: Allocation) -> None:
+        assert alloc.claim is not None
+        self._by_claim.setdefault(alloc.claim.uid, set()).add(alloc.id)
+        if not alloc.container:
+            self._unnamed.add(alloc.id)
+
+    def _unindex(self, alloc: Allocation) -> None:
+        self._unnamed.discard(alloc.id)
+        if alloc.claim is not None and (ids := self._by_claim.get(alloc.claim.uid)) is not None:
+            ids.discard(alloc.id)
+            if not ids:
+                del self._by_claim[alloc.claim.uid]
 
     def claim_uids(self) -> set[str]:
         return {a.claim.uid for a in self.records() if a.claim is not None}
@@ -142,7 +174,10 @@ class DraLedger:
     def _write_spec(self, claim_uid: str) -> None:
         records = sorted(self.records(claim_uid), key=lambda a: a.created_at)
         if records:
-            self.cdi.write(claim_uid, [(a.id, self._edits(a)) for a in records])
+            spare = self._spec_spares.pop() if self._spec_spares else None
+            if spare is not None:
+                self._spare_taken.set()
+            self.cdi.write(claim_uid, [(a.id, self._edits(a)) for a in records], spare)
         else:
             self.cdi.remove(claim_uid)
 
@@ -229,7 +264,9 @@ class DraLedger:
 
     # -- NodePrepareResources --------------------------------------------------------------------------------
     async def prepare(self, ref: ClaimRef) -> list[PreparedDevice]:
+        started = time.perf_counter()
         claim = await self._read(ref)
+        read_s = time.perf_counter() - started
         results = self._results(ref, claim)
         pod_name, pod_uid = self._consumer(claim)
         async with self._lock:
@@ -258,10 +295,12 @@ class DraLedger:
                     raise
                 raise PrepareError(f"{ref.describe()}: cannot write its slice under {self.workspace.root} or its CDI "
                                    f"spec under {self.cdi.folder}: {e}") from e
-            self.learn_containers()
+            self._learn(self.records(ref.uid))  # records held from before, whose pod the watch now shows
             devices = self._devices(ref.uid)
+        # the times: what the API server's answer took, and the whole prepare as the agent saw it
         log.info("dra_claim_prepared", claim=f"{ref.namespace}/{ref.name}", uid=ref.uid, devices=len(devices),
-                 new=len(created))
+                 new=len(created), read_ms=round(read_s * 1e3, 2),
+                 ms=round((time.perf_counter() - started) * 1e3, 2))
         return devices
 
     def _create(self, r: _Result, pod_name: str, pod_uid: str) -> Allocation:
@@ -269,7 +308,7 @@ class DraLedger:
             raise PrepareError(f"{r.share.describe()}: GPU {r.gpu.uuid} is unhealthy")
         unit = self.inventory.memory_unit_bytes
         memory_units, compute_units = r.consumed.units(unit)
-        room = next((x for x in self.allocator.rooms() if x.uuid == r.gpu.uuid), None)
+        room = self.allocator.room(r.gpu.uuid)
         if room is None or not room.fits(memory_units, compute_units):
             have = room.describe() if room is not None else f"GPU {r.gpu.uuid} is not available"
             raise PrepareError(f"{r.share.describe()} consumes {r.consumed.memory_bytes} bytes of memory "
@@ -280,8 +319,13 @@ class DraLedger:
         alloc = Allocation(id=new_allocation_id(), gpu_uuid=r.gpu.uuid, device_ids={}, wanted=wanted,
                            memory_limit=memory_limit, compute_limit=compute_limit, namespace=r.share.namespace,
                            pod_name=pod_name, pod_uid=pod_uid, claim=r.share)
+        # Its containers named now when the watch shows the pod: the record is then written once, complete.
+        alloc.container = self._containers(alloc)
+        spare = self._spares.pop() if self._spares else None
+        if spare is not None:
+            self._spare_taken.set()
         try:
-            region = self.workspace.create(alloc)
+            region = self.workspace.create(alloc, spare)
         except OSError as e:
             self.workspace.remove(alloc.id)
             full = " (the workspace filesystem is full)" if e.errno in (errno.ENOSPC, errno.EDQUOT) else ""
@@ -289,6 +333,7 @@ class DraLedger:
                                f"{e}") from e
         region.close()
         self.allocator.allocations[alloc.id] = alloc
+        self._index(alloc)
         log.info("dra_slice_created", allocation=alloc.id, claim=f"{r.share.namespace}/{r.share.name}",
                  request=r.share.request, gpu=r.gpu.uuid, memory_limit=memory_limit, compute_limit=compute_limit)
         return alloc
@@ -296,6 +341,7 @@ class DraLedger:
     def _drop(self, alloc: Allocation) -> None:
         self.workspace.remove(alloc.id)
         self.allocator.remove(alloc.id)
+        self._unindex(alloc)
 
     def _write_spec_quietly(self, claim_uid: str) -> None:
         try:
@@ -335,6 +381,62 @@ class DraLedger:
                 self._drop(alloc)
                 log.info("dra_slice_removed", allocation=alloc.id, claim_uid=claim_uid, reason=why)
 
+    # -- spares ----------------------------------------------------------------------------------------------
+    def _make_spares(self, folder: bool, spec: bool) -> tuple[Spare | None, str | None, OSError | None]:
+        """In a worker thread: a slice folder and/or a spec file made ahead (each touches only its own new files;
+        nothing of the ledger's), with the error that stopped it, if any: what was made is kept all the same."""
+        made: Spare | None = None
+        try:
+            if folder:
+                made = self.workspace.make_spare()
+            return made, self.cdi.make_spare() if spec else None, None
+        except OSError as e:
+            return made, None, e
+
+    async def keep_spares(self) -> None:
+        """Service: SPARES slice folders and spec files made ahead, in a worker thread (its file calls never hold
+        the event loop), made again as prepares take them. Stopped, it waits for the ones being made and removes
+        them all."""
+        making: asyncio.Future[tuple[Spare | None, str | None, OSError | None]] | None = None
+        failing = ""
+        try:
+            while True:
+                folder, spec = len(self._spares) < SPARES, len(self._spec_spares) < SPARES
+                if not folder and not spec:
+                    self._spare_taken.clear()
+                    await self._spare_taken.wait()
+                    continue
+                making = asyncio.ensure_future(asyncio.to_thread(self._make_spares, folder, spec))
+                error = self._keep(await asyncio.shield(making))
+                if error is None:
+                    failing = ""
+                    continue
+                if str(error) != failing:
+                    log.warning("dra_spare_failed", workspace=str(self.workspace.spares_folder),
+                                cdi=str(self.cdi.folder), error=str(error), retry_in_s=SPARE_RETRY_S)
+                    failing = str(error)
+                await asyncio.sleep(SPARE_RETRY_S)
+        finally:
+            if making is not None:
+                if not making.done():
+                    await asyncio.wait([making], timeout=5.0)
+                if making.done() and not making.cancelled() and making.exception() is None:
+                    self._keep(making.result())  # made while the service was being stopped: removed below
+            for spare in self._spares:
+                spare.close()
+            self._spares.clear()
+            self._spec_spares.clear()
+            self.workspace.remove_spares()
+            self.cdi.remove_spares()
+
+    def _keep(self, made: tuple[Spare | None, str | None, OSError | None]) -> OSError | None:
+        folder, spec, error = made
+        if folder is not None and folder not in self._spares:
+            self._spares.append(folder)
+        if spec is not None and spec not in self._spec_spares:
+            self._spec_spares.append(spec)
+        return error
+
     # -- restarts and housekeeping ---------------------------------------------------------------------------
     def restore(self) -> None:
         """At start: every prepared claim's CDI spec as its records say; specs of claims without records go (they
@@ -343,6 +445,7 @@ class DraLedger:
             self.cdi.folder.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             log.warning("dra_cdi_folder_unusable", folder=str(self.cdi.folder), error=str(e))
+        self.cdi.remove_spares()  # an earlier run's: no spec is in them
         live = self.claim_uids()
         for uid in sorted(live):
             self._write_spec_quietly(uid)
@@ -353,21 +456,30 @@ class DraLedger:
             except OSError as e:
                 log.warning("dra_cdi_spec_unremovable", claim_uid=uid, error=str(e))
 
+    def _containers(self, alloc: Allocation) -> str:
+        """The slice's containers as its pod names them ("" while the watch does not show the pod)."""
+        if self.pods is None or not self.pods.synced or not alloc.pod_uid or alloc.claim is None:
+            return ""
+        pod = self.pods.get(alloc.pod_uid)
+        return ",".join(pod.claim_containers(alloc.claim.name, alloc.claim.request)) if pod is not None else ""
+
     def learn_containers(self) -> None:
         """Name each slice's containers from its pod (the pod watch may show the pod after kubelet's prepare). A pod's
-        containers and their claims cannot change (the spec is immutable): a slice named once is done."""
-        if self.pods is None or not self.pods.synced:
-            return
-        for alloc in self.records():
-            assert alloc.claim is not None
+        containers and their claims cannot change (the spec is immutable): a slice named once is done, so only
+        the slices not named yet are looked at."""
+        held = self.allocator.allocations
+        self._learn([a for i in list(self._unnamed) if (a := held.get(i)) is not None])
+        self._unnamed.intersection_update(held)  # retired meanwhile (by nothing but this ledger, but be exact)
+
+    def _learn(self, records: list[Allocation]) -> None:
+        for alloc in records:
             if alloc.container:
+                self._unnamed.discard(alloc.id)
                 continue
-            pod = self.pods.get(alloc.pod_uid) if alloc.pod_uid else None
-            if pod is None:
-                continue
-            names = ",".join(pod.claim_containers(alloc.claim.name, alloc.claim.request))
+            names = self._containers(alloc)
             if names:
                 alloc.container = names
+                self._unnamed.discard(alloc.id)
                 try:
                     self.workspace.save(alloc)
                 except OSError as e:

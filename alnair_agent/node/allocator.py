@@ -42,7 +42,7 @@ from alnair_agent.constants import DEVICE_ID_SEPARATOR, RESOURCE_COMPUTE, RESOUR
 from alnair_agent.kube.pods import ContainerRequest, PodInfo
 from alnair_agent.node import edits, fit
 from alnair_agent.node.decision import Granted
-from alnair_agent.node.inventory import Inventory, UnknownDevice
+from alnair_agent.node.inventory import Gpu, Inventory, UnknownDevice
 from alnair_agent.node.region import RegionError
 from alnair_agent.node.workspace import Allocation, Workspace, new_allocation_id
 
@@ -179,19 +179,38 @@ class Allocator:
         """Free units per healthy GPU: offered minus held (minus `ignore`: devices being handed on within a pod).
         A record's devices are all on its GPU (checked at Allocate), so units are counted per record; a DRA claim's
         slice holds the units it consumed (one ledger for both front-ends)."""
+        used = self._used(None, ignore)
+        return [self._room(gpu, used) for gpu in self.inventory.gpus.values() if gpu.healthy]
+
+    def room(self, gpu_uuid: str) -> fit.Room | None:
+        """`rooms()`'s entry for one GPU (None when it is unknown or unhealthy), counting only that GPU's records:
+        the DRA prepare asks for one GPU per claim result. Counted from the records every time, never kept as a
+        running total that a record changed elsewhere could leave wrong (a wrong total double-books)."""
+        gpu = self.inventory.gpus.get(gpu_uuid)
+        if gpu is None or not gpu.healthy:
+            return None
+        return self._room(gpu, self._used(gpu_uuid))
+
+    def _used(self, gpu_uuid: str | None, ignore: frozenset[str] | set[str] = frozenset()) -> Counter[tuple[str, str]]:
+        """(GPU, resource) -> units held, over every GPU or only `gpu_uuid`'s records."""
         used = Counter(self._external_used)
         for a in self.allocations.values():
+            if gpu_uuid is not None and a.gpu_uuid != gpu_uuid:
+                continue
             if a.claim is not None:
                 for r, n in a.wanted.items():
                     used[(a.gpu_uuid, r)] += n
             elif self.live(a):
                 for r, ids in a.device_ids.items():
                     used[(a.gpu_uuid, r)] += len(ids) - (len(ignore.intersection(ids)) if ignore else 0)
-        return [fit.Room(gpu.uuid, gpu.info.index,
-                         gpu.units[RESOURCE_MEMORY] - used[(gpu.uuid, RESOURCE_MEMORY)],
-                         gpu.units[RESOURCE_COMPUTE] - used[(gpu.uuid, RESOURCE_COMPUTE)],
-                         gpu.units[RESOURCE_MEMORY], gpu.units[RESOURCE_COMPUTE])
-                for gpu in self.inventory.gpus.values() if gpu.healthy]
+        return used
+
+    @staticmethod
+    def _room(gpu: Gpu, used: Counter[tuple[str, str]]) -> fit.Room:
+        return fit.Room(gpu.uuid, gpu.info.index,
+                        gpu.units[RESOURCE_MEMORY] - used[(gpu.uuid, RESOURCE_MEMORY)],
+                        gpu.units[RESOURCE_COMPUTE] - used[(gpu.uuid, RESOURCE_COMPUTE)],
+                        gpu.units[RESOURCE_MEMORY], gpu.units[RESOURCE_COMPUTE])
 
     def pods_held(self) -> set[str]:
         """UIDs of the pods whose units the free counts subtract (for the node annotation)."""

@@ -5,6 +5,13 @@ record the agent restarts from lives beside it, out of reach, and the region is 
 
 The allocation record is what survives an agent restart; it is written atomically (temp file + rename) before
 kubelet gets the Allocate answer, so no answered allocation is ever unknown after a restart.
+
+Spares (`make_spare`, in ALNAIR_WORKSPACE/.spares/): a folder with its `run/`, a region without limits and an empty
+temporary record, made ahead of need, outside the allocations' namespace, so a creation that takes one
+(`create(alloc, spare)`) renames it into place and only writes the limits and the record, creating no file: making
+files (an inode each, half a millisecond on a slow disk) is most of a DRA prepare's own cost. No container ever sees
+a spare (nothing names it before the rename, and its record is written after), and spares are never kept across
+restarts: `load_all` removes them, as it removes any folder without a record.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ from alnair_agent.node.region import AgentBlock, Region, RegionError
 log = structlog.get_logger(__name__)
 
 _ID_RE = re.compile(r"^[0-9a-f]{16}$")
+SPARES_FOLDER_NAME = ".spares"  # hidden, and never an allocation id
 
 
 def new_allocation_id() -> str:
@@ -119,6 +127,18 @@ def _record_from_json(data: object) -> Allocation:
     return alloc
 
 
+@dataclass(frozen=True)
+class Spare:
+    """A folder made ahead (`Workspace.make_spare`): its name under the spares folder, and its region, open (no
+    limits yet; `close` it when the spare is not taken)."""
+
+    name: str
+    region: Region
+
+    def close(self) -> None:
+        self.region.close()
+
+
 class WorkspaceError(Exception):
     """The workspace folder cannot be used (a file, under a file, read-only, missing and not creatable)."""
 
@@ -202,8 +222,41 @@ class Workspace:
         """The host folder mounted at /run/alnair in the container."""
         return self.path(alloc_id) / CONTAINER_FOLDER_NAME
 
-    def create(self, alloc: Allocation) -> Region:
-        """Create the container's folder, its region (with the limits) and its record."""
+    @property
+    def spares_folder(self) -> Path:
+        return self.root / SPARES_FOLDER_NAME
+
+    def make_spare(self) -> Spare:
+        """A folder with `run/`, a region without limits and an empty temporary record, for a later `create` to
+        take. It touches nothing but its own new folder, so it may run in a worker thread beside the event loop."""
+        spares = self.spares_folder
+        spares.mkdir(mode=FOLDER_MODE, exist_ok=True)
+        name = secrets.token_hex(8)
+        folder = spares / name
+        folder.mkdir(mode=FOLDER_MODE)
+        region = None
+        try:
+            run = folder / CONTAINER_FOLDER_NAME
+            run.mkdir(mode=RUN_MODE)
+            os.chmod(run, RUN_MODE)  # whatever the umask
+            os.close(os.open(folder / (ALLOCATION_FILE_NAME + ".tmp"),
+                             os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, RECORD_MODE))
+            region = Region.create(run / REGION_FILE_NAME, 0, 0)
+        except BaseException:
+            if region is not None:
+                region.close()
+            self._rmtree(folder)
+            raise
+        return Spare(name, region)
+
+    def remove_spares(self) -> None:
+        self._rmtree(self.spares_folder)
+
+    def create(self, alloc: Allocation, spare: Spare | None = None) -> Region:
+        """Create the container's folder, its region (with the limits) and its record; from `spare` when given
+        (renamed into place: an allocation's folder is never empty, so a clash of ids fails the rename)."""
+        if spare is not None:
+            return self._take(alloc, spare)
         folder = self.path(alloc.id)
         folder.mkdir(mode=FOLDER_MODE)
         region = None
@@ -218,6 +271,24 @@ class Workspace:
             # A full disk (or anything else) leaves nothing behind: no half-made folder, no open descriptor.
             if region is not None:
                 region.close()
+            self.remove(alloc.id)
+            raise
+        return region
+
+    def _take(self, alloc: Allocation, spare: Spare) -> Region:
+        region = spare.region  # open since it was made, by this agent, and never handed to anyone
+        try:
+            os.rename(self.spares_folder / spare.name, self.path(alloc.id))
+        except FileNotFoundError:  # the spare went (the workspace cleared under the agent): made the usual way
+            region.close()
+            return self.create(alloc)
+        try:
+            region.path = self.container_folder(alloc.id) / REGION_FILE_NAME
+            region.set_limits(alloc.memory_limit, alloc.compute_limit)
+            self.save(alloc)  # into the spare's temporary record: no file made
+            self._blocks[alloc.id] = region.block
+        except BaseException:
+            region.close()
             self.remove(alloc.id)
             raise
         return region
@@ -308,6 +379,7 @@ class Workspace:
         out = []
         if not self.root.is_dir():
             return out
+        self.remove_spares()  # an earlier run's spares: never handed to any container
         for folder in sorted(self.root.iterdir()):
             if not _ID_RE.match(folder.name) or folder.is_symlink() or not folder.is_dir():
                 continue
