@@ -1,10 +1,11 @@
 """The DRA front-end: NodePrepareResources latency with 100 claims on the node (goal: p99 <= 10 ms), and 100 claims
 onto 5 simulated nodes through the allocator stand-in with no double booking.
 
-Part 1: the real agent (8 simulated 80 GiB GPUs, ALNAIR_FRONTEND=dra) runs as its own process (`python -m
-alnair_agent.main`, reaching the API server stand-in by KUBECONFIG, as on a node), so the stand-ins never run on its
-event loop; the API server stand-in (resource.k8s.io/v1 through kubernetes-asyncio) and the DRA kubelet emulator
-share this process, and all talk real gRPC over unix sockets and HTTP. 100 claims of 4 GiB + 6 % are allocated by
+Part 1: three processes, as on a node: the real agent (8 simulated 80 GiB GPUs, ALNAIR_FRONTEND=dra) runs as its own
+process (`python -m alnair_agent.main`, reaching the API server stand-in by KUBECONFIG), the API server stand-in
+(resource.k8s.io/v1, which the agent reads through kubernetes-asyncio) runs in another (its work for the agent's own
+writes must not delay kubelet's calls), and the DRA kubelet emulator runs here; they talk real gRPC over unix sockets
+and HTTP. 100 claims of 4 GiB + 6 % are allocated by
 the allocator stand-in (kube-scheduler's rules for consumable capacity) and prepared one after the other; each
 NodePrepareResources is timed as kubelet sees it (the gRPC round trip: the agent's GET of the claim from the API
 server, the folder, region and record, and the CDI spec). Then each is unprepared. Held and left slices are the
@@ -23,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import random
 import statistics
 import sys
@@ -34,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 from agent_harness import remove_tree, short_tmp  # noqa: E402
 from fakes.apiserver import FakeApiServer  # noqa: E402
+from fakes.apiserver_process import ApiServerProcess  # noqa: E402
 from fakes.dra import dra_node  # noqa: E402
 from fakes.dra_allocator import AllocationFailed, Allocator  # noqa: E402
 
@@ -59,7 +62,7 @@ def records(workspace: Path) -> int:
 async def prepare_latency(claims: int) -> dict[str, Any]:
     root = short_tmp()
     try:
-        async with FakeApiServer() as api:
+        async with ApiServerProcess() as api:
             async with dra_node(root, api, process=True, sim_gpus=parse_sim_gpus("8x80GiB"),
                                 resync_interval_s=1.0) as node:
                 pods = []
@@ -80,11 +83,27 @@ async def prepare_latency(claims: int) -> dict[str, Any]:
                 for rpc, seconds in node.kubelet.call_times:
                     calls.setdefault(rpc, []).append(seconds * 1e3)
                 left = records(node.settings.workspace)
+                assert node.process is not None
+                inside = agent_times(node.process.output())
     finally:
         remove_tree(root)
     return {"claims": claims, "held_after_prepare": held, "left_after_unprepare": left,
-            "calls": {**{k: stats(v) for k, v in calls.items()}, "prepare + start (kubelet)": stats(admit)},
+            "calls": {**{k: stats(v) for k, v in calls.items()}, "prepare + start (kubelet)": stats(admit),
+                      **{k: stats(v) for k, v in inside.items() if v}},
             "prepare_ms_in_order": calls.get("NodePrepareResources", [])}
+
+
+def agent_times(log: str) -> dict[str, list[float]]:
+    """The agent's own view of each prepare, from its `dra_claim_prepared` log lines: the whole ledger prepare, and
+    its GET of the claim (the rest of kubelet's figure is gRPC and waiting for the agent's event loop)."""
+    out: dict[str, list[float]] = {"agent: prepare (its log)": [], "agent: GET of the claim": []}
+    for line in log.splitlines():
+        with contextlib.suppress(ValueError):
+            entry = json.loads(line)
+            if isinstance(entry, dict) and entry.get("event") == "dra_claim_prepared" and "ms" in entry:
+                out["agent: prepare (its log)"].append(float(entry["ms"]))
+                out["agent: GET of the claim"].append(float(entry["read_ms"]))
+    return out
 
 
 def consumed(claim: dict[str, Any]) -> list[tuple[str, str, int, int]]:

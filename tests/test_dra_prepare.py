@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 
 import pytest
 from agent_harness import node_settings, registered, running_agent
+from fakes.apiserver_process import ApiServerProcess
 from fakes.dra import dra_node
 from fakes.dra_allocator import AllocationFailed
+from fakes.util import wait_until
 
 from alnair_agent.constants import (
     CONTAINER_RUN_DIR,
@@ -313,11 +316,13 @@ async def test_prepare_waits_for_nothing_when_kubelet_names_a_claim_of_another_d
         assert node.kubelet.prepared[ref.uid] == [] and not node.running.agent.allocator.allocations
 
 
-async def test_the_agent_process_prepares_claims_and_keeps_them_through_a_kill(root, api):
-    """`python -m alnair_agent.main` with ALNAIR_FRONTEND=dra and a KUBECONFIG (the production wiring): a claim is
-    prepared, survives a SIGKILL of the agent (the record and spec were on disk before the answer), is prepared
-    again with the same devices, and its folder goes with the unprepare."""
-    async with dra_node(root, api, process=True) as node:
+async def test_the_agent_process_prepares_claims_and_keeps_them_through_a_kill(root):
+    """`python -m alnair_agent.main` with ALNAIR_FRONTEND=dra and a KUBECONFIG (the production wiring), the API server
+    stand-in in a process of its own: a claim is prepared, survives a SIGKILL of the agent (the record and spec were
+    on disk before the answer), is prepared again with the same devices, and its folder goes with the unprepare."""
+    async with ApiServerProcess() as api, dra_node(root, api, process=True) as node:
+        with pytest.raises(KeyError):
+            api.claim("default", "none")  # a hook's own error comes back through the pipe
         node.claim("c1", [{"name": "gpu", "memory": "4Gi", "compute": "30"}])
         pod = node.pod("p1", {"gpu": "c1"}, [("main", [("gpu", None)])])
         node.schedule(pod, ["c1"])
@@ -337,3 +342,35 @@ async def test_the_agent_process_prepares_claims_and_keeps_them_through_a_kill(r
         await node.finish(pod)
         assert not list(node.settings.workspace.glob("*/allocation.json"))
         assert not list(node.settings.cdi_dir.glob("*.json"))
+
+
+async def test_a_prepare_takes_a_slice_folder_and_a_spec_file_made_ahead_and_none_outlives_the_agent(root, api):
+    """The front-end keeps folders and spec files made ahead (off the prepare's path): a prepare renames them into
+    place, they are made again, and the agent's stop removes what is left (its restart would, too)."""
+    from alnair_agent.dra.ledger import SPARES
+
+    ws, cdi = root / "ws", root / "cdi"
+
+    def spares() -> tuple[dict[str, int], dict[str, int]]:
+        """(spare folder -> its region's inode, spare spec file -> its inode)"""
+        folders = {f: (ws / ".spares" / f / "run" / REGION_FILE_NAME).stat().st_ino
+                   for f in (os.listdir(ws / ".spares") if (ws / ".spares").exists() else [])}
+        return folders, {n: (cdi / n).stat().st_ino for n in os.listdir(cdi) if n.startswith(".spare-")}
+
+    async with dra_node(root, api) as node:
+        await wait_until(lambda: [len(x) for x in spares()] == [SPARES, SPARES])
+        folders, files = spares()
+        node.claim("c1", [{"name": "gpu", "memory": "4Gi", "compute": "30"}])
+        pod = node.pod("p1", {"gpu": "c1"}, [("main", [("gpu", None)])])
+        node.schedule(pod, ["c1"])
+        view = (await node.start(pod))["main"]
+        assert region_limits(node, view) == (4 * GiB, 30)
+        [alloc] = node.running.agent.allocator.allocations.values()
+        assert (ws / alloc.id / "run" / REGION_FILE_NAME).stat().st_ino in folders.values()
+        spec = cdi / f"alnair.centaurus.io-gpu_{node.refs(pod)['gpu'].uid}.json"
+        assert spec.stat().st_ino in files.values()
+        await wait_until(lambda: [len(x) for x in spares()] == [SPARES, SPARES])  # made again
+        now_folders, now_files = spares()
+        assert len(set(folders) - set(now_folders)) == 1 and len(set(files) - set(now_files)) == 1
+        await node.finish(pod)
+    assert spares() == ({}, {})

@@ -127,6 +127,9 @@ class DraKubeletEmulator:
         # channels of plugins registered again at the same endpoint: calls in flight on them finish (a registration
         # socket whose mode the plugin set after the watcher saw it looks made again); closed with the watcher
         self._retired: list[grpc.aio.Channel] = []
+        # the runtime's cache of the CDI folder (containerd keeps one, refreshed on change): spec file name ->
+        # (what the file looked like when read, its devices); only a file that changed is read again
+        self._specs: dict[str, tuple[tuple[int, int, int, int], dict[str, dict]]] = {}
 
     # -- lifetime --------------------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -315,16 +318,30 @@ class DraKubeletEmulator:
         try:
             names = sorted(os.listdir(self.cdi_dir))
         except OSError:
-            return devices
+            names = []
+        seen = set()
         for name in names:
             if not name.endswith(".json") or name.startswith("."):
                 continue
+            path = self.cdi_dir / name
             try:
-                spec = json.loads((self.cdi_dir / name).read_text())
-            except (OSError, ValueError):
+                st = os.stat(path)
+            except OSError:
                 continue
-            for d in spec.get("devices", []):
-                devices[f"{spec['kind']}={d['name']}"] = d.get("containerEdits", {})
+            sig = (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)  # the agent renames new specs into place
+            seen.add(name)
+            cached = self._specs.get(name)
+            if cached is None or cached[0] != sig:
+                try:
+                    spec = json.loads(path.read_text())
+                    found = {f"{spec['kind']}={d['name']}": d.get("containerEdits", {})
+                             for d in spec.get("devices", [])}
+                except (OSError, ValueError, KeyError, TypeError, AttributeError):
+                    found = {}  # unreadable or not a spec: no devices from it, as the runtime skips it
+                cached = self._specs[name] = (sig, found)
+            devices.update(cached[1])
+        for name in [n for n in self._specs if n not in seen]:
+            del self._specs[name]
         return devices
 
     def resolve(self, cdi_ids: list[str]) -> ContainerView:

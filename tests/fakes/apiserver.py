@@ -367,6 +367,9 @@ class FakeApiServer(ResourceApiMixin):
         self._commit_node(name, None, obj)
         return copy.deepcopy(obj)
 
+    def has_node(self, name: str) -> bool:
+        return name in self._nodes
+
     def delete_node(self, name: str) -> None:
         self._commit_node(name, self._nodes[name], None)
 

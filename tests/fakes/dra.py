@@ -28,6 +28,7 @@ from typing import Any
 import yaml
 from agent_harness import NODE, AgentProcess, RunningAgent, kubernetes_for, node_settings, running_agent
 from fakes.apiserver import FakeApiServer, make_pod
+from fakes.apiserver_process import ApiServerProcess
 from fakes.dra_allocator import Allocator, reserved_for
 
 from alnair_agent.config import Settings
@@ -79,7 +80,7 @@ def make_claim_pod(name: str, claims: Mapping[str, str], containers: list[tuple[
 
 @dataclass
 class DraNode:
-    api: FakeApiServer
+    api: FakeApiServer | ApiServerProcess
     settings: Settings
     kubelet: DraKubeletEmulator
     running: RunningAgent
@@ -217,18 +218,19 @@ class DraNode:
 
 
 @contextlib.asynccontextmanager
-async def dra_node(root: Path, api: FakeApiServer, process: bool = False, **overrides: Any) -> AsyncIterator[DraNode]:
+async def dra_node(root: Path, api: FakeApiServer | ApiServerProcess, process: bool = False,
+                   **overrides: Any) -> AsyncIterator[DraNode]:
     """The real agent with the DRA front-end on `root`, its kubelet, and the DeviceClass on the API server
     (`node_name=` in `overrides` names another node: several can share one API server). `process`: the agent runs
     as its own process, reaching the stand-in by KUBECONFIG, as on a node."""
     settings = replace(node_settings(root, frontend="dra", dra_plugin_dir=root / "plugins" / "alnair",
                                      plugins_registry_dir=root / "plugins_registry", cdi_dir=root / "cdi",
                                      place_unscheduled=False), **overrides)
-    if DRA_DEVICE_CLASS not in api._classes:
+    if not api.has_device_class(DRA_DEVICE_CLASS):
         api.add_device_class(device_class())
     agent_process = None
     if process:
-        if settings.node_name not in api._nodes:  # the agent's node report goes on it
+        if not api.has_node(settings.node_name):  # the agent's node report goes on it
             api.add_node(settings.node_name)
         root.mkdir(parents=True, exist_ok=True)
         agent_process = AgentProcess(settings, extra_env={

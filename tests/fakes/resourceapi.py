@@ -14,7 +14,7 @@ Writes are validated against the Kubernetes 1.36 schemas (kubernetes-validate, s
 server would refuse gets 422 with the validator's message. `consumable_capacity=False` plays an API server without
 the DRAConsumableCapacity feature: it drops allowMultipleAllocations and the capacity request policies, silently,
 as a disabled feature's fields are dropped. Test hooks (synchronous): add_claim, claim, set_claim_status,
-delete_claim, claims, add_device_class, resource_slice, resource_slices, delete_resource_slice; faults through
+delete_claim, claims, add_device_class, has_device_class, resource_slice, resource_slices, delete_resource_slice; faults through
 fail_next with the ops get_claim, list_slices, get_slice, create_slice, replace_slice, delete_slice.
 """
 
@@ -142,6 +142,9 @@ class ResourceApiMixin:
 
     def delete_claim(self, namespace: str, name: str) -> None:
         self._publish("resourceclaims", self._claims.pop((namespace, name)), None)
+
+    def has_device_class(self, name: str) -> bool:
+        return name in self._classes
 
     def add_device_class(self, obj: Mapping[str, Any]) -> dict[str, Any]:
         cls = copy.deepcopy(dict(obj))
