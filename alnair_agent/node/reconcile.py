@@ -91,6 +91,8 @@ class UsageSink(Protocol):
 
     def seen(self, alloc: Allocation) -> None: ...
 
+    async def seen_all(self, allocs: list[Allocation]) -> None: ...
+
     async def final(self, alloc: Allocation, timeout: float = 10.0) -> bool: ...
 
     def forget(self, alloc: Allocation) -> None: ...
@@ -184,11 +186,18 @@ class Reconciler:
             self._forget_region(alloc_id)  # abandoned by the allocator
         now = time.time()
         ended: list[Allocation] = []
-        for alloc in list(self.allocator.allocations.values()):
+        live: list[Allocation] = []
+        for n, alloc in enumerate(list(self.allocator.allocations.values())):
+            if n and n % RECORDS_PER_STEP == 0:
+                await asyncio.sleep(0)
+            if alloc.id not in self.allocator.allocations:
+                continue  # retired meanwhile
             if self._ended(alloc, by_id, now):
                 ended.append(alloc)
             elif self.usage is not None and alloc.identified:
-                self.usage.seen(alloc)
+                live.append(alloc)
+        if self.usage is not None and live:
+            await self.usage.seen_all(live)
         if ended:
             await self._finish(ended, by_id, asked=held is not None)
         self._set_node_report()
