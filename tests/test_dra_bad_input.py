@@ -5,12 +5,15 @@ wrong (kubelet shows it on the pod), and nothing already held changes."""
 from __future__ import annotations
 
 import copy
+import os
 import shutil
 from typing import Any
 
 from fakes.dra import dra_node
+from fakes.util import wait_until
 
 from alnair_agent.constants import DRA_DRIVER
+from alnair_agent.dra.ledger import SPARES
 from alnair_agent.kubelet.dra_emulator import Claim
 from alnair_agent.proto import dra_v1_pb2, dra_v1_pb2_grpc
 
@@ -137,7 +140,9 @@ async def test_a_spec_that_cannot_be_written_refuses_the_claim_and_leaves_nothin
     async with dra_node(root, api) as node:
         ref = forge(api, "c", [GOOD])
         cdi = node.settings.cdi_dir
-        shutil.rmtree(cdi)  # with the spare spec files made ahead in it
+        # the agent makes spec files ahead into this folder: once they are all made it writes nothing there
+        await wait_until(lambda: len([n for n in os.listdir(cdi) if n.startswith(".spare-")]) == SPARES)
+        shutil.rmtree(cdi)
         cdi.write_text("")  # the spec cannot be written (even by root): its folder is a file
         try:
             errors = await node.kubelet.prepare_once(DRA_DRIVER, [ref])

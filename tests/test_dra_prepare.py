@@ -9,6 +9,8 @@ import asyncio
 import json
 import os
 
+from pathlib import Path
+
 import pytest
 from agent_harness import node_settings, registered, running_agent
 from fakes.apiserver_process import ApiServerProcess
@@ -351,11 +353,17 @@ async def test_a_prepare_takes_a_slice_folder_and_a_spec_file_made_ahead_and_non
 
     ws, cdi = root / "ws", root / "cdi"
 
+    def inode(path: Path) -> int | None:
+        try:
+            return path.stat().st_ino
+        except FileNotFoundError:  # being made (or taken) right now
+            return None
+
     def spares() -> tuple[dict[str, int], dict[str, int]]:
-        """(spare folder -> its region's inode, spare spec file -> its inode)"""
-        folders = {f: (ws / ".spares" / f / "run" / REGION_FILE_NAME).stat().st_ino
-                   for f in (os.listdir(ws / ".spares") if (ws / ".spares").exists() else [])}
-        return folders, {n: (cdi / n).stat().st_ino for n in os.listdir(cdi) if n.startswith(".spare-")}
+        """(spare folder -> its region's inode, spare spec file -> its inode), of the complete ones"""
+        names = os.listdir(ws / ".spares") if (ws / ".spares").exists() else []
+        folders = {f: i for f in names if (i := inode(ws / ".spares" / f / "run" / REGION_FILE_NAME)) is not None}
+        return folders, {n: i for n in os.listdir(cdi) if n.startswith(".spare-") and (i := inode(cdi / n))}
 
     async with dra_node(root, api) as node:
         await wait_until(lambda: [len(x) for x in spares()] == [SPARES, SPARES])
