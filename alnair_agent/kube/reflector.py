@@ -6,18 +6,23 @@ cheaper, and thousands of Node objects stay affordable), resumed from the last r
 
 The watch stream is read here, line by line, rather than through kubernetes-asyncio's `Watch`: that class builds a
 new API client (an SSL context: the system's CA bundle loaded, 50 ms of a 2-core node's event loop) for every watch
-connection, and encodes and decodes every event once more to hand back a copy this loop never uses.
+connection, and encodes and decodes every event once more to hand back a copy this loop never uses. What `Watch`
+handled is kept (tests/test_reflector.py): an ERROR event or a bare Status raises ApiException with its code (410
+Gone: a fresh LIST); a BOOKMARK moves the resourceVersion a reconnect resumes from, as every event's object does;
+lines are cut by aiohttp's readline on the agent's own session (an event split across chunks arrives whole; the
+session's 2 MiB read buffer, set by kubernetes-asyncio, holds the largest objects); the server's timeoutSeconds
+ends the stream and the loop reconnects from the last version, and a read timeout or a dropped connection is a
+failure retried with backoff, from the same version.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
-
-import json
 
 import aiohttp
 import structlog
