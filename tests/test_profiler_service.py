@@ -139,6 +139,36 @@ async def test_ended_entries_stay_for_their_pod_and_never_reach_a_new_pod_of_the
     assert set(written(sink)) == {"main"} and written(sink)["main"]["allocation"] == "00000000000000d2"
 
 
+async def test_a_container_retired_while_a_pass_gives_the_loop_back_keeps_its_final_figures(tmp_path: Path) -> None:
+    """A pass over every pod (`seen_all`, and the tick's `_publish_due`) gives the loop back every few pods written;
+    the reconciler or an unprepare may retire one of a later pod's containers meanwhile (its final figures written
+    earlier, e.g. held back by an API outage). That pod's write must carry the container's final figures, not a
+    fresh entry made again for an allocation no longer held (its figures reset, and an entry never forgotten)."""
+    import asyncio
+
+    names = [f"q{i}" for i in range(8)]  # written first: the pass gives the loop back after them
+    pods = Pods(by_name={("default", n): pod_info(n, f"uid-{n}") for n in names})
+    pods.by_name[("default", "s")] = pod_info("s", "uid-s", containers=("init", "main"))
+    first = [alloc(f"00000000000000{i:02x}", n, f"uid-{n}") for i, n in enumerate(names)]
+    init, main = alloc("00000000000000e1", "s", "uid-s", "init"), alloc("00000000000000e2", "s", "uid-s", "main")
+    p, sink = make(tmp_path, pods, [*first, init, main])
+
+    assert await p.final(init)  # its last figures, set a while ago
+    p._published.clear()  # ... more than an interval ago: the pod is due again
+
+    async def retired() -> None:  # runs when the pass first gives the loop back
+        p.forget(init)
+        del p.allocator.allocations[init.id]
+
+    retire = asyncio.create_task(retired())
+    await p.seen_all([*first, main])
+    await retire
+    [last] = [w for w in sink.writes if w[1] == "s"][-1:]
+    entries = json.loads(last[2][USAGE_ANNOTATION])
+    assert entries["init"]["state"] == "ended" and entries["main"]["state"] != "ended"
+    assert init.id not in p.usage
+
+
 async def test_samples_add_up_for_the_container_of_the_process(tmp_path: Path) -> None:
     proc = tmp_path / "proc" / "4242"
     proc.mkdir(parents=True)

@@ -388,13 +388,14 @@ class Profiler:
             if now - self._published.get(key, -1e18) >= self.annotate_interval_s:
                 if published and published % PODS_PER_STEP == 0:
                     await asyncio.sleep(0)
-                    allocs = [a for a in allocs if a.id in self.allocator.allocations]  # retired meanwhile
                 self._publish(key, now, allocs)
                 published += 1
 
     def _publish(self, key: PodKey, now: float, allocs: "list[Allocation] | None" = None) -> None:
         """Write the pod's usage annotation: as found on the pod, with this agent's entries replaced (`allocs`: the
-        pod's allocations, where the caller has them: a pass over every pod must not look them up per pod)."""
+        pod's allocations, where the caller has them: a pass over every pod must not look them up per pod; it may
+        have found them before it gave the loop back, so one retired since is skipped: its final figures are in
+        `_ended`, and an entry made again for it would reset them and never be forgotten)."""
         assert self.annotations is not None
         entries: dict[str, object] = {}
         pod = self.pods.find(*key) if self.pods is not None else None
@@ -406,7 +407,10 @@ class Profiler:
         if allocs is None:
             allocs = [a for a in self.allocator.allocations.values()
                       if a.identified and a.container and (a.namespace, a.pod_name) == key]
+        held = self.allocator.allocations
         for alloc in allocs:
+            if alloc.id not in held:
+                continue
             u = self.usage.get(alloc.id) or self._entry(alloc)
             entries[alloc.container] = u.entry()
         self._published[key] = now
