@@ -6,7 +6,10 @@ from __future__ import annotations
 import json
 import os
 import stat
+from dataclasses import replace
 from pathlib import Path
+
+import pytest
 
 from alnair_agent.constants import ALLOCATION_FILE_NAME, CONTAINER_FOLDER_NAME, REGION_FILE_NAME
 from alnair_agent.dra.cdi import CdiWriter
@@ -73,6 +76,17 @@ def test_a_spare_that_went_is_replaced_by_a_fresh_creation(tmp_path: Path) -> No
     alloc = allocation()
     ws.create(alloc, spare).close()
     assert [a.id for a in ws.load_all()] == [alloc.id]
+
+
+def test_a_spare_that_cannot_be_taken_leaves_the_held_folder_alone_and_its_region_closed(tmp_path: Path) -> None:
+    ws = workspace(tmp_path)
+    held = allocation()
+    ws.create(held).close()
+    spare = ws.make_spare()
+    with pytest.raises(OSError):  # the same id: the rename fails, it never replaces the held folder
+        ws.create(replace(held, memory_limit=GiB), spare)
+    assert spare.region._fd < 0  # closed with the failure, not leaked
+    assert [(a.id, a.memory_limit) for a in ws.load_all()] == [(held.id, held.memory_limit)]
 
 
 def test_a_spec_written_through_a_spare_is_the_spare_file_and_spares_are_removable(tmp_path: Path) -> None:

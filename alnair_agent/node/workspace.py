@@ -282,6 +282,9 @@ class Workspace:
         except FileNotFoundError:  # the spare went (the workspace cleared under the agent): made the usual way
             region.close()
             return self.create(alloc)
+        except OSError:  # not taken (e.g. the name is held): the spare's region is not leaked with it
+            region.close()
+            raise
         try:
             region.path = self.container_folder(alloc.id) / REGION_FILE_NAME
             region.set_limits(alloc.memory_limit, alloc.compute_limit)
