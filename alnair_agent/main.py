@@ -27,7 +27,12 @@ log = structlog.get_logger("alnair_agent")
 # How long a thread running Python may keep the GIL from one that waits (CPython's default is 5 ms). The agent's
 # worker threads parse regions (the profiler, each second) and make files ahead (the DRA front-end) beside the event
 # loop, and every system call the loop makes lets one of them take the GIL: at 5 ms each, 20 preads took 47 ms beside
-# a busy worker on the 2-vCPU box (3.8 ms at 0.5 ms), and a kubelet call waited that out.
+# a busy worker on the 2-vCPU box (3.8 ms at 0.5 ms), and a kubelet call waited that out. This is CPython's convoy
+# effect, and `sys.setswitchinterval` is the interpreter's own knob for it (nothing to hand-write; the alternative,
+# keeping Python off worker threads, would put the same work back on the loop). The price is up to ten times the GIL
+# hand-offs between busy threads; no thread of the agent is throughput-bound (a two-thread spin test showed no loss
+# above this box's noise). It is interpreter-wide, so it is set here, once, in the agent's own process: importing
+# the package or running the tests in-process changes nothing.
 GIL_SWITCH_S = 0.0005
 
 
