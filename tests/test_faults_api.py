@@ -42,6 +42,12 @@ def heartbeat(api: FakeApiServer) -> str:
     return json.loads(raw).get("heartbeat", "") if raw else ""
 
 
+def usage(api: FakeApiServer, pod: str) -> dict[str, object]:
+    """The pod's container "main" as its usage annotation has it ({} before the first figures)."""
+    raw = api.pod_annotations("default", pod).get(USAGE_ANNOTATION)
+    return json.loads(raw).get("main", {}) if raw else {}
+
+
 async def outage_then_back(root: Path, outage_s: float) -> None:
     async with FakeApiServer() as api:
         api.add_node(NODE)
@@ -53,8 +59,9 @@ async def outage_then_back(root: Path, outage_s: float) -> None:
             agent.start()
             try:
                 await registered(kubelet, timeout=20)
-                for name in ("a", "b"):
-                    api.add_pod(make_pod(name, node=NODE, containers=[{"name": "main", "memory": 1, "compute": 10}]))
+                for name in ("a", "b"):  # run once: "a"'s container ending below is for good
+                    api.add_pod(make_pod(name, node=NODE, containers=[{"name": "main", "memory": 1, "compute": 10}],
+                                         restart_policy="Never"))
                     await kubelet.admit("default", name, "main", {MEM: 1, SM: 10})
                     api.set_container_running("default", name, "main")
                 await wait_until(lambda: all(ALLOCATED_ANNOTATION in api.pod_annotations("default", n)
@@ -72,9 +79,10 @@ async def outage_then_back(root: Path, outage_s: float) -> None:
                     await asyncio.sleep(0.5)
                 beat_before = heartbeat(api)
                 await api.recover()
-                # The latest figures: a's final usage, b's running usage, the node report's heartbeat.
-                await wait_until(lambda: USAGE_ANNOTATION in api.pod_annotations("default", "a"), 40)
-                await wait_until(lambda: USAGE_ANNOTATION in api.pod_annotations("default", "b"), 40)
+                # The latest figures: a's final usage (written after the outage: it ended during it), b's running
+                # usage, the node report's heartbeat.
+                await wait_until(lambda: usage(api, "a").get("state") == "ended", 40)
+                await wait_until(lambda: usage(api, "b").get("state") == "running", 40)
                 await wait_until(lambda: heartbeat(api) != beat_before, 40)
                 assert agent.proc.poll() is None
                 grown = rss_bytes(agent.proc.pid) - rss_before
