@@ -94,8 +94,9 @@ void alnair_region_after_fork_child(void);
 uint64_t alnair_memory_used_all(void);     /* sum of memory_used over the slots, saturating */
 int alnair_reclaim_dead_slots(void);        /* returns how many were reclaimed */
 /* The container's turns: it may launch in [epoch + k*period + offset, + length), and at any time before
- * free_until; work may run up to spare past a window's end (nobody's time; owed back). Read under turn_seq with a few tries at most (never a wait on a value the container can set); a
- * region without a schedule, or with one no agent writes, gives the cap's part of the default period. */
+ * free_until; work may run up to spare past a window's end (nobody's time; owed back). Read under turn_seq with a
+ * few tries at most (never a wait on a value the container can set); a region without a schedule, or with one no
+ * agent writes, gives the cap's part of the default period. */
 struct alnair_turn {
     uint64_t epoch, period, offset, length, free_until, spare;
 };

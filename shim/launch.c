@@ -7,9 +7,9 @@
  * container's GPU time is its windows' time, whatever the program's shape (a loop that synchronizes, launch-bound
  * small kernels, long kernels). Where the time after its window is nobody's (turn_spare_ns: the caps leave part of
  * the period unreserved), a launch in the window may run into it, and what runs past the end is owed like an
- * overrun (a tail too short for the next launch is not lost). A kernel longer than the whole window is launched at a window's start with nothing
- * queued, and what it runs past the window's end (overrun_ns) is paid back by skipping as much of the next windows
- * (process-wide). An elastic container lent the GPU (turn_free_until_ns) launches at any time until the lease ends.
+ * overrun (a tail too short for the next launch is not lost). A kernel longer than the whole window is launched at
+ * a window's start with nothing queued, and what it runs past the window's end (overrun_ns) is paid back by
+ * skipping as much of the next windows (process-wide). An elastic container lent the GPU (turn_free_until_ns) launches at any time until the lease ends.
  * Each stream's queue is tracked as a virtual finish time: each launch moves it to max(it, now) + cost; a fence that
  * completes bounds it by the work charged since that fence. Work that ran longer than it was charged (a true-up or
  * a sample found it) ran past where the gate thought the queue would end: it is owed as well, like an overrun.

@@ -47,7 +47,7 @@ struct alnair_region_agent {
     uint64_t turn_offset_ns; /* turns: where this container's window begins in each period */
     uint64_t turn_length_ns; /* turns: its window's length (>= the period: always its turn) */
     uint64_t turn_free_until_ns; /* turns: until this CLOCK_MONOTONIC ns it may launch at any time (an elastic container lent the GPU; 0 = never) */
-    uint64_t turn_spare_ns; /* turns: how long after its window's end no other window begins (work may run that far past the end, owed back by skipping as much of its next windows); <= period - length */
+    uint64_t turn_spare_ns; /* turns: how long after its window's end no other window begins (<= period - length; work may run that far past the end, owed back by skipping its next windows) */
     uint8_t _pad72[56];
 };
 _Static_assert(sizeof(struct alnair_region_agent) == 128, "alnair_region_agent size");

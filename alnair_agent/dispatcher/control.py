@@ -14,8 +14,8 @@ its own window.
 The layout: windows in a stable order (by allocation id), each `cap` % of the period, one after another from offset
 0; what the caps leave (100 % less their sum) goes to the elastic containers in proportion to their caps (a lone
 elastic container at 30 % gets the whole period). With no elastic container it is nobody's: the last window is
-told so (its spare), and its work may run into it, owed back by skipping as much of its next windows. Containers that are idle keep their windows, so a strict one's
-first launch after a pause finds its turn where it was.
+told so (its spare), and its work may run into it, owed back by skipping as much of its next windows. Containers
+that are idle keep their windows, so a strict one's first launch after a pause finds its turn where it was.
 
 Lending (elastic): an elastic container is lent the whole GPU (a lease, `turn_free_until_ns`, renewed every tick
 for LEASE_TICKS ticks) while no other container on its GPU is active, or while every active one there is elastic

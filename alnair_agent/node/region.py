@@ -97,15 +97,20 @@ class Turn:
     def fields(self) -> dict[str, int]:
         return dict(zip(_TURN, astuple(self), strict=True))
 
+    def inside(self) -> bool:
+        """The window inside its period (or the whole of it), and the spare after it within what the period leaves;
+        no schedule (period 0): neither."""
+        return (0 <= self.offset_ns <= max(self.period_ns - 1, 0) and 0 <= self.length_ns <= self.period_ns
+                and 0 <= self.spare_ns <= self.period_ns - self.length_ns)
+
     def sound(self, now_ns: int) -> bool:
         """A schedule the agent could have written: a period within bounds, a window inside it (or the whole of
         it), an epoch not in the future and a lease not far beyond now."""
+        if not self.inside() or self.free_until_ns > now_ns + MAX_LEASE_NS:
+            return False
         if self.period_ns == 0:
-            return (self.offset_ns == self.length_ns == self.epoch_ns == self.spare_ns == 0
-                    and self.free_until_ns <= now_ns + MAX_LEASE_NS)
-        return (self.period_ns <= L.MAX_TURN_PERIOD_NS and self.offset_ns < self.period_ns
-                and self.length_ns <= self.period_ns and 0 <= self.spare_ns <= self.period_ns - self.length_ns
-                and self.epoch_ns <= now_ns and self.free_until_ns <= now_ns + MAX_LEASE_NS)
+            return self.epoch_ns == 0
+        return self.period_ns <= L.MAX_TURN_PERIOD_NS and self.epoch_ns <= now_ns
 
 
 @dataclass
@@ -335,9 +340,7 @@ class Region:
 
     def set_turn(self, turn: Turn) -> bool:
         """Publish the container's turns (under the sequence lock); False when they are already these."""
-        if turn.period_ns < 0 or not 0 <= turn.offset_ns <= max(turn.period_ns - 1, 0) \
-                or not 0 <= turn.length_ns <= turn.period_ns or min(turn.epoch_ns, turn.free_until_ns) < 0 \
-                or not 0 <= turn.spare_ns <= turn.period_ns - turn.length_ns:
+        if turn.period_ns < 0 or min(turn.epoch_ns, turn.free_until_ns) < 0 or not turn.inside():
             raise ValueError(f"not a schedule: {turn}")
         if _TURN_OF(self.block.values) == _TURN_ATTRS(turn):
             return False  # the dispatcher's every tick, for every capped container: no Turn built to compare

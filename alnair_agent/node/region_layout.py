@@ -21,8 +21,8 @@ stops launching when its queued work would run past its window's end, so a turn 
 could not help running past the end (a kernel longer than the window) is paid back by skipping that much of its
 next windows. The time after a window that is nobody's (`turn_spare_ns`: the caps of the GPU's containers leave
 part of the period unreserved) may be run into, and what runs there is owed back the same way: a window's tail
-too short for the next launch is not lost when nobody needs it. An elastic container may be lent the whole period (`turn_free_until_ns`: until then it may launch at
-any time); the lease is short and the agent renews it, so when the agent stops the windows rule again. Because the
+too short for the next launch is not lost when nobody needs it. An elastic container may be lent the whole period
+(`turn_free_until_ns`: until then it may launch at any time); the lease is short and the agent renews it, so when the agent stops the windows rule again. Because the
 schedule runs on the clock, a dead or restarting agent leaves the last windows in force: never a stall, never
 uncapped.
 """
@@ -85,8 +85,8 @@ AGENT_FIELDS = (
     Field("turn_length_ns", "uint64_t", 48, "turns: its window's length (>= the period: always its turn)"),
     Field("turn_free_until_ns", "uint64_t", 56, "turns: until this CLOCK_MONOTONIC ns it may launch at any time "
           "(an elastic container lent the GPU; 0 = never)"),
-    Field("turn_spare_ns", "uint64_t", 64, "turns: how long after its window's end no other window begins (work may "
-          "run that far past the end, owed back by skipping as much of its next windows); <= period - length"),
+    Field("turn_spare_ns", "uint64_t", 64, "turns: how long after its window's end no other window begins "
+          "(<= period - length; work may run that far past the end, owed back by skipping its next windows)"),
 )
 
 SLOT_FIELDS = (
