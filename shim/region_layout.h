@@ -43,7 +43,7 @@ struct alnair_region_agent {
     uint32_t turn_seq; /* sequence lock over the turn fields below: odd while the agent writes them */
     uint64_t heartbeat_ns; /* CLOCK_MONOTONIC ns of the agent's last tick; 0 = never */
     uint64_t turn_epoch_ns; /* turns: CLOCK_MONOTONIC ns at which period 0 begins */
-    uint64_t turn_period_ns; /* turns: the GPU's period; 0 = no schedule (the cap's part of DEFAULT_TURN_PERIOD_NS, at offset 0) */
+    uint64_t turn_period_ns; /* turns: the GPU's period; 0 = no schedule (the cap's part of DEFAULT_TURN_PERIOD_NS, at offset 0, the rest spare) */
     uint64_t turn_offset_ns; /* turns: where this container's window begins in each period */
     uint64_t turn_length_ns; /* turns: its window's length (>= the period: always its turn) */
     uint64_t turn_free_until_ns; /* turns: until this CLOCK_MONOTONIC ns it may launch at any time (an elastic container lent the GPU; 0 = never) */

@@ -44,7 +44,8 @@ REGION_SIZE = SLOTS_OFFSET + MAX_SLOTS * SLOT_SIZE
 # The agent's heartbeat is stale when older than this (monotonic ns); the shim then keeps the last turns.
 HEARTBEAT_STALE_NS = 2_000_000_000
 # The period of a region whose agent has published no schedule (turn_period_ns 0), or of the private region a shim
-# builds from ALNAIR_COMPUTE_LIMIT: the container's window is then its cap's part of this period, at offset 0.
+# builds from ALNAIR_COMPUTE_LIMIT: the container's window is then its cap's part of this period, at offset 0, and
+# the rest of the period is its spare (no agent says it is anyone's).
 DEFAULT_TURN_PERIOD_NS = 100_000_000
 # No turn period the agent writes is longer (ALNAIR_TURN_PERIOD_S is at most 1 s): a reader takes a longer one, or a
 # window outside its period, for no schedule at all.
@@ -80,7 +81,7 @@ AGENT_FIELDS = (
     Field("heartbeat_ns", "uint64_t", 16, "CLOCK_MONOTONIC ns of the agent's last tick; 0 = never"),
     Field("turn_epoch_ns", "uint64_t", 24, "turns: CLOCK_MONOTONIC ns at which period 0 begins"),
     Field("turn_period_ns", "uint64_t", 32, "turns: the GPU's period; 0 = no schedule (the cap's part of "
-          "DEFAULT_TURN_PERIOD_NS, at offset 0)"),
+          "DEFAULT_TURN_PERIOD_NS, at offset 0, the rest spare)"),
     Field("turn_offset_ns", "uint64_t", 40, "turns: where this container's window begins in each period"),
     Field("turn_length_ns", "uint64_t", 48, "turns: its window's length (>= the period: always its turn)"),
     Field("turn_free_until_ns", "uint64_t", 56, "turns: until this CLOCK_MONOTONIC ns it may launch at any time "

@@ -82,6 +82,15 @@ def test_a_windows_tail_runs_into_spare_time_and_pays_it_back(runner, make_regio
     assert 0.27 <= shares[1] <= 0.33 and shares[1] > shares[0], shares
 
 
+def test_with_no_schedule_the_rest_of_the_period_is_spare(runner, make_region):
+    """No agent has written turns (the shim alone, or ALNAIR_DISPATCHER=off): the window is the cap's part of the
+    default period at offset 0 and nobody is known to own the rest, so the big launches' tails run into it, owed back
+    (25.5 % of the H200 at cap 30 while the default turn had no spare)."""
+    region = make_region(compute_limit=30)
+    assert 0.27 <= share(runner.run("init", "mix:2500:200000:64:64", region=region)) <= 0.33
+    assert Region.open(region).slots()[0].overrun_ns > 1e8
+
+
 def test_what_runs_into_spare_time_is_paid_from_the_next_window(runner, make_region):
     """A 90 % window followed by 10 ms of spare: its tail runs 9 ms past its end every period, paid by skipping as much
     of the next window's start. The debt arose after the window's own payment was decided; taken again mid-window,
