@@ -194,7 +194,8 @@ VARIABLES: tuple[Variable, ...] = (
     Variable("ALNAIR_LOG_LEVEL", "log_level", _choice("debug", "info", "warning", "error"), "info",
              "Lowest level logged."),
     Variable("ALNAIR_HEALTH_INTERVAL_S", "health_interval_s", _float_range(0.05, 60.0), "1.0",
-             "Seconds between GPU health polls (NVML Xid events are waited on for this long)."),
+             "Seconds between GPU health polls (NVML Xid events are waited on for this long, in waits of at most "
+             "0.5 s, so a stopping agent is never held longer)."),
     Variable("ALNAIR_RESYNC_INTERVAL_S", "resync_interval_s", _float_range(0.1, 3600.0), "5.0",
              "Seconds between reconciliations against kubelet's pod-resources (ended containers, restarts)."),
     Variable("ALNAIR_PROFILE_INTERVAL_S", "profile_interval_s", _float_range(0.05, 60.0), "1.0",

@@ -16,9 +16,11 @@ from agent_harness import AgentProcess, env_for, node_settings, registered
 from alnair_agent.kubelet.emulator import KubeletEmulator
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-async def test_signal_stops_agent_within_5s_and_removes_sockets(root, sig):
-    settings = node_settings(root)
+@pytest.mark.parametrize("sig,health_s", [(signal.SIGTERM, 0.05), (signal.SIGINT, 0.05), (signal.SIGTERM, 60.0)])
+async def test_signal_stops_agent_within_5s_and_removes_sockets(root, sig, health_s):
+    """Also at the longest health interval: its blocking wait for GPU events (NVML's, in a worker thread) once held
+    the stop for up to the whole interval, past kubelet's 30 s grace at ALNAIR_HEALTH_INTERVAL_S=60."""
+    settings = node_settings(root, health_interval_s=health_s)
     async with KubeletEmulator(settings.device_plugin_dir, settings.pod_resources_socket) as kubelet:
         agent = AgentProcess(settings)
         agent.start()
