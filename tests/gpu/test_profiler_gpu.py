@@ -1,9 +1,15 @@
 """The profiler on a real GPU: the agent (NVML backend) with the kubelet emulator and the API server stand-in;
 three tenants started the way their containers would be (the Allocate answer's env and folder, the shim
 preloaded): bf16 matmuls under caps of 30 % and 60 %, and host<->device copies. Each container's figures on its
-pod are checked against what the tenant did, measured independently of NVML's per-process attribution: the
-device's busy time while the tenants ran, split by the work each did (its matmul count times the duration of one
-matmul, timed with CUDA events in an uncapped process alone on the GPU first). Both are kept after the pods end.
+pod are checked against what the tenant did, measured independently of NVML's per-process attribution: the share
+it got of the program's throughput alone on the whole GPU (its matmul count times the duration of one matmul, timed
+with CUDA events in an uncapped process alone on the GPU first, over its life), one of the two truths issue 18
+names, within its 3 points. Both figures are kept after the pods end.
+
+The other truth, the device's busy time split by that work, is recorded (`did_percent`) but not asserted: on the
+H200 NVML's device figure read 95-97 % busy while the two tenants' work explained 84-86 % (their caps reserve 90 %;
+the copy job's context is time-sliced in beside them), and splitting the unexplained 10 points by work put the 60 %
+tenant at 63.9-66.1 %, above its strict cap, while its throughput share was 57.3-57.4 % and its annotation 55.9-56.0.
 
 Needs a GPU, torch, pynvml, structlog, kubernetes-asyncio, aiohttp, prometheus-client, the generated protos, and the
 shim (ALNAIR_SHIM, else the installed one). Results (JSON) go to $ALNAIR_GPU_RESULTS/profiler_gpu.json if set.
@@ -138,10 +144,9 @@ async def scenario(root: Path) -> dict:
             left = len(agent.allocator.allocations)
     solo = {name: 100.0 * r["matmuls"] * calib["matmul_s"] / r["life_s"] for name, r in (("mm30", mm30),
                                                                                            ("mm60", mm60))}
-    # Two tenants time-slice the GPU, and a matmul then takes longer than alone: the count times the solo duration
-    # says how much work each did, not how much GPU time. What each did of the GPU's time: the device's own busy
-    # time while the tenants were on it (NVML device utilization, which knows nothing of processes; the ticks where
-    # NVML lists the tenants' processes), split by the work each did.
+    # `solo`: the share of the program's alone throughput each got (the truth asserted). `did`, for the record: the
+    # device's own busy time while the tenants were on it (NVML device utilization, which knows nothing of
+    # processes; the ticks where NVML lists the tenants' processes), split by the work each did.
     busy_ticks = [tick["gpus"][0][0] for tick in trace
                   if tick["t"] <= work_s and tick["gpus"] and len(tick["processes"]) >= 2]
     busy = sum(busy_ticks) / len(busy_ticks) if busy_ticks else 0.0
@@ -169,7 +174,7 @@ def test_each_container_figures_match_what_it_did_and_stay_after_the_pods_end(nv
         assert e is not None and e["state"] == "ended", name  # kept on the pod after it ended
         assert e["observed_seconds"] > WORK_S / 2, (name, e)
     for name in ("mm30", "mm60"):
-        assert abs(ended[name]["gpu_util_mean"] - result["did_percent"][name]) <= 5, (name, ended[name], result)
+        assert abs(ended[name]["gpu_util_mean"] - result["solo_percent"][name]) <= 3, (name, ended[name], result)
     assert ended["copy"]["memcpy_util_mean"] >= 1.0, ended["copy"]  # clearly above zero
     assert ended["copy"]["gpu_util_mean"] <= 5, ended["copy"]  # copies are no SM work
     assert ended["mm30"]["memory_max_bytes"] > 0 and ended["mm30"]["throttled_seconds"] > 0
