@@ -34,6 +34,7 @@ async def test_signal_stops_agent_within_5s_and_removes_sockets(root, sig, healt
         assert time.monotonic() - started < 5
         assert not list(settings.device_plugin_dir.glob("alnair-*.sock"))
         assert '"event": "agent_stopped"' in agent.output()
+        assert '"event": "gc_frozen"' in agent.output()  # once serving, the start-up heap is out of the GC's walks
 
 
 async def test_crashed_service_stops_agent_non_zero(root):
