@@ -206,8 +206,8 @@ VARIABLES: tuple[Variable, ...] = (
     Variable("ALNAIR_DISPATCHER", "dispatcher", _choice("on", "off"), "on",
              "on: the dispatcher lays out each GPU's turns (every capped container a window of its cap's part of "
              "the period, none overlapping) and lends idle time to elastic containers; off: no turns are laid out, "
-             "each shim keeps its cap's part of the default period for itself (the shim alone: containers' windows "
-             "may overlap)."),
+             "each shim keeps its cap's part of the default period for itself, at its start (the shim alone: "
+             "containers' windows may overlap), and may run a window's tail into the rest, owed back."),
     Variable("ALNAIR_COMPUTE_POLICY", "compute_policy", _choice("strict", "elastic"), "strict",
              "strict: a compute cap is a ceiling; elastic: a container may use GPU time no other container on its "
              "GPU wants, and is back at its cap within 200 ms once one does. A pod overrides it with the "

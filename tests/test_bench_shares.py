@@ -189,6 +189,32 @@ def test_elastic_arrival(lender_lag, newcomer_lag, lender_s, newcomer_s) -> None
                                     lender_s is not None and lender_s <= 0.2]
 
 
+def test_elastic_arrival_is_judged_on_each_tenants_own_pace_alone() -> None:
+    """Both tenants' processes run 30 % faster than the alone reference's (host-bound programs do, between
+    processes): the lender back at 30 % of its own pace reads 39 % of the reference, never <= 33 there."""
+    plan = sg.ElasticPlan(settle=1.0, lone=2.0, horizon=3.0, tail=1.5)
+    release = 3.0
+    first = release + 0.01
+    lender = tenant([(0.0, 130.0), (first, 39.0)], 0.0, release + 4.0)  # ends horizon + 1 after the release
+    newcomer = tenant([(0.0, 91.0), (release + 4.0, 130.0)], release, release + 4.0 + 1.5)
+    r = sg.analyse_elastic(lender, newcomer, 100.0, nvml_at(100.0), plan)
+    assert r["judged_on"] == "own pace"
+    assert r["own_pace_vs_reference"] == [pytest.approx(130.0), pytest.approx(130.0)]
+    assert r["lender_s"] == pytest.approx(0.0, abs=0.011) and r["lender_s_reference"] is None
+    assert r["newcomer_s"] == pytest.approx(0.0, abs=0.011)
+    rows = sg.elastic_rows("small", r)
+    assert [x.ok for x in rows] == [True, True, True]
+    assert "of own pace after 0 ms; never on the alone reference" in rows[2].figure
+
+
+def test_elastic_without_a_newcomer_tail_is_judged_on_the_reference() -> None:
+    lender = tenant([(0.0, 130.0), (3.01, 39.0)], 0.0, 7.0)
+    newcomer = tenant([(0.0, 91.0)], 3.0, 6.5)  # ends before the lender: no pace of its own alone
+    r = sg.analyse_elastic(lender, newcomer, 100.0, nvml_at(100.0), PLAN)
+    assert r["judged_on"] == "alone reference" and r["lender_s"] is None
+    assert "of alone reference after never" in sg.elastic_rows("small", r)[2].figure
+
+
 def test_elastic_newcomer_without_work() -> None:
     lender = tenant([(0.0, 100.0)], 0.0, 7.0)
     newcomer = {**tenant([(0.0, 0.0)], 3.0, 6.5)}
