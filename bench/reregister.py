@@ -67,7 +67,8 @@ def main() -> int:
     args = parser.parse_args()
     logs.configure("json", "error")
     if args.same_inode:
-        deviceplugin._inode = lambda path: 1 if path.exists() else None  # type: ignore[assignment]
+        # the same stand-in as tests/test_deviceplugin.py's inode-reused case (the module's file identity)
+        deviceplugin._identity = lambda path: (1, 1) if path.exists() else None  # type: ignore[assignment]
     m = machine()
     print(f"Re-registration after a kubelet crash loop, {args.runs} episodes ({m['cpus']} CPUs, {m['cpu']}, "
           f"Python {m['python']}{', one inode for every kubelet.sock' if args.same_inode else ''})")

@@ -146,6 +146,42 @@ async def test_kubelet_restart_reregisters_within_one_second(root, kubelet):
         assert answers[MEM].envs[ENV_VISIBLE_DEVICES]
 
 
+async def test_a_stopped_grpc_server_removes_whatever_file_holds_its_socket_path(tmp_path):
+    """The gRPC behaviour the device plugin works around (deviceplugin.py's docstring): a server that stops unlinks
+    its socket's path even when another server's socket is there by then."""
+    path = tmp_path / "p.sock"
+    old = grpc.aio.server()
+    old.add_insecure_port(f"unix://{path}")
+    await old.start()
+    path.unlink()  # a kubelet restart empties the folder
+    new = grpc.aio.server()
+    new.add_insecure_port(f"unix://{path}")
+    await new.start()
+    await old.stop(grace=None)
+    assert not path.exists()
+    await new.stop(grace=None)
+
+
+async def test_each_reserve_after_a_kubelet_restart_binds_new_socket_names(root, kubelet):
+    """So no server of an earlier serve, stopping, can remove the sockets kubelet is about to dial; a previous
+    generation's leftovers go, and the endpoint kubelet dials is the one served."""
+    async with running_agent(node_settings(root)) as running:
+        await registered(kubelet)
+        plugin = running.agent.plugin
+        names = [{r: plugin.socket_name(r) for r in (MEM, SM)}]
+        for _ in range(2):
+            await kubelet.restart()
+            await registered(kubelet, timeout=2.0)
+            await kubelet.wait_for(lambda k: all(k.plugins[r].endpoint == plugin.socket_name(r) for r in (MEM, SM)))
+            names.append({r: plugin.socket_name(r) for r in (MEM, SM)})
+        assert names[0] == {MEM: "alnair-vgpu-memory.sock", SM: "alnair-vgpu-compute.sock"}
+        assert len({n[MEM] for n in names}) == 3 and len({n[SM] for n in names}) == 3
+        assert sorted(p.name for p in root.joinpath("dp").glob("alnair-*.sock")) == sorted(names[-1].values())
+        answers = await kubelet.admit("default", "after-restarts", "main", {MEM: 1, SM: 10})
+        assert answers[MEM].envs[ENV_VISIBLE_DEVICES]
+    assert not list(root.joinpath("dp").glob("alnair-*.sock"))  # the agent's stop removed its current sockets
+
+
 # Seeds of crash-loop timing (tests/crashloop.py): 1-3.5 s of a kubelet dying at start or refusing Register, then one
 # that stays. Before the fix the agent slept through its backoff (up to 5 s) meanwhile: 7 of these 10 took over 1 s.
 CRASH_LOOP_SEEDS = {False: range(6), True: range(100, 104)}
