@@ -23,6 +23,7 @@ import re
 import secrets
 import shutil
 import stat
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -185,6 +186,9 @@ class Workspace:
         # Regions found bad, by allocation: (what the path looked like, the error). Not re-opened, nor logged
         # again, until the path changes.
         self._bad: dict[str, tuple[tuple[int, ...], RegionError]] = {}
+        # open_region is called from the loop's services and from the profiler's worker thread: a bad file met by
+        # both at once was said twice (seen in a full-suite run). Held only around one file's open and read.
+        self._opening = threading.Lock()
         # What the agent wrote into each region's agent block, by allocation: one record shared by every service's
         # handle on that region, since the file itself is the container's to scribble on (region.py).
         self._blocks: dict[str, AgentBlock] = {}
@@ -320,22 +324,23 @@ class Workspace:
         and remembered: until its path changes it is not opened again; the same RegionError is raised without
         touching it."""
         path = self.container_folder(alloc_id) / REGION_FILE_NAME
-        try:
-            sig = _signature(os.lstat(path))
-        except OSError:
-            sig = ()
-        bad = self._bad.get(alloc_id)
-        if bad is not None and bad[0] == sig:
-            raise bad[1]
-        try:
-            region = Region.open(path, self._blocks.get(alloc_id))
-        except RegionError as e:
-            log.warning("region_unreadable", allocation=alloc_id, error=str(e))
-            self._bad[alloc_id] = (sig, e)
-            raise
-        self._bad.pop(alloc_id, None)
-        self._blocks[alloc_id] = region.block
-        return region
+        with self._opening:
+            try:
+                sig = _signature(os.lstat(path))
+            except OSError:
+                sig = ()
+            bad = self._bad.get(alloc_id)
+            if bad is not None and bad[0] == sig:
+                raise bad[1]
+            try:
+                region = Region.open(path, self._blocks.get(alloc_id))
+            except RegionError as e:
+                log.warning("region_unreadable", allocation=alloc_id, error=str(e))
+                self._bad[alloc_id] = (sig, e)
+                raise
+            self._bad.pop(alloc_id, None)
+            self._blocks[alloc_id] = region.block
+            return region
 
     def sweep(self, alloc_id: str) -> int:
         """Bound what a container keeps in its `run/` (on the workspace filesystem): only `region` belongs there.
