@@ -423,6 +423,18 @@ class ElasticPlan:
     horizon: float  # from the newcomer's first mark: how long its and the lender's windows must hold
     tail: float = 0.0  # the newcomer alone after the lender ends: its own pace alone
 
+    @property
+    def lender_run(self) -> float:  # from its release: alone, then beside the newcomer, and a margin
+        return self.settle + self.lone + self.horizon + 1.0
+
+    @property
+    def newcomer_run(self) -> float:  # from its release (settle + lone after the lender's): to the lender's end, then
+        return self.lender_run - self.settle - self.lone + self.tail  # alone for the tail
+
+    @property
+    def wall(self) -> float:
+        return self.settle + self.lone + self.newcomer_run
+
 
 def analyse_elastic(lender: dict, newcomer: dict, alone_rate: float, nvml: Nvml, plan: ElasticPlan,
                     caps: tuple[int, int] = ELASTIC) -> dict:
@@ -610,7 +622,7 @@ def estimate_s(steps: Sequence[Step], w: Windows, alone_shapes: int) -> float:
         if s.scenario == "caps":
             total += STARTUP_S + len(s.shapes) * (w.run_s + EXIT_S)
         elif s.scenario == "elastic":
-            total += STARTUP_S + e.settle + e.lone + e.horizon + 1.0 + e.tail
+            total += STARTUP_S + e.wall
         else:
             total += STARTUP_S + w.run_s
     return total
@@ -843,9 +855,8 @@ class Bench:
         async with self.node("elastic") as node, Tenants(self.cpus) as ts:
             lender_env, newcomer_env = await node.admit(ELASTIC[0], self.memory_gib), \
                 await node.admit(ELASTIC[1], self.memory_gib)
-            lender = ts.start(f"{shape}-lender", shape, lender_env, e.settle + e.lone + e.horizon + 1.0)
-            # the lender ends horizon + 1.0 after the newcomer's release; the newcomer runs on alone for the tail
-            newcomer = ts.start(f"{shape}-newcomer", shape, newcomer_env, e.horizon + 1.0 + e.tail)
+            lender = ts.start(f"{shape}-lender", shape, lender_env, e.lender_run)
+            newcomer = ts.start(f"{shape}-newcomer", shape, newcomer_env, e.newcomer_run)
             await ts.ready()  # both set up: the newcomer idles at its barrier while the lender runs alone
             with self.sampler(lender_env) as nv:
                 ts.release(lender)

@@ -229,12 +229,9 @@ class DevicePluginService:
         self._generation += 1
         for resource, servicer in self.servicers.items():
             path = self.socket_path(resource)
-            for old in _our_sockets(self.plugin_dir, resource):  # a previous generation's left behind
-                if old != path:
-                    with contextlib.suppress(FileNotFoundError):
-                        old.unlink()
-            with contextlib.suppress(FileNotFoundError):
-                path.unlink()
+            for old in _our_sockets(self.plugin_dir, resource):  # this one's and any a previous generation left
+                with contextlib.suppress(FileNotFoundError):
+                    old.unlink()
             server = grpc.aio.server()
             pb_grpc.add_DevicePluginServicer_to_server(servicer, server)
             server.add_insecure_port(f"unix://{path}")
