@@ -326,6 +326,15 @@ def answers_env(answers: dict, key: str) -> str:
     return ""
 
 
+def failure(r: Row) -> str:
+    """The summary's line for a container whose program did not end well ('' for one that did): its row shows 0 %,
+    which would otherwise pass for a container that had nothing to do."""
+    if not r.returncode:
+        return ""
+    ended = f"signal {-r.returncode}" if r.returncode < 0 else f"exit code {r.returncode}"
+    return f"    its program FAILED: it ended with {ended}.\n"
+
+
 def summary(rows: list[Row], out: TextIO) -> None:
     out.write("Summary\n")
     for r in rows:
@@ -339,6 +348,7 @@ def summary(rows: list[Row], out: TextIO) -> None:
         out.write(f"  {name}: {w.what}. Cap {r.compute_limit} %: used {r.util_mean:.1f} % on average "
                   f"({within} its cap), waited {r.throttled_s:.1f} s for its turn; memory at most "
                   f"{_gib(r.memory_max)} of {_gib(r.memory_limit)} GiB.\n")
+        out.write(failure(r))
         refused = [ln for ln in r.output if ln.startswith("alloc ") and "rc=2 " in ln]
         for ln in refused:
             size = int(ln.split()[1])

@@ -37,6 +37,7 @@ from alnair_agent.demo import (
     Row,
     _source_root,
     container_env,
+    failure,
     start_workload,
     watch_workloads,
 )
@@ -195,6 +196,7 @@ def summary_dra(rows: list[Row], out: TextIO) -> None:
         out.write(f"  {name}: cap {r.compute_limit} %: used {r.util_mean:.1f} % on average ({within} its cap); memory "
                   f"at most {r.memory_max / (1 << 30):.1f} of {r.memory_limit / (1 << 30):.1f} GiB"
                   + (f"; {oom} allocation past its limit refused (CUDA_ERROR_OUT_OF_MEMORY)" if oom else "") + ".\n")
+        out.write(failure(r))
     out.write("The same limits, the same enforcement: only who placed the slice changed (kube-scheduler, from the "
               "claims).\n")
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from alnair_agent.constants import PACKAGE_SIM_DRIVER_DIR, SIM_DRIVER_FILES
-from alnair_agent.demo import DEMO_WORKLOADS, HEADER, demo
+from alnair_agent.demo import DEMO_WORKLOADS, HEADER, Row, demo
 
 pytestmark = pytest.mark.timeout(60)
 GiB = 1 << 30
@@ -102,6 +102,7 @@ def test_pip_install_then_the_demo_runs_from_any_folder(tmp_path: Path) -> None:
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert "Summary" in done.stdout and "CUDA_ERROR_OUT_OF_MEMORY" in done.stdout, done.stdout
+    assert "FAILED" not in done.stdout, done.stdout  # every container's program ran to its end
 
 
 def test_demo_builds_the_driver_from_a_checkout_when_the_package_holds_none(tmp_path: Path, monkeypatch) -> None:
@@ -112,3 +113,17 @@ def test_demo_builds_the_driver_from_a_checkout_when_the_package_holds_none(tmp_
     sim = demo_module.simulated_driver(tmp_path / "sim")
     assert all((sim / n).is_file() for n in SIM_DRIVER_FILES)
     assert os.access(sim / "simapp", os.X_OK)
+
+
+@pytest.mark.parametrize(("returncode", "said"), [
+    (0, ""),
+    (None, ""),
+    (-11, "    its program FAILED: it ended with signal 11.\n"),
+    (3, "    its program FAILED: it ended with exit code 3.\n"),
+])
+def test_the_summary_says_which_container_program_failed(returncode, said) -> None:
+    from alnair_agent.demo import failure
+
+    r = Row(DEMO_WORKLOADS[0])
+    r.returncode = returncode
+    assert failure(r) == said

@@ -333,7 +333,11 @@ async def test_elastic_jobs_that_leave_the_gpu_idle_pack(root, api, build, timel
     lent = [100 * j.share(t0 + int((ARRIVAL_HOLD_S + 1.5) * SECOND), t1 - SECOND // 5) / alone_share for j in jobs]
     print("elastic gaps jobs, % of alone each: on their windows", fmt(windows), "then lent together", fmt(lent))
     assert all(r <= 62 for r in windows), windows  # the arrival hold: their windows (~50 each)
-    assert all(r >= 70 for r in lent), lent
+    # Lent together, a 1 ms kernel waits at most for the other job's 1 ms kernel: a 2 ms cycle alone is at worst
+    # 3 ms, 2/3 of the pace alone. Where the two cycles fall against each other is chance (locally 77-93 %, once
+    # 69.8 % on CI when they locked in step), so the bound is that worst case less 3 points, not a typical figure.
+    worst = 100 * 2 / 3
+    assert all(r >= worst - 3 for r in lent), lent
 
 
 async def test_agent_restart_mid_run_leaves_every_cap_held(root, api, build, timelines):
