@@ -11,7 +11,7 @@ from fakes.apiserver import make_pod
 from fakes.dra import device_class, dra_node
 
 from alnair_agent.config import ConfigError
-from alnair_agent.constants import DRA_DRIVER, RESOURCE_COMPUTE, RESOURCE_MEMORY
+from alnair_agent.constants import DRA_DRIVER, ENV_MEMORY_LIMIT, RESOURCE_COMPUTE, RESOURCE_MEMORY
 from alnair_agent.dra import frontend
 from alnair_agent.dra.capacity import slice_name
 from alnair_agent.kube.resourceapi import ResourceApi
@@ -128,3 +128,64 @@ async def test_a_dra_agent_exits_with_a_clear_message_where_dra_cannot_be(root, 
                 await asyncio.sleep(0)
     finally:
         await client.close()
+
+
+@pytest.mark.parametrize("removed", [("registration",), ("dra",), ("registration", "dra")])
+async def test_sockets_removed_under_the_dra_plugin_are_served_again_and_stay(root, api, removed):
+    """An operator or a kubelet cleanup removes the plugin's sockets, three times over: each time the plugin serves
+    them again, the watcher registers it again, the sockets are still there a while later (no stopping server of an
+    earlier serve takes the new ones with it) and a claim prepares through them."""
+    async with dra_node(root, api) as node:
+        plugin = node.running.agent.dra.plugin
+        paths = {"registration": plugin.registration_path, "dra": plugin.socket_path}
+        for i in range(3):
+            since = sum(d == DRA_DRIVER for d, _ in node.kubelet.registrations)
+            for name in removed:
+                paths[name].unlink()
+            await node.kubelet.wait_registered(DRA_DRIVER, since=since)
+            await asyncio.sleep(0.5)  # past REREGISTER_POLL_S and a stopped server's grace
+            assert all(p.is_socket() for p in paths.values()), [str(p) for p in paths.values() if not p.exists()]
+            node.claim(f"c{i}", [{"name": "gpu", "memory": "1Gi"}])
+            pod = node.pod(f"p{i}", {"gpu": f"c{i}"}, [("main", [("gpu", None)])])
+            node.schedule(pod, [f"c{i}"])
+            views = await node.start(pod)
+            assert views["main"].envs[ENV_MEMORY_LIMIT] == str(1 << 30), views["main"].envs
+
+
+async def test_kubelet_tries_a_failed_registration_again_while_the_socket_is_there(root):
+    """As kubelet's reconciler does: a plugin whose GetInfo failed (a server still starting, one stopping as the
+    watcher dialled it) is registered on a later try, without its socket being made again."""
+    import grpc
+
+    from alnair_agent.constants import DRA_PLUGIN_TYPE, DRA_SERVICES
+    from alnair_agent.proto import pluginregistration_pb2 as reg
+    from alnair_agent.proto import pluginregistration_pb2_grpc as reg_grpc
+
+    registry = root / "registry"
+    registry.mkdir(parents=True)
+    path = registry / "flaky.example.com-reg.sock"
+
+    class Flaky(reg_grpc.RegistrationServicer):
+        calls = 0
+
+        async def GetInfo(self, request, context):  # type: ignore[no-untyped-def]
+            Flaky.calls += 1
+            if Flaky.calls <= 2:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "still starting")
+            return reg.PluginInfo(type=DRA_PLUGIN_TYPE, name="flaky.example.com", endpoint=str(path),
+                                  supported_versions=list(DRA_SERVICES))
+
+        async def NotifyRegistrationStatus(self, request, context):  # type: ignore[no-untyped-def]
+            return reg.RegistrationStatusResponse()
+
+    server = grpc.aio.server()
+    reg_grpc.add_RegistrationServicer_to_server(Flaky(), server)
+    server.add_insecure_port(f"unix://{path}")
+    await server.start()
+    try:
+        async with DraKubeletEmulator(registry, root / "cdi") as kubelet:
+            await kubelet.wait_registered("flaky.example.com", timeout=3.0)
+            assert Flaky.calls == 3 and len(kubelet.refusals) == 2, kubelet.refusals
+            assert all("GetInfo failed: UNAVAILABLE" in r for r in kubelet.refusals)
+    finally:
+        await server.stop(None)

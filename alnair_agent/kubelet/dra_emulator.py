@@ -36,6 +36,10 @@ from alnair_agent.proto import podresources_pb2 as prpb
 from alnair_agent.proto import podresources_pb2_grpc as prpb_grpc
 
 SCAN_S = 0.02
+# kubelet's reconciler: GetInfo gets one second, and a registration that failed is tried again while the socket is
+# there (its reconcile loop runs every second; sooner here, as the emulator's scans are)
+GET_INFO_TIMEOUT_S = 1.0
+RETRY_FAILED_S = 0.2
 
 
 class DraCallFailed(Exception):
@@ -170,6 +174,8 @@ class DraKubeletEmulator:
     # -- the plugin watcher ------------------------------------------------------------------------------------
     async def _watch(self) -> None:
         tried: dict[Path, tuple[int, int, int]] = {}
+        retry_at: dict[Path, float] = {}  # sockets whose registration failed: when to try them again
+        loop = asyncio.get_running_loop()
         while True:
             try:
                 names = sorted(os.listdir(self.registry_dir))
@@ -184,11 +190,14 @@ class DraKubeletEmulator:
                 if sig is None:
                     continue
                 seen.add(path)
-                if tried.get(path) != sig:
+                if tried.get(path) != sig or (path in retry_at and loop.time() >= retry_at[path]):
                     tried[path] = sig
-                    await self._register(path, sig)
+                    retry_at.pop(path, None)
+                    if not await self._register(path, sig):
+                        retry_at[path] = loop.time() + RETRY_FAILED_S
             for path in [p for p in tried if p not in seen]:
                 del tried[path]
+                retry_at.pop(path, None)
                 for driver, view in list(self.plugins.items()):
                     if view.registration_socket == path:
                         del self.plugins[driver]
@@ -196,14 +205,16 @@ class DraKubeletEmulator:
                 await self._notify()
             await asyncio.sleep(SCAN_S)
 
-    async def _register(self, path: Path, sig: tuple[int, int, int]) -> None:
+    async def _register(self, path: Path, sig: tuple[int, int, int]) -> bool:
+        """True once registered; False where it failed (GetInfo, or a plugin kubelet refuses): kubelet tries again
+        while the socket is there."""
         async with grpc.aio.insecure_channel(f"unix://{path}") as channel:
             stub = reg_grpc.RegistrationStub(channel)
             try:
-                info = await stub.GetInfo(reg.InfoRequest(), timeout=5)
+                info = await stub.GetInfo(reg.InfoRequest(), timeout=GET_INFO_TIMEOUT_S)
             except grpc.aio.AioRpcError as e:
                 self.refusals.append(f"{path.name}: GetInfo failed: {e.code().name}")
-                return
+                return False
             error = ""
             chosen = next((s for s in info.supported_versions if s in self.services), "")
             if info.type != DRA_PLUGIN_TYPE:
@@ -220,7 +231,7 @@ class DraKubeletEmulator:
                 await stub.NotifyRegistrationStatus(reg.RegistrationStatus(plugin_registered=not error, error=error),
                                                     timeout=5)
         if error:
-            return
+            return False
         old = self.plugins.pop(info.name, None)
         if old is not None and old.endpoint == info.endpoint:
             self._retired.append(old.channel)
@@ -230,6 +241,7 @@ class DraKubeletEmulator:
                                              grpc.aio.insecure_channel(f"unix://{info.endpoint}"), sig)
         self.registrations.append((info.name, chosen))
         await self._notify()
+        return True
 
     async def _notify(self) -> None:
         async with self._changed:
