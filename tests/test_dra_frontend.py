@@ -5,18 +5,28 @@ from __future__ import annotations
 
 import asyncio
 
+import grpc
 import pytest
 from agent_harness import NODE, kubernetes_for, node_settings, registered, running_agent
 from fakes.apiserver import make_pod
 from fakes.dra import device_class, dra_node
 
 from alnair_agent.config import ConfigError
-from alnair_agent.constants import DRA_DRIVER, ENV_MEMORY_LIMIT, RESOURCE_COMPUTE, RESOURCE_MEMORY
+from alnair_agent.constants import (
+    DRA_DRIVER,
+    DRA_PLUGIN_TYPE,
+    DRA_SERVICES,
+    ENV_MEMORY_LIMIT,
+    RESOURCE_COMPUTE,
+    RESOURCE_MEMORY,
+)
 from alnair_agent.dra import frontend
 from alnair_agent.dra.capacity import slice_name
 from alnair_agent.kube.resourceapi import ResourceApi
 from alnair_agent.kubelet.dra_emulator import DraKubeletEmulator
 from alnair_agent.kubelet.emulator import KubeletEmulator
+from alnair_agent.proto import pluginregistration_pb2 as reg
+from alnair_agent.proto import pluginregistration_pb2_grpc as reg_grpc
 
 
 async def choose(api, wanted: str, root) -> frontend.Choice:  # type: ignore[no-untyped-def]
@@ -155,22 +165,17 @@ async def test_sockets_removed_under_the_dra_plugin_are_served_again_and_stay(ro
 async def test_kubelet_tries_a_failed_registration_again_while_the_socket_is_there(root):
     """As kubelet's reconciler does: a plugin whose GetInfo failed (a server still starting, one stopping as the
     watcher dialled it) is registered on a later try, without its socket being made again."""
-    import grpc
-
-    from alnair_agent.constants import DRA_PLUGIN_TYPE, DRA_SERVICES
-    from alnair_agent.proto import pluginregistration_pb2 as reg
-    from alnair_agent.proto import pluginregistration_pb2_grpc as reg_grpc
-
     registry = root / "registry"
     registry.mkdir(parents=True)
     path = registry / "flaky.example.com-reg.sock"
 
     class Flaky(reg_grpc.RegistrationServicer):
-        calls = 0
+        def __init__(self) -> None:
+            self.calls = 0
 
         async def GetInfo(self, request, context):  # type: ignore[no-untyped-def]
-            Flaky.calls += 1
-            if Flaky.calls <= 2:
+            self.calls += 1
+            if self.calls <= 2:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, "still starting")
             return reg.PluginInfo(type=DRA_PLUGIN_TYPE, name="flaky.example.com", endpoint=str(path),
                                   supported_versions=list(DRA_SERVICES))
@@ -178,14 +183,15 @@ async def test_kubelet_tries_a_failed_registration_again_while_the_socket_is_the
         async def NotifyRegistrationStatus(self, request, context):  # type: ignore[no-untyped-def]
             return reg.RegistrationStatusResponse()
 
+    flaky = Flaky()
     server = grpc.aio.server()
-    reg_grpc.add_RegistrationServicer_to_server(Flaky(), server)
+    reg_grpc.add_RegistrationServicer_to_server(flaky, server)
     server.add_insecure_port(f"unix://{path}")
     await server.start()
     try:
         async with DraKubeletEmulator(registry, root / "cdi") as kubelet:
             await kubelet.wait_registered("flaky.example.com", timeout=3.0)
-            assert Flaky.calls == 3 and len(kubelet.refusals) == 2, kubelet.refusals
+            assert flaky.calls == 3 and len(kubelet.refusals) == 2, kubelet.refusals
             assert all("GetInfo failed: UNAVAILABLE" in r for r in kubelet.refusals)
     finally:
         await server.stop(None)
