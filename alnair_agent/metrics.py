@@ -20,6 +20,7 @@ from prometheus_client.aiohttp import make_aiohttp_handler
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from alnair_agent import http_stop
 from alnair_agent.constants import COMPUTE_UNITS_PER_GPU
 
 if TYPE_CHECKING:
@@ -201,4 +202,4 @@ class MetricsServer:
             await web.TCPSite(runner, self.host, self.port).start()
             await asyncio.Event().wait()
         finally:
-            await runner.cleanup()
+            await http_stop.stop(runner)

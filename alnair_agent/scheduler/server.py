@@ -20,6 +20,7 @@ from typing import Any
 import structlog
 from aiohttp import web
 
+from alnair_agent import http_stop
 from alnair_agent.scheduler.bind import Binder
 from alnair_agent.scheduler.dra import DraView, prioritize_dra
 from alnair_agent.scheduler.extender import FilterResult, PrioritizeResult, filter_nodes, prioritize_nodes
@@ -220,4 +221,4 @@ async def serve(host: str, port: int, stop: asyncio.Event, view: ClusterView, bi
         if binder is not None:
             binder.stop()  # before the runners wait for the handlers: a waiting bind would hold them for 20 s
         for runner in runners:
-            await runner.cleanup()
+            await http_stop.stop(runner)

@@ -231,6 +231,8 @@ async def serve_webhook(host: str, port: int, ssl_context: ssl.SSLContext | None
 
     from aiohttp import web
 
+    from alnair_agent import http_stop
+
     runner = web.AppRunner(build_webhook_app(default_profile), access_log=None)
     await runner.setup()
     try:
@@ -239,7 +241,7 @@ async def serve_webhook(host: str, port: int, ssl_context: ssl.SSLContext | None
                  tls=ssl_context is not None, default_profile=default_profile)
         await asyncio.Event().wait()
     finally:
-        await runner.cleanup()
+        await http_stop.stop(runner)
 
 
 async def keep_ca_bundle_published(api: Any, pem: bytes, name: str = WEBHOOK_CONFIGURATION) -> None:

@@ -49,6 +49,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 from kubernetes_asyncio.client import ApiClient, Configuration
 
+from alnair_agent import http_stop
 from fakes.resourceapi import ResourceApiMixin
 
 MERGE_PATCH = "application/merge-patch+json"
@@ -283,6 +284,7 @@ class FakeApiServer(ResourceApiMixin):
         for w in self._watchers:  # end open streams first, or the server would wait for them on shutdown
             w.queue.put_nowait("stop")
         if self._server is not None:
+            await http_stop.quiesce(self._server.runner)
             await self._server.close()
             self._server = None
 

@@ -29,6 +29,7 @@ import aiohttp
 from aiohttp.test_utils import TestServer
 from kubernetes_asyncio.client import ApiClient, CoreV1Api
 
+from alnair_agent import http_stop
 from alnair_agent.app import Agent, Kubernetes
 from alnair_agent.config import Settings
 from alnair_agent.gpu.simulated import SimulatedBackend
@@ -325,6 +326,7 @@ class Cluster:
             task.cancel()
         await asyncio.gather(*self._extender_tasks, return_exceptions=True)
         if self._extender_server is not None:
+            await http_stop.quiesce(self._extender_server.runner)
             await self._extender_server.close()
         if self._extender_client is not None:
             await self._extender_client.close()
