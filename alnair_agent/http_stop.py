@@ -1,11 +1,11 @@
 """Stopping an aiohttp server without losing a connection accepted at the moment it stops.
 
-CPython's asyncio (gh-109564, open from 3.8 to 3.14) accepts a connection in one loop tick and builds its transport
-in a task that runs a tick later; when `Server.close()` lands between the two, the transport's `Server._attach()`
-fails an assert that nobody sees, and the accepted socket is left open with no protocol: its client waits for an
-answer that never comes, and the socket is only closed when the garbage collector finds it (a ResourceWarning
-then). Any server that stops while a client connects meets it: alnair-scheduler restarting under kube-scheduler's
-traffic, the agent's metrics endpoint under a scraper, the test stand-ins.
+CPython's asyncio (gh-109564, still open; met here on 3.11) accepts a connection in one loop tick and builds its
+transport in a task that runs a tick later; when `Server.close()` lands between the two, the transport's
+`Server._attach()` fails an assert that nobody sees, and the accepted socket is left open with no protocol: its
+client waits for an answer that never comes, and the socket is only closed when the garbage collector finds it (a
+ResourceWarning then). Any server that stops while a client connects meets it: alnair-scheduler restarting under
+kube-scheduler's traffic, the agent's metrics endpoint under a scraper, the test stand-ins.
 
 `quiesce` takes the listening sockets off the loop first, so nothing more is accepted, then yields once, so every
 connection already accepted has attached before the close; aiohttp's shutdown then closes it like the others."""
