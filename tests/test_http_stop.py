@@ -72,10 +72,8 @@ async def test_requests_in_flight_at_the_stop_are_still_answered() -> None:
 
 
 @pytest.mark.parametrize("ticks", range(8))
-async def test_alnair_scheduler_closes_a_connection_made_as_it_stops(ticks: int) -> None:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+async def test_alnair_scheduler_closes_a_connection_made_as_it_stops(ticks: int, unused_tcp_port: int) -> None:
+    port = unused_tcp_port
     stop = asyncio.Event()
     task = asyncio.create_task(serve("127.0.0.1", port, stop, ClusterView()), name="scheduler")
     for _ in range(200):
