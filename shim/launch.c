@@ -84,11 +84,15 @@
 #define MAX_DROPS 2u
 /* A kernel's first samples are taken back to back (one per launch, as the sampler frees up), then 1 in SAMPLE_EVERY:
  * a program with many kernels would otherwise keep a kernel's first, least settled sample for thousands of launches. */
+#ifndef FIRST_SAMPLES
 #define FIRST_SAMPLES 4u
+#endif
 #define NFENCE 16u
 #define NCORR 16u
 #define NPEND 8u
+#ifndef INFLIGHT_MAX_NS
 #define INFLIGHT_MAX_NS 20000000ull
+#endif
 #define WAIT_GIVE_UP_NS 2000000000ull /* no GPU progress this long: stop waiting on our own events */
 #define SAMPLE_WAIT_NS 200000000ull   /* an unknown launch waits this long at most for the sample in flight */
 #define GUESS_AHEAD 4u                 /* ... once this many unknown launches went on a guess behind it */
@@ -483,6 +487,7 @@ static uint64_t turn_gate(uint64_t cost, struct stream_ctr *sc)
         }
     }
     G.valid = 0;
+    PROBE(P_GATE_SLOW, 0);
     for (int polled = 0;; now = alnair_now_ns(), seq = RLOAD(alnair_region->agent.turn_seq)) {
         struct alnair_turn t;
         alnair_turn_read(&t);
@@ -548,6 +553,7 @@ go:
     if (t0 == 0)
         return 0;
     uint64_t waited = now - t0;
+    PROBE(P_W_GATE, waited);
     struct alnair_region_slot *s = alnair_slot();
     if (waited > 0 && s != NULL)
         RADD(s->wait_ns, waited);
@@ -602,7 +608,20 @@ static int get_event(CUevent *ev)
 
 static int record(CUevent ev, CUstream s, int pt)
 {
-    return (pt ? alnair_aux.cuEventRecord_ptsz : alnair_aux.cuEventRecord)(ev, s) == CUDA_SUCCESS ? 0 : -1;
+    uint64_t t = PROBE_NOW();
+    int rc = (pt ? alnair_aux.cuEventRecord_ptsz : alnair_aux.cuEventRecord)(ev, s) == CUDA_SUCCESS ? 0 : -1;
+    PROBE(P_RECORD, PROBE_NOW() - t);
+    (void)t;
+    return rc;
+}
+
+static CUresult query(CUevent ev)
+{
+    uint64_t t = PROBE_NOW();
+    CUresult q = alnair_aux.cuEventQuery(ev);
+    PROBE(P_QUERY, PROBE_NOW() - t);
+    (void)t;
+    return q;
 }
 
 static uint64_t elapsed_ns(CUevent a, CUevent b)
@@ -637,7 +656,7 @@ static void poll_fences(void)
 {
     while (T.fcount > 0 && queries_ok()) {
         struct fence *f = &T.f[T.fhead];
-        CUresult q = alnair_aux.cuEventQuery(f->ev);
+        CUresult q = query(f->ev);
         if (q == CUDA_ERROR_NOT_READY)
             break;
         if (q == CUDA_SUCCESS) {
@@ -701,6 +720,7 @@ static void wait_inflight(uint64_t max_ns, unsigned max_fences)
         struct alnair_region_slot *s = alnair_slot();
         uint64_t waited = alnair_now_ns() - t0;
         TRACE('i', waited, T.charged - T.completed_charged, T.fcount, 0);
+        PROBE(P_W_INFLIGHT, waited);
         if (s != NULL)
             RADD(s->wait_ns, waited);
     }
@@ -722,7 +742,7 @@ static void record_fence(CUstream s, int pt, struct stream_ctr *sc)
     int backed = 0;
     if (T.fcount > 0) {
         struct fence *newest = &T.f[(idx + NFENCE - 1) % NFENCE];
-        backed = newest->stream == s && alnair_aux.cuEventQuery(newest->ev) == CUDA_ERROR_NOT_READY;
+        backed = newest->stream == s && query(newest->ev) == CUDA_ERROR_NOT_READY;
     }
     if (record(f->ev, s, pt) != 0)
         return;
@@ -734,6 +754,7 @@ static void record_fence(CUstream s, int pt, struct stream_ctr *sc)
     f->seq = sc ? atomic_load_explicit(&sc->launches, memory_order_relaxed) : 0;
     f->mine = T.done;
     T.fcount++;
+    PROBE(P_FENCE, 0);
     T.last_fence_charged = T.charged;
     T.since_fence = 0;
 }
@@ -745,7 +766,7 @@ static void poll_sample(void)
 {
     if (!T.s_busy || !queries_ok())
         return;
-    CUresult q = alnair_aux.cuEventQuery(T.s_end);
+    CUresult q = query(T.s_end);
     if (q == CUDA_ERROR_NOT_READY)
         return;
     T.s_busy = 0;
@@ -813,6 +834,7 @@ static void wait_sample(void)
     struct alnair_region_slot *s = alnair_slot();
     uint64_t waited = alnair_now_ns() - t0;
     TRACE('w', waited, T.s_key, 0, 0);
+    PROBE(P_W_SAMPLE, waited);
     if (s != NULL)
         RADD(s->wait_ns, waited);
 }
@@ -883,6 +905,7 @@ static __attribute__((noinline)) int pre_launch(struct pre *p, uintptr_t fn, uin
         get_event(&T.s_start) == 0 && get_event(&T.s_end) == 0 && record(T.s_start, s, pt) == 0) {
         p->sampled = 1;
         p->t_host = alnair_now_ns();
+        PROBE(P_SAMPLE, 0);
     }
     return 0;
 }
@@ -939,10 +962,18 @@ static __attribute__((noinline)) void post_launch(struct pre *p, CUresult rc)
             return call;                                                  \
         }                                                                 \
         struct pre p_;                                                    \
+        uint64_t t0_ = PROBE_NOW();                                       \
         if (pre_launch(&p_, (uintptr_t)(key), (blocks), (stream), (pt)) != 0) \
             return CUDA_ERROR_OUT_OF_MEMORY;                              \
+        uint64_t t1_ = PROBE_NOW();                                       \
         CUresult rc_ = call;                                              \
+        uint64_t t2_ = PROBE_NOW();                                       \
         post_launch(&p_, rc_);                                            \
+        PROBE(P_PRE, t1_ - t0_);                                          \
+        PROBE(P_CALL, t2_ - t1_);                                         \
+        PROBE(P_POST, PROBE_NOW() - t2_);                                 \
+        PROBE(P_LAUNCH, PROBE_NOW() - t0_);                               \
+        (void)t0_, (void)t1_, (void)t2_;                                  \
         return rc_;                                                       \
     } while (0)
 

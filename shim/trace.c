@@ -22,9 +22,35 @@ void alnair_trace(char kind, uint64_t a, uint64_t b, uint64_t c, uint64_t d)
         g_trace[i] = (struct trace_rec){alnair_now_ns(), a, b, c, d, kind};
 }
 
+static const char *const probe_names[P_NPROBE] = {"launch", "pre", "call", "post", "wait_sample", "wait_inflight",
+                                                    "wait_gate", "event_record", "event_query", "sample", "fence",
+                                                    "gate_slow"};
+static _Atomic uint64_t g_probe_n[P_NPROBE], g_probe_ns[P_NPROBE];
+
+void alnair_probe(enum alnair_probe k, uint64_t ns)
+{
+    atomic_fetch_add_explicit(&g_probe_n[k], 1, memory_order_relaxed);
+    atomic_fetch_add_explicit(&g_probe_ns[k], ns, memory_order_relaxed);
+}
+
+static void probe_dump(const char *path)
+{
+    char name[4096];
+    snprintf(name, sizeof name, "%s.sum", path);
+    FILE *f = fopen(name, "w");
+    if (f == NULL)
+        return;
+    for (unsigned k = 0; k < P_NPROBE; k++)
+        fprintf(f, "%s %llu %llu\n", probe_names[k], (unsigned long long)atomic_load(&g_probe_n[k]),
+                (unsigned long long)atomic_load(&g_probe_ns[k]));
+    fclose(f);
+}
+
 __attribute__((destructor)) static void trace_dump(void)
 {
     const char *path = getenv("ALNAIR_TRACE_FILE");
+    if (path != NULL)
+        probe_dump(path);
     FILE *f = path ? fopen(path, "w") : NULL;
     if (f == NULL)
         return;
