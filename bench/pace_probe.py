@@ -45,6 +45,7 @@ HEAD = """
 import os, sys, time, json
 from pathlib import Path
 phases, seconds, cpu = sys.argv[1].split(","), float(sys.argv[2]), int(sys.argv[3])
+ref_seconds, SETTLE_NS = float(sys.argv[4]), int(float(sys.argv[5]) * 1e9)
 if cpu >= 0:
     os.sched_setaffinity(0, {cpu})
 import torch
@@ -62,20 +63,22 @@ for _ in range(20):
 torch.cuda.synchronize()
 out = []
 for ph in phases:
+    kind, cap = ph[0], int(ph[1:] or CAP)
+    win = PERIOD * cap // 100
     epoch = monotonic_ns()
     if reg is not None:
-        if ph == "u":
+        if kind in "up":
             reg.set_limits(MEM, 0)
         else:
-            reg.set_limits(MEM, CAP)
-            reg.set_turn(Turn(epoch, PERIOD, 0, PERIOD if ph == "f" else WIN))
-    settle = time.monotonic_ns() + 200_000_000
+            reg.set_limits(MEM, cap)
+            reg.set_turn(Turn(epoch, PERIOD, 0, PERIOD if kind == "f" else win))
+    settle = time.monotonic_ns() + SETTLE_NS
     while time.monotonic_ns() < settle:
         step()
     torch.cuda.synchronize()
     ends = []
     t0 = time.monotonic_ns()
-    stop = t0 + int(seconds * 1e9)
+    stop = t0 + int((seconds if kind not in "up" else ref_seconds) * 1e9)
     while True:
         for _ in range(PER_MARK):
             step()
@@ -89,10 +92,16 @@ for ph in phases:
     rec = {"phase": ph, "steps": steps, "seconds": (t1 - t0) / 1e9, "rate": steps / ((t1 - t0) / 1e9)}
     gaps = sorted(b - a for a, b in zip([t0] + ends, ends))
     rec["median_mark_us"] = gaps[len(gaps) // 2] / 1e3
-    if ph == "w":
-        inside = sum(1 for t in ends if (t - epoch) %% PERIOD < WIN)
+    if kind == "w":
+        inside = sum(1 for t in ends if (t - epoch) %% PERIOD < win)
         periods = (t1 - t0) / PERIOD
-        rec["in_window_rate"] = inside * PER_MARK * UNITS / (periods * WIN / 1e9)
+        rec["in_window_rate"] = inside * PER_MARK * UNITS / (periods * win / 1e9)
+        buckets = [0] * (win // 1_000_000 + 1)
+        for t in ends:
+            ph_ms = ((t - epoch) %% PERIOD) // 1_000_000
+            if ph_ms < len(buckets):
+                buckets[ph_ms] += 1
+        rec["window_ms_marks"] = buckets
     out.append(rec)
 if reg is not None:
     reg.set_limits(MEM, 0)
@@ -115,48 +124,83 @@ def read_probe(path: Path) -> dict[str, dict[str, float]]:
     return out
 
 
-async def one(shape: str, build: str, shim: Path | None, phases: str, seconds: float, tmp: Path, n: int,
-              cpu: int) -> dict[str, Any]:
+def read_lateness(path: Path) -> dict[str, float] | None:
+    """The trace build's 'W' records: how late after its window's start a waiting thread went on (us)."""
+    if not path.exists():
+        return None
+    late = sorted(int(line.split()[2]) / 1e3 for line in path.read_text().splitlines() if line.startswith("W "))
+    if not late:
+        return None
+    return {"n": len(late), "median_us": late[len(late) // 2], "p90_us": late[int(0.9 * (len(late) - 1))],
+            "max_us": late[-1]}
+
+
+async def one(shape: str, build: str, shim: Path | None, a: argparse.Namespace, tmp: Path, n: int) -> dict[str, Any]:
     env = plain_env(0)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
     trace = tmp / f"{shape}-{build}-{n}.trace"
+    phases = a.phases
     if shim is not None:
         region = tmp / f"region-{n}"
         Region.create(region, MEMORY, 0).close()
         env.update({"LD_PRELOAD": str(shim), "ALNAIR_REGION": str(region), "ALNAIR_TRACE_FILE": str(trace)})
-    run_phases = phases if shim is not None else ",".join("p" for _ in phases.split(","))
-    res = await run_py(tenant_code(shape), env, run_phases, str(seconds), str(cpu))
+    else:
+        phases = ",".join("p" for p in phases.split(",") if p == "u")
+    res = await run_py(tenant_code(shape), env, phases, str(a.seconds), str(a.cpu), str(a.ref_seconds),
+                       str(a.settle))
     res["probe"] = read_probe(Path(str(trace) + ".sum"))
+    res["lateness"] = read_lateness(trace)
     return res
+
+
+def paired(ph: list[dict[str, Any]], i: int, key: str) -> float | None:
+    """Phase i's `key` against the mean of the reference phases just before and after it (the same process, a
+    second apart at most): the program's own pace then, whatever mode its host is in."""
+    refs = [ph[j]["rate"] for j in (i - 1, i + 1) if 0 <= j < len(ph) and ph[j]["phase"] in ("u", "p")]
+    if not refs or key not in ph[i]:
+        return None
+    return 100 * ph[i][key] / statistics.mean(refs)
 
 
 def summarise(shape: str, build: str, res: dict[str, Any]) -> dict[str, Any]:
     ph = res["phases"]
     ref = [p["rate"] for p in ph if p["phase"] in ("u", "p")]
-    base = statistics.mean(ref) if ref else float("nan")
+    base = statistics.mean(ref)
+    steps = [100 * abs(b - a) / statistics.mean((a, b)) for a, b in zip(ref, ref[1:])]
     row: dict[str, Any] = {"shape": shape, "build": build, "ref_rate": round(base, 1),
-                           "ref_spread_pct": round(100 * (max(ref) - min(ref)) / base, 1) if ref else None}
-    for kind in ("f", "w"):
-        xs = [p for p in ph if p["phase"] == kind]
-        if xs:
-            row[f"{kind}_pct"] = round(100 * statistics.mean(p["rate"] for p in xs) / base, 1)
-        if kind == "w" and xs:
-            row["w_in_window_pct"] = round(100 * statistics.mean(p["in_window_rate"] for p in xs) / base, 1)
+                           "ref_step_spread_pct": round(statistics.median(steps), 1) if steps else None,
+                           "ref_range_pct": round(100 * (max(ref) - min(ref)) / base, 1)}
+    by: dict[str, dict[str, list[float]]] = {}
+    for i, p in enumerate(ph):
+        if p["phase"] in ("u", "p"):
+            continue
+        d = by.setdefault(p["phase"], {})
+        for key, name in (("rate", "share"), ("in_window_rate", "in_window")):
+            v = paired(ph, i, key)
+            if v is not None:
+                d.setdefault(name, []).append(v)
+    for phase, d in by.items():
+        for name, xs in d.items():
+            row[f"{phase}_{name}_pct"] = round(statistics.median(xs), 1)
+            row[f"{phase}_{name}_each"] = [round(x, 1) for x in xs]
     pr = res.get("probe") or {}
     if pr.get("launch", {}).get("n"):
         nl = pr["launch"]["n"]
         row["per_launch_ns"] = {k: round(v["ns"] / nl) for k, v in pr.items() if v["ns"]}
         row["counts_per_1k_launches"] = {k: round(1000 * v["n"] / nl, 1) for k, v in pr.items()
                                          if k not in ("launch", "pre", "call", "post")}
+    if res.get("lateness"):
+        row["window_start_lateness_us"] = res["lateness"]
     return row
 
 
 async def main(a: argparse.Namespace) -> dict[str, Any]:
-    builds: dict[str, Path | None] = {"plain": None}
+    builds: dict[str, Path | None] = {"plain": None} if a.plain else {}
     for b in a.build:
         name, _, path = b.partition("=")
         builds[name] = Path(path)
-    out: dict[str, Any] = {"machine": machine(), "phases": a.phases, "seconds": a.seconds, "runs": [], "rows": []}
+    out: dict[str, Any] = {"phases": a.phases, "seconds": a.seconds, "ref_seconds": a.ref_seconds, "runs": [],
+                           "rows": []}
     with tempfile.TemporaryDirectory() as d:
         tmp, n = Path(d), 0
         for _ in range(a.rounds):
@@ -164,21 +208,30 @@ async def main(a: argparse.Namespace) -> dict[str, Any]:
                 for build, shim in builds.items():
                     n += 1
                     try:
-                        res = await one(shape, build, shim, a.phases, a.seconds, tmp, n, a.cpu)
+                        res = await one(shape, build, shim, a, tmp, n)
                     except Exception as e:  # noqa: BLE001 - a diagnostic: record it, go on
                         print(f"{shape} {build}: error {e!r}"[:600], flush=True)
                         out["runs"].append({"shape": shape, "build": build, "error": repr(e)[-2000:]})
                         continue
                     row = summarise(shape, build, res)
-                    print(json.dumps(row), flush=True)
+                    print(json.dumps({k: v for k, v in row.items() if not k.endswith("_each")}), flush=True)
                     out["runs"].append({"shape": shape, "build": build, **res})
                     out["rows"].append(row)
                     if a.json:
                         write_json(a.json, out)
-    print(f"\n{'shape':8} {'build':8} {'ref/s':>9} {'spread':>7} {'lent':>7} {'window':>7} {'in-win':>7}")
+    kinds = [p for p in dict.fromkeys(a.phases.split(",")) if p not in ("u", "p")]
+    head = f"{'shape':8} {'build':8} {'ref/s':>9} {'step±':>6}" + "".join(
+        f" {k + (' in-win' if k.startswith('w') else ''):>13}" for k in kinds) + "".join(
+        f" {k + ' share':>10}" for k in kinds if k.startswith("w"))
+    print("\n" + head)
     for r in out["rows"]:
-        print(f"{r['shape']:8} {r['build']:8} {r['ref_rate']:>9} {str(r['ref_spread_pct']):>7} "
-              f"{str(r.get('f_pct', '')):>7} {str(r.get('w_pct', '')):>7} {str(r.get('w_in_window_pct', '')):>7}")
+        line = f"{r['shape']:8} {r['build']:8} {r['ref_rate']:>9} {str(r['ref_step_spread_pct']):>6}"
+        for k in kinds:
+            line += f" {str(r.get(f'{k}_in_window_pct' if k.startswith('w') else f'{k}_share_pct', '')):>13}"
+        for k in kinds:
+            if k.startswith("w"):
+                line += f" {str(r.get(f'{k}_share_pct', '')):>10}"
+        print(line)
     return out
 
 
@@ -186,8 +239,12 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--build", action="append", default=[], metavar="NAME=PATH", help="a shim build to run under")
     ap.add_argument("--shapes", default="train,infer,small")
-    ap.add_argument("--phases", default="u,f,w,u,f,w,u")
-    ap.add_argument("--seconds", type=float, default=1.0)
+    ap.add_argument("--phases", default="u,f,u,w20,u,w30,u,w50,u,w70,u,f,u,w20,u,w30,u,w50,u,w70,u",
+                    help="u: uncapped (the reference); f: capped, lent the whole GPU; wNN: windows of NN %% of 100 ms")
+    ap.add_argument("--seconds", type=float, default=0.6, help="each f / w phase")
+    ap.add_argument("--ref-seconds", type=float, default=0.3, help="each u phase")
+    ap.add_argument("--settle", type=float, default=0.1, help="before each phase is timed")
+    ap.add_argument("--plain", action="store_true", help="also a process with no shim (its u phases only)")
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--cpu", type=int, default=2, help="pin each tenant to this CPU (-1: no pinning)")
     ap.add_argument("--json", type=Path)

@@ -59,6 +59,15 @@
  * 1 ms kernels that began a wake-up late loses its last kernel's worth every period (7 % of a 15 ms window); the
  * next container's turn starts at most this late. */
 #define WINDOW_SLACK_NS 200000ull
+/* A thread waiting for its window sleeps until this long before the window's start and spins the rest: a sleep's
+ * wake-up comes tens of microseconds late on a VM, and every window would begin that late (a turn's start must not
+ * wait on a wake-up). At most this much spinning per window per waiting thread. */
+#ifndef WAKE_EARLY_NS
+#define WAKE_EARLY_NS 100000ull
+#endif
+/* Polling a drain (the gate measures what is queued instead of trusting its estimate): first nap, and at most. */
+#define DRAIN_NAP_MIN_NS 10000ull
+#define DRAIN_NAP_MAX_NS 500000ull
 /* Overridable for diagnostic builds only (make CFLAGS="-O2 -DSAMPLE_EVERY=4096u ..."): bench/metering_cost.py */
 /* Each event the shim records costs a real driver ~2 us: at 1 in 256 launches (and 3 events per 256) the metered
  * path pays ~25 ns per launch for them; a kernel's estimate is taken at once from its first sample and falls at
@@ -258,6 +267,7 @@ struct tstate {
     uint64_t launches, done, charged, completed_charged, last_fence_charged;
     unsigned since_fence;
     CUevent s_start, s_end;
+    CUevent d_ev; /* the gate's drain event: recorded when its estimate of the queue refuses a launch */
     uint64_t s_key, s_cost, s_idx, s_host;
     unsigned s_ahead; /* launches of unknown kernels charged a guess since the sample in flight was taken */
     int s_busy, s_guess;
@@ -401,6 +411,17 @@ static void owe(uint64_t ns)
     atomic_fetch_add(&g_debt, ns);
 }
 
+static inline void cpu_relax(void)
+{
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
+}
+
+/* Sleep towards `until` (at most NAP_MAX_NS at a time: the caller re-reads the turns); its last WAKE_EARLY_NS are
+ * spun, so the caller is back on time. */
 static void nap_until(uint64_t until, uint64_t now)
 {
     if (!T_slack_set) {
@@ -409,7 +430,13 @@ static void nap_until(uint64_t until, uint64_t now)
         T_slack_set = 1;
     }
     uint64_t d = until > now ? until - now : 0;
-    alnair_sleep_ns(d > NAP_MAX_NS ? NAP_MAX_NS : d < 1000u ? 1000u : d);
+    if (d <= WAKE_EARLY_NS) {
+        while (alnair_now_ns() < until)
+            cpu_relax();
+        return;
+    }
+    d -= WAKE_EARLY_NS;
+    alnair_sleep_ns(d > NAP_MAX_NS ? NAP_MAX_NS : d);
 }
 
 /* The part of the window starting at `ws` (length `len`) that the process's debt skips: taken from the debt once
@@ -448,6 +475,7 @@ static uint32_t window_procs(uint64_t ws)
 }
 
 static void poll_fences(void);
+static int drained(CUstream s, int pt, struct stream_ctr *sc, uint64_t deadline);
 
 /* Wait until this launch of `cost` ns may go: in the container's window with room for it after what this thread
  * has queued, or under an elastic lease. Returns the ns waited. */
@@ -468,7 +496,7 @@ static inline void owe_past(uint64_t backlog, uint64_t cost, uint64_t left)
         owe(end - lim - (backlog > lim ? backlog - lim : 0));
 }
 
-static uint64_t turn_gate(uint64_t cost, struct stream_ctr *sc)
+static uint64_t turn_gate(uint64_t cost, struct stream_ctr *sc, CUstream stream, int pt)
 {
     uint64_t t0 = 0, now = alnair_now_ns();
     uint32_t seq = RLOAD(alnair_region->agent.turn_seq);
@@ -521,6 +549,7 @@ static uint64_t turn_gate(uint64_t cost, struct stream_ctr *sc)
         uint64_t backlog = (vft > now ? vft - now : 0) * procs, left = we - now;
         uint64_t room = t.spare > WINDOW_SLACK_NS ? t.spare : WINDOW_SLACK_NS;
         if (backlog + cost <= left + room) {
+            TRACE('W', now - start, left, backlog, 0); /* how late after its start a waiting thread goes on */
             owe_past(backlog, cost, left);
             G.seq = seq;
             G.procs = procs;
@@ -535,6 +564,15 @@ static uint64_t turn_gate(uint64_t cost, struct stream_ctr *sc)
         if (backlog > 0 && !polled && queries_ok()) {
             poll_fences(); /* the queue may have drained further than its estimate says */
             polled = 1;
+            continue;
+        }
+        /* Still refused on the estimate, though the launch alone would fit: measure the queue instead. Estimates
+         * of a program that leaves the GPU idle between launches hold the host's launch time too (a sample's start
+         * event ran on an idle GPU), so the estimated queue of a training step or batch-1 inference runs ahead of
+         * the real one and the window's last milliseconds were lost every period. The drain is waited for only
+         * until the window's end, when the launch would be refused anyway. */
+        if (backlog > 0 && polled < 2 && cost <= left + room && queries_ok() && drained(stream, pt, sc, we)) {
+            polled = 2;
             continue;
         }
         if (backlog == 0 && cost > t.length) {
@@ -563,12 +601,13 @@ go:
 /* ---- events of our own --------------------------------------------------------------------------------------- */
 static void drop_events(void)
 {
-    CUevent *evs[NFENCE + 2];
+    CUevent *evs[NFENCE + 3];
     unsigned n = 0;
     for (unsigned i = 0; i < NFENCE; i++)
         evs[n++] = &T.f[i].ev;
     evs[n++] = &T.s_start;
     evs[n++] = &T.s_end;
+    evs[n++] = &T.d_ev;
     for (unsigned i = 0; i < n; i++) {
         if (*evs[i] != NULL && alnair_aux.cuEventDestroy != NULL)
             alnair_aux.cuEventDestroy(*evs[i]);
@@ -694,6 +733,38 @@ static void poll_fences(void)
         T.fhead = (T.fhead + 1) % NFENCE;
         T.fcount--;
     }
+}
+
+/* Whether the work queued on stream `s` completes before `deadline` (a drain event recorded now, polled in naps);
+ * when it does and nothing was launched on the stream meanwhile, the stream's estimated queue is empty. */
+static int drained(CUstream s, int pt, struct stream_ctr *sc, uint64_t deadline)
+{
+    if (ensure_ctx() != 0 || get_event(&T.d_ev) != 0)
+        return 0;
+    uint64_t seq = sc != NULL ? atomic_load_explicit(&sc->launches, memory_order_relaxed) : 0;
+    if (record(T.d_ev, s, pt) != 0)
+        return 0;
+    uint64_t t0 = alnair_now_ns(), nap = DRAIN_NAP_MIN_NS;
+    CUresult q;
+    for (uint64_t now = t0;; now = alnair_now_ns()) {
+        q = query(T.d_ev);
+        if (q != CUDA_ERROR_NOT_READY || now >= deadline)
+            break;
+        uint64_t d = deadline - now;
+        alnair_sleep_ns(nap < d ? nap : d);
+        nap = nap * 2 > DRAIN_NAP_MAX_NS ? DRAIN_NAP_MAX_NS : nap * 2;
+    }
+    uint64_t now = alnair_now_ns();
+    TRACE('d', now - t0, (uint64_t)q, deadline > now ? deadline - now : 0, 0);
+    PROBE(P_W_DRAIN, now - t0);
+    if (q != CUDA_SUCCESS)
+        return 0;
+    if (sc != NULL && atomic_load_explicit(&sc->launches, memory_order_relaxed) == seq) {
+        uint64_t v = atomic_load_explicit(&sc->vft, memory_order_relaxed);
+        while (v > now && !atomic_compare_exchange_weak(&sc->vft, &v, now)) {
+        }
+    }
+    return 1;
 }
 
 /* Sleep until at most `max_ns` of charged work and fewer than `max_fences` fences are pending on the GPU. */
@@ -897,7 +968,7 @@ static __attribute__((noinline)) int pre_launch(struct pre *p, uintptr_t fn, uin
     if (quiet && T.fcount > 0 && T.charged - T.completed_charged > INFLIGHT_MAX_NS)
         wait_inflight(INFLIGHT_MAX_NS, NFENCE);
     p->sc = stream_find(s, pt);
-    turn_gate(p->cost, p->sc); /* last: nothing sleeps between the gate's yes and the launch */
+    turn_gate(p->cost, p->sc, s, pt); /* last: nothing sleeps between the gate's yes and the launch */
     T.launches++;
     if (quiet && T.s_busy && est == 0)
         poll_sample(); /* a new size class wants the sampler: is the sample in flight done? */

@@ -576,6 +576,39 @@ static void run_op(const char *op, int argc, char **argv, int i)
         uint64_t wall = mono() - t0;
         printf("run launches=%llu bad=%llu gpu_ns=%llu wall_ns=%llu cpu_ns=0\n", (unsigned long long)n,
                (unsigned long long)bad, (unsigned long long)(n * b), (unsigned long long)wall);
+    } else if (sscanf(op, "hsteps:%llu:%llu:%llu:%llu", &a, &b, &c, &d) == 4) {
+        /* hsteps:MS:K:DUR:THINK  a host-bound training step: before each of its K distinct kernels of DUR ns the
+         * host works THINK ns (Python, autograd: a spin), then it waits for the GPU (loss.item()), for MS ms. Each
+         * step's end time is kept so the pace inside a window can be told from the pace outside it:
+         * "steps_at" lists them (ns since the op began) after the run line. */
+        CUfunction fns[256];
+        char prefix[16];
+        for (unsigned long long k = 0; k < b && k < 256; k++) {
+            snprintf(prefix, sizeof prefix, "hstep%llu", k);
+            fns[k] = named_fn(prefix, c);
+        }
+        uint64_t t0 = mono(), n = 0, steps = 0, bad = 0, cap = 1u << 20;
+        uint64_t *ends = malloc(cap * sizeof *ends);
+        while (mono() - t0 < a * 1000000ull) {
+            for (unsigned long long k = 0; k < b && k < 256; k++, n++) {
+                for (uint64_t until = mono() + d; mono() < until;) {
+                }
+                bad += api.Launch(fns[k], 1, 1, 1, 1, 1, 1, 0, NULL, NULL, NULL) != CUDA_SUCCESS;
+            }
+            api.StreamSync(NULL);
+            if (ends != NULL && steps < cap)
+                ends[steps] = mono() - t0;
+            steps++;
+        }
+        uint64_t wall = mono() - t0;
+        printf("run launches=%llu bad=%llu gpu_ns=%llu wall_ns=%llu cpu_ns=0 steps=%llu\n", (unsigned long long)n,
+               (unsigned long long)bad, (unsigned long long)(n * c), (unsigned long long)wall,
+               (unsigned long long)steps);
+        printf("steps_at");
+        for (uint64_t i = 0; ends != NULL && i < steps && i < cap; i++)
+            printf(" %llu", (unsigned long long)(ends[i] + t0));
+        printf("\n");
+        free(ends);
     } else if (sscanf(op, "steps:%llu:%llu:%llu", &a, &b, &c) == 3) {
         /* steps:MS:K:DUR  a training-like step: K distinct kernels of DUR ns each (functions of their own, so each
          * has its own estimate), then a wait for the GPU (loss.item()), for MS ms; "steps" counts the steps */
