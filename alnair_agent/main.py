@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return install_shim(args.folder)
     if args.demo or args.command == "demo":
-        from alnair_agent.demo import run_demo
+        from alnair_agent.demo.run import run_demo
 
         return run_demo(getattr(args, "seconds", 15.0))
     try:

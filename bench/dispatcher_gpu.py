@@ -29,15 +29,13 @@ import argparse
 import asyncio
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "tests" / "gpu")]
 
-import workloads  # noqa: E402
-from workloads import CALIBRATE, NvmlUtilization, plain_env, run_py  # noqa: E402
+from alnair_standins import workloads
+from alnair_standins.workloads import CALIBRATE, NvmlUtilization, plain_env, run_py
 
 # bf16 matmuls back to back for argv[1] s; an event every 4 matmuls gives when each batch completed on the GPU
 TENANT = """
@@ -369,8 +367,9 @@ if __name__ == "__main__":
     ap.add_argument("--log-level", choices=("debug", "info", "warning"), default="warning",
                     help="the in-process agent's log level (info: its dispatcher's lending decisions, among others)")
     ARGS = ap.parse_args()
-    import structlog
     import logging
+
+    import structlog
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(getattr(logging, ARGS.log_level.upper())))
     res = asyncio.run(main())
     if ARGS.json:

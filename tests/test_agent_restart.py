@@ -9,7 +9,15 @@ import signal
 import time
 from pathlib import Path
 
-from agent_harness import (
+from alnair_agent.constants import (
+    ENV_VISIBLE_DEVICES,
+    RESOURCE_COMPUTE,
+    RESOURCE_MEMORY,
+)
+from alnair_standins.apiserver import FakeApiServer, make_pod
+from alnair_standins.gpu import sim_uuid
+from alnair_standins.kubelet import KubeletEmulator
+from alnair_standins.node import (
     NODE,
     AgentProcess,
     gpu_of,
@@ -18,11 +26,6 @@ from agent_harness import (
     registered,
     running_agent,
 )
-from fakes.apiserver import FakeApiServer, make_pod
-
-from alnair_agent.constants import ENV_VISIBLE_DEVICES, RESOURCE_COMPUTE, RESOURCE_MEMORY
-from alnair_agent.gpu.simulated import sim_uuid
-from alnair_agent.kubelet.emulator import KubeletEmulator
 
 MEM, SM = RESOURCE_MEMORY, RESOURCE_COMPUTE
 

@@ -9,16 +9,6 @@ from pathlib import Path
 
 import grpc
 import pytest
-from agent_harness import (
-    NODE,
-    gpu_of,
-    kubernetes_for,
-    node_settings,
-    registered,
-    running_agent,
-)
-from crashloop import Episode, run_episode
-from fakes.apiserver import FakeApiServer, make_pod
 
 from alnair_agent.app import Kubernetes
 from alnair_agent.constants import (
@@ -33,9 +23,19 @@ from alnair_agent.constants import (
     UNHEALTHY,
     USAGE_ANNOTATION,
 )
-from alnair_agent.gpu.simulated import sim_uuid
-from alnair_agent.kubelet.emulator import AdmissionError, KubeletEmulator
 from alnair_agent.node.region import Region
+from alnair_standins.apiserver import FakeApiServer, make_pod
+from alnair_standins.crashloop import Episode, run_episode
+from alnair_standins.gpu import sim_uuid
+from alnair_standins.kubelet import AdmissionError, KubeletEmulator
+from alnair_standins.node import (
+    NODE,
+    gpu_of,
+    kubernetes_for,
+    node_settings,
+    registered,
+    running_agent,
+)
 
 GIB = 1 << 30
 MEM, SM = RESOURCE_MEMORY, RESOURCE_COMPUTE
@@ -415,7 +415,7 @@ async def test_api_outage_holds_no_reconcile_pass_and_loses_no_final_figures(roo
 async def test_kubelets_record_corrects_an_allocations_identity(root, kubelet, api, k8s):
     """pod-resources is the truth about who holds what: a record whose devices kubelet reports for another
     container is rewritten to that container, and its folder is kept while kubelet reports it."""
-    from alnair_agent.kubelet.emulator import ContainerKey
+    from alnair_standins.kubelet import ContainerKey
 
     async with running_agent(node_settings(root), k8s()) as running:
         await registered(kubelet)

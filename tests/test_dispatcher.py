@@ -16,14 +16,25 @@ from pathlib import Path
 import pytest
 import structlog
 import structlog.testing
-from agent_harness import NODE, kubernetes_for, node_settings, registered, running_agent
-from fakes.apiserver import make_pod
-from simbuild import Build, build_shim_and_driver
 
-from alnair_agent.constants import (COMPUTE_POLICY_ANNOTATION, ENV_COMPUTE_LIMIT, ENV_MEMORY_LIMIT,
-                                    ENV_VISIBLE_DEVICES, RESOURCE_COMPUTE)
-from alnair_agent.gpu import simtimeline as TL
-from alnair_agent.kubelet.emulator import KubeletEmulator
+from alnair_agent.constants import (
+    COMPUTE_POLICY_ANNOTATION,
+    ENV_COMPUTE_LIMIT,
+    ENV_MEMORY_LIMIT,
+    ENV_VISIBLE_DEVICES,
+    RESOURCE_COMPUTE,
+)
+from alnair_standins import simtimeline as TL
+from alnair_standins.apiserver import make_pod
+from alnair_standins.kubelet import KubeletEmulator
+from alnair_standins.node import (
+    NODE,
+    kubernetes_for,
+    node_settings,
+    registered,
+    running_agent,
+)
+from alnair_standins.simbuild import Build, build_shim_and_driver
 
 pytestmark = pytest.mark.timeout(90)
 

@@ -9,13 +9,13 @@ import os
 import shutil
 from typing import Any
 
-from fakes.dra import dra_node
-from fakes.util import wait_until
+from service_util import wait_until
 
 from alnair_agent.constants import DRA_DRIVER
 from alnair_agent.dra.ledger import SPARES
-from alnair_agent.kubelet.dra_emulator import Claim
 from alnair_agent.proto import dra_v1_pb2, dra_v1_pb2_grpc
+from alnair_standins.dra_node import dra_node
+from alnair_standins.kubelet_dra import Claim
 
 GOOD = {"request": "gpu", "driver": DRA_DRIVER, "pool": "node-1", "device": "gpu-0",
         "shareID": "0b7c5f6e-6f0f-4f55-9b43-3f2a0d6f0a11", "consumedCapacity": {"memory": "4Gi", "compute": "30"}}

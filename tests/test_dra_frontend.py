@@ -7,9 +7,6 @@ import asyncio
 
 import grpc
 import pytest
-from agent_harness import NODE, kubernetes_for, node_settings, registered, running_agent
-from fakes.apiserver import make_pod
-from fakes.dra import device_class, dra_node
 
 from alnair_agent.config import ConfigError
 from alnair_agent.constants import (
@@ -23,10 +20,19 @@ from alnair_agent.constants import (
 from alnair_agent.dra import frontend
 from alnair_agent.dra.capacity import slice_name
 from alnair_agent.kube.resourceapi import ResourceApi
-from alnair_agent.kubelet.dra_emulator import DraKubeletEmulator
-from alnair_agent.kubelet.emulator import KubeletEmulator
 from alnair_agent.proto import pluginregistration_pb2 as reg
 from alnair_agent.proto import pluginregistration_pb2_grpc as reg_grpc
+from alnair_standins.apiserver import make_pod
+from alnair_standins.dra_node import device_class, dra_node
+from alnair_standins.kubelet import KubeletEmulator
+from alnair_standins.kubelet_dra import DraKubeletEmulator
+from alnair_standins.node import (
+    NODE,
+    kubernetes_for,
+    node_settings,
+    registered,
+    running_agent,
+)
 
 
 async def choose(api, wanted: str, root) -> frontend.Choice:  # type: ignore[no-untyped-def]

@@ -11,11 +11,7 @@ import os
 from pathlib import Path
 
 import pytest
-from agent_harness import node_settings, registered, running_agent
-from fakes.apiserver_process import ApiServerProcess
-from fakes.dra import dra_node
-from fakes.dra_allocator import AllocationFailed
-from fakes.util import wait_until
+from service_util import wait_until
 
 from alnair_agent.constants import (
     CONTAINER_RUN_DIR,
@@ -32,9 +28,13 @@ from alnair_agent.constants import (
     USAGE_ANNOTATION,
 )
 from alnair_agent.dra.capacity import slice_name
-from alnair_agent.kubelet.dra_emulator import Claim, DraKubeletEmulator
-from alnair_agent.kubelet.emulator import KubeletEmulator
 from alnair_agent.node.region import Region
+from alnair_standins.apiserver_process import ApiServerProcess
+from alnair_standins.dra_allocator import AllocationFailed
+from alnair_standins.dra_node import dra_node
+from alnair_standins.kubelet import KubeletEmulator
+from alnair_standins.kubelet_dra import Claim, DraKubeletEmulator
+from alnair_standins.node import node_settings, registered, running_agent
 
 GiB = 1 << 30
 

@@ -16,8 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from fakes.dra import DraNode, dra_node
-from fakes.dra_allocator import AllocationFailed
 
 from alnair_agent.config import parse_sim_gpus
 from alnair_agent.constants import (
@@ -29,8 +27,10 @@ from alnair_agent.constants import (
     REGION_FILE_NAME,
 )
 from alnair_agent.dra.quantity import parse_quantity
-from alnair_agent.kubelet.dra_emulator import ContainerView
 from alnair_agent.node.region import Region
+from alnair_standins.dra_allocator import AllocationFailed
+from alnair_standins.dra_node import DraNode, dra_node
+from alnair_standins.kubelet_dra import ContainerView
 
 GiB = 1 << 30
 SEEDS = range(24)

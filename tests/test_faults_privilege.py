@@ -8,12 +8,17 @@ import stat
 from pathlib import Path
 
 import yaml
-from agent_harness import node_settings, registered, running_agent
 
-from alnair_agent.constants import ALLOCATION_FILE_NAME, CONTAINER_FOLDER_NAME, REGION_FILE_NAME, SOCKET_NAME
+from alnair_agent.constants import (
+    ALLOCATION_FILE_NAME,
+    CONTAINER_FOLDER_NAME,
+    REGION_FILE_NAME,
+    SOCKET_NAME,
+)
 from alnair_agent.constants import RESOURCE_COMPUTE as SM
 from alnair_agent.constants import RESOURCE_MEMORY as MEM
-from alnair_agent.kubelet.emulator import KubeletEmulator
+from alnair_standins.kubelet import KubeletEmulator
+from alnair_standins.node import node_settings, registered, running_agent
 
 REPO = Path(__file__).resolve().parent.parent
 # The API calls the agent makes (not the scheduler: its own manifest and test) -> (resource, verb).

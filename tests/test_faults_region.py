@@ -13,16 +13,16 @@ import time
 from dataclasses import replace
 
 import pytest
-from agent_harness import node_settings, registered
 from faults_util import agent_process, count, free_port, http_get, kill, wait_until
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_faults import region_of
 
 from alnair_agent.constants import ENV_ALLOCATION_ID, RESOURCE_COMPUTE, RESOURCE_MEMORY
-from alnair_agent.kubelet.emulator import KubeletEmulator
 from alnair_agent.node import region_layout as L
 from alnair_agent.node.region import AgentBlock, Region, Turn, monotonic_ns
-from test_faults import region_of
+from alnair_standins.kubelet import KubeletEmulator
+from alnair_standins.node import node_settings, registered
 
 MEM, SM = RESOURCE_MEMORY, RESOURCE_COMPUTE
 

@@ -20,7 +20,7 @@ from kubernetes_asyncio.client import CoreV1Api
 from structlog.testing import capture_logs
 
 from alnair_agent.kube import lazy_client
-from fakes.apiserver import FakeApiServer, make_node, make_pod
+from alnair_standins.apiserver import FakeApiServer, make_node, make_pod
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -42,8 +42,7 @@ def _python(code: str, *, lazy: bool) -> subprocess.CompletedProcess[str]:
     library's own eager import (nothing of alnair_agent imported)."""
     prelude = "import alnair_agent.kube\n" if lazy else ""
     return subprocess.run([sys.executable, "-c", prelude + textwrap.dedent(code)], cwd=ROOT, capture_output=True,
-                          text=True, timeout=50, env={**os.environ, "PYTHONPATH": os.pathsep.join(
-                              [str(ROOT / "tests"), *filter(None, [os.environ.get("PYTHONPATH")])])})
+                          text=True, timeout=50)
 
 
 # Prints, for every name each lazy package binds in the eager import, what it is: "module:qualname" for classes and
@@ -127,7 +126,7 @@ from datetime import datetime, timezone
 from types import SimpleNamespace
 from kubernetes_asyncio import watch
 from kubernetes_asyncio.client import ApiClient, CoreV1Api
-from fakes.apiserver import make_node, make_pod
+from alnair_standins.apiserver import make_node, make_pod
 async def main():  # ApiClient wants a running loop (its aiohttp session)
     api = ApiClient()
     at = datetime(2026, 12, 1, 7, 0, tzinfo=timezone.utc)
@@ -207,13 +206,13 @@ def _package(root: Path, name: str, init: str, modules: dict[str, str]) -> None:
 def _run_with_finder(root: Path, package: str, code: str) -> subprocess.CompletedProcess[str]:
     script = f"""
     import sys
-    sys.path.insert(0, {str(root)!r})
     from alnair_agent.kube.lazy_client import LazyPackageFinder
     finder = LazyPackageFinder([{package!r}])
     sys.meta_path.insert(0, finder)
     """
     return subprocess.run([sys.executable, "-c", textwrap.dedent(script) + textwrap.dedent(code)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=50)
+                          capture_output=True, text=True, timeout=50,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))})
 
 
 MODULES = {"alpha": "print('alpha loaded')\nclass A: pass\n", "beta": "print('beta loaded')\nclass B: pass\n"}

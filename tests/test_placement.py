@@ -14,14 +14,24 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from agent_harness import short_tmp, remove_tree
-from fakes.cluster import MEM, SM, Cluster, alnair_pod, cluster
-from fakes.apiserver import make_pod
 
-from alnair_agent.constants import ENV_ALLOCATION_ID, ENV_COMPUTE_LIMIT, ENV_MEMORY_LIMIT, ENV_VISIBLE_DEVICES
-from alnair_agent.node.decision import ALLOCATED_ANNOTATION, PLACEMENT_ANNOTATION, parse_allocated, parse_decision
+from alnair_agent.constants import (
+    ENV_ALLOCATION_ID,
+    ENV_COMPUTE_LIMIT,
+    ENV_MEMORY_LIMIT,
+    ENV_VISIBLE_DEVICES,
+)
+from alnair_agent.node.decision import (
+    ALLOCATED_ANNOTATION,
+    PLACEMENT_ANNOTATION,
+    parse_allocated,
+    parse_decision,
+)
 from alnair_agent.node.gpu_devices import report_of_node
 from alnair_agent.node.region import Region
+from alnair_standins.apiserver import make_pod
+from alnair_standins.cluster import MEM, SM, Cluster, alnair_pod, cluster
+from alnair_standins.node import remove_tree, short_tmp
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -95,7 +105,7 @@ def check_cluster(c: Cluster, gpu_memory_units: dict[str, int]) -> None:
                     wanted[MEM] * GIB, wanted[SM] if 0 < wanted[SM] < 100 else 0)
             finally:
                 region.close()
-            from alnair_agent.kubelet.emulator import ContainerKey
+            from alnair_standins.kubelet import ContainerKey
             assigned = node.kubelet.assigned[ContainerKey(adm.namespace, adm.pod, spec["name"])]
             for resource, ids in assigned.items():
                 assert len(ids) == wanted[resource]

@@ -13,10 +13,7 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
-from agent_harness import NODE, kubernetes_for, node_settings, registered, running_agent
-from fakes.apiserver import FakeApiServer, make_pod
-from fakes.util import wait_until
-from simbuild import Build, build_shim_and_driver
+from service_util import wait_until
 
 from alnair_agent.constants import (
     ENV_COMPUTE_LIMIT,
@@ -26,9 +23,18 @@ from alnair_agent.constants import (
     RESOURCE_MEMORY,
     USAGE_ANNOTATION,
 )
-from alnair_agent.kubelet.emulator import KubeletEmulator
 from alnair_agent.metrics import AgentCollector
 from alnair_agent.profiler.usage import FIELD_NAMES, markdown_table
+from alnair_standins.apiserver import FakeApiServer, make_pod
+from alnair_standins.kubelet import KubeletEmulator
+from alnair_standins.node import (
+    NODE,
+    kubernetes_for,
+    node_settings,
+    registered,
+    running_agent,
+)
+from alnair_standins.simbuild import Build, build_shim_and_driver
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -13,7 +13,7 @@ from alnair_agent.gpu.backend import GpuSample, ProcessSample, Samples
 from alnair_agent.kube.pods import PodInfo, parse_pod
 from alnair_agent.node.workspace import Allocation, Workspace
 from alnair_agent.profiler.service import Profiler
-from fakes.apiserver import make_pod
+from alnair_standins.apiserver import make_pod
 
 GPU = "GPU-0b8a5f29-a68d-c604-39f3-5174ded264da"
 CID = "ab" * 32

@@ -21,7 +21,6 @@ import asyncio
 import json
 import os
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -35,15 +34,19 @@ pytest.importorskip("torch")
 pytest.importorskip("structlog")
 pytest.importorskip("kubernetes_asyncio")
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the API stand-in and the harness
 
-from agent_harness import NODE, kubernetes_for  # noqa: E402
-from fakes.apiserver import FakeApiServer, make_pod  # noqa: E402
-
-from workloads import CALIBRATE, gpu_agent, plain_env, run_py, skip_without_gpu_or_shim, tenant_env  # noqa: E402
-
-from alnair_agent.config import Settings  # noqa: E402
-from alnair_agent.constants import RESOURCE_COMPUTE, RESOURCE_MEMORY, USAGE_ANNOTATION  # noqa: E402
+from alnair_agent.config import Settings
+from alnair_agent.constants import RESOURCE_COMPUTE, RESOURCE_MEMORY, USAGE_ANNOTATION
+from alnair_standins.apiserver import FakeApiServer, make_pod
+from alnair_standins.node import NODE, kubernetes_for
+from alnair_standins.workloads import (
+    CALIBRATE,
+    gpu_agent,
+    plain_env,
+    run_py,
+    skip_without_gpu_or_shim,
+    tenant_env,
+)
 
 SHIM = Path(os.environ.get("ALNAIR_SHIM") or Path(__file__).resolve().parents[2] / "alnair_agent/lib/libalnair.so")
 WORK_S = 30.0

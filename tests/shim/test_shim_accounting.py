@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from shimkit import MiB
 
 from alnair_agent.node.region import Region
-from shimkit import MiB
 
 LIMIT = 256 * MiB
 KINDS = ["alloc", "managed", "async", "pool", "vmm"]

@@ -21,7 +21,11 @@ from pathlib import Path
 
 import grpc
 
-from alnair_agent.constants import DEVICE_PLUGIN_API_VERSION, HEALTHY, KUBELET_SOCKET_NAME
+from alnair_agent.constants import (
+    DEVICE_PLUGIN_API_VERSION,
+    HEALTHY,
+    KUBELET_SOCKET_NAME,
+)
 from alnair_agent.proto import deviceplugin_pb2 as pb
 from alnair_agent.proto import deviceplugin_pb2_grpc as pb_grpc
 from alnair_agent.proto import podresources_pb2 as prpb
