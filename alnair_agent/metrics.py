@@ -52,10 +52,10 @@ class AgentCollector(Collector):
         up = GaugeMetricFamily("alnair_device_plugin_registered", "1 while registered with kubelet")
         up.add_metric([], 1.0 if a.plugin is not None and a.plugin.registered.is_set() else 0.0)
         yield up
-        if a.allocator is None or a.inventory is None:
+        if a.ledger is None or a.inventory is None:
             return
         allocs = GaugeMetricFamily("alnair_allocations", "Containers holding Alnair resources on this node")
-        allocs.add_metric([], len(a.allocator.allocations))
+        allocs.add_metric([], len(a.ledger.allocations))
         yield allocs
         index = {uuid: str(g.info.index) for uuid, g in a.inventory.gpus.items()}
         yield from self._gpus(index)
@@ -63,7 +63,7 @@ class AgentCollector(Collector):
 
     def _gpus(self, index: dict[str, str]) -> Iterator[Metric]:
         a = self.agent
-        assert a.allocator is not None and a.inventory is not None
+        assert a.ledger is not None and a.allocator is not None and a.inventory is not None
         healthy = GaugeMetricFamily("alnair_gpu_healthy", "1 when the GPU is healthy", labels=GPU_LABELS)
         sick = GaugeMetricFamily("alnair_gpus_unhealthy", "GPUs whose devices are Unhealthy in ListAndWatch")
         sick.add_metric([], sum(1 for g in a.inventory.gpus.values() if not g.healthy))
@@ -76,7 +76,7 @@ class AgentCollector(Collector):
                                      "GPU memory not yet given to any container (in whole units)", labels=GPU_LABELS)
         free_sm = GaugeMetricFamily("alnair_gpu_allocatable_compute_ratio",
                                     "Share of the GPU's compute not yet given to any container", labels=GPU_LABELS)
-        rooms = {room.uuid: room for room in a.allocator.rooms()}
+        rooms = {room.uuid: room for room in a.ledger.rooms()}
         unit = a.inventory.memory_unit_bytes
         for uuid, gpu in a.inventory.gpus.items():
             labels = [index[uuid], uuid]
@@ -124,7 +124,7 @@ class AgentCollector(Collector):
     def _containers(self, index: dict[str, str]) -> Iterator[Metric]:
         a = self.agent
         p = a.profiler
-        assert a.allocator is not None
+        assert a.ledger is not None
         util = GaugeMetricFamily("alnair_container_gpu_utilization_ratio",
                                  "The container's own share of its GPU's time, last sample", labels=CONTAINER_LABELS)
         memcpy = GaugeMetricFamily("alnair_container_memcpy_utilization_ratio",
@@ -147,7 +147,7 @@ class AgentCollector(Collector):
         lent = GaugeMetricFamily("alnair_container_lent", "Dispatcher: 1 while the container is lent its whole GPU "
                                  "(elastic)", labels=CONTAINER_LABELS)
         d = getattr(a, "dispatcher", None)
-        for alloc in a.allocator.allocations.values():
+        for alloc in a.ledger.allocations.values():
             labels = [index.get(alloc.gpu_uuid, ""), alloc.gpu_uuid, alloc.namespace, alloc.pod_name, alloc.container]
             if d is not None and alloc.id in d.turns:
                 turn.add_metric(labels, d.turns[alloc.id])

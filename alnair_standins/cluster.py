@@ -258,7 +258,7 @@ def _kubernetes(client: ApiClient, node: str) -> Kubernetes:
     watch = PodWatch(client, node, WatchTiming(backoff_initial_s=0.05, backoff_max_s=0.5))
     writer = AnnotationWriter(client, node, WriterTiming(min_interval_s=0.5, backoff_initial_s=0.05,
                                                          backoff_max_s=0.5))
-    return Kubernetes(pod_source=watch, pod_states=watch, annotations=writer,
+    return Kubernetes(pods=watch, annotations=writer,
                       services=[("pod-watch", watch.run), ("annotations", writer.run)])
 
 

@@ -92,7 +92,7 @@ def kubernetes_for(client: ApiClient, dra: bool = False, node: str = NODE) -> Ku
     adds resource.k8s.io/v1 (as production wiring does), so the agent may choose the DRA front-end."""
     watch = PodWatch(client, node)
     writer = AnnotationWriter(client, node, WriterTiming(min_interval_s=0.05))
-    return Kubernetes(pod_source=watch, pod_states=watch, annotations=writer,
+    return Kubernetes(pods=watch, annotations=writer,
                       services=[("pod-watch", watch.run), ("annotations", writer.run)],
                       resources=ResourceApi(client) if dra else None)
 

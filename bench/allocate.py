@@ -52,7 +52,7 @@ async def run(pods: int) -> dict:
                     name = f"pod-{n:03d}"
                     api.add_pod(make_pod(name, node=NODE, containers=[{"name": "main", "memory": 4, "compute": 6}]))
                 # The pods were bound over time in a real cluster: let the watch take them in before timing.
-                while len(kubernetes.pod_source.pods()) < pods:
+                while len(kubernetes.pods.pods()) < pods:
                     await asyncio.sleep(0.05)
                 for n in range(pods):
                     start = time.perf_counter()

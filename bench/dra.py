@@ -237,7 +237,7 @@ async def five_nodes(claims: int, nodes: int, seed: int) -> dict[str, Any]:
             for name, node in cluster.items():
                 agent = node.running.agent
                 by_gpu = {f"gpu-{g.index}": g.uuid for g in agent.gpus}
-                rooms = {r.uuid: r for r in agent.allocator.rooms()}
+                rooms = {r.uuid: r for r in agent.ledger.rooms()}
                 for (pool, device), (mem, comp) in books.items():
                     if pool != name:
                         continue

@@ -57,7 +57,7 @@ async def test_restart_keeps_allocations_and_never_double_books(root, api):
         async with running_agent(settings, kubernetes_for(clients[1])) as running:
             await registered(kubelet, since=2)
             assert records(settings.workspace) == before
-            assert set(running.agent.allocator.allocations) == set(before)
+            assert set(running.agent.ledger.allocations) == set(before)
             # GPU 0 has 10 % compute left: a container asking 20 % must go to GPU 1 even though binpack prefers
             # the fuller GPU. Only a restored ledger knows that (kubelet only lists free IDs of one resource).
             answers = await admit(api, kubelet, "c", 2, 20)
@@ -78,7 +78,7 @@ async def test_restart_with_lost_workspace_learns_held_devices_from_pod_resource
         shutil.rmtree(settings.workspace)  # e.g. a node whose host folder was wiped
         async with running_agent(settings, kubernetes_for(clients[1])) as running:
             await registered(kubelet, since=2)
-            assert len(running.agent.allocator.external_held) == 2 + 95
+            assert len(running.agent.ledger.external_held) == 2 + 95
             answers = await admit(api, kubelet, "b", 1, 10)
             assert answers[MEM].envs[ENV_VISIBLE_DEVICES] == sim_uuid(1, NODE)
     for client in clients:

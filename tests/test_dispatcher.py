@@ -275,7 +275,7 @@ async def test_two_tenants_30_70_split_3_to_7(root, api, build, timelines, shape
         b = await admit(api, kubelet, build, timelines, "b", 70)
 
         def figures() -> tuple[int, dict[str, tuple[float, float]]]:
-            allocs = running.agent.allocator.allocations
+            allocs = running.agent.ledger.allocations
             return now_ns(), {allocs[k].pod_name: (u.gpu_util_integral, u.observed_s)
                               for k, u in running.agent.profiler.usage.items()}
 
@@ -421,7 +421,7 @@ async def test_policy_annotation_is_validated(root, api, build, timelines):
             await admit(api, kubelet, build, timelines, "none", 30)
             d = running.agent.dispatcher
             await asyncio.sleep(0.3)
-            by_pod = {running.agent.allocator.allocations[k].pod_name: c.policy for k, c in d.state.items()}
+            by_pod = {running.agent.ledger.allocations[k].pod_name: c.policy for k, c in d.state.items()}
     assert by_pod == {"ok": "elastic", "bad": "strict", "none": "strict"}
     bad = [e for e in logs if e["event"] == "compute_policy_invalid"]
     assert len(bad) == 1  # once, not every tick

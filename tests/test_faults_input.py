@@ -190,15 +190,15 @@ async def test_multi_container_allocate_rolls_back_a_completed_record(root):
             await registered(kubelet)
             alloc = (await kubelet.allocate_raw(MEM, [_ids("mem")[0]]))
             assert alloc.container_responses
-            allocator = running.agent.allocator
-            record = next(iter(allocator.allocations.values()))
+            ledger = running.agent.ledger
+            record = next(iter(ledger.allocations.values()))
             snapshot = json.loads((settings_.workspace / record.id / ALLOCATION_FILE_NAME).read_text())
             with pytest.raises(grpc.aio.AioRpcError):
                 await kubelet.plugins[SM].stub.Allocate(pb.AllocateRequest(container_requests=[
                     pb.ContainerAllocateRequest(devices_ids=_ids("sm")[:1]),
                     pb.ContainerAllocateRequest(devices_ids=["junk"])]), timeout=5)
             assert json.loads((settings_.workspace / record.id / ALLOCATION_FILE_NAME).read_text()) == snapshot
-            assert list(allocator.allocations) == [record.id]
+            assert list(ledger.allocations) == [record.id]
             assert SM not in record.device_ids
 
 

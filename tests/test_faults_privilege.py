@@ -51,7 +51,7 @@ async def test_files_folders_and_sockets_have_the_tightest_modes(root):
         async with running_agent(settings) as running:
             await registered(kubelet)
             await kubelet.admit("default", "p", "main", {MEM: 1, SM: 10})
-            alloc_id = next(iter(running.agent.allocator.allocations))
+            alloc_id = next(iter(running.agent.ledger.allocations))
             ws = settings.workspace
             assert mode(ws) == 0o700  # no host user but root reaches any region or record
             assert mode(ws / alloc_id) == 0o700
@@ -98,7 +98,7 @@ async def test_folders_of_an_earlier_agent_get_the_tight_modes_at_start(root):
         async with running_agent(settings) as running:
             await registered(kubelet)
             await kubelet.admit("default", "p", "main", {MEM: 1, SM: 10})
-            alloc_id = next(iter(running.agent.allocator.allocations))
+            alloc_id = next(iter(running.agent.ledger.allocations))
         folder = settings.workspace / alloc_id
         folder.chmod(0o755)  # what the agent before issue 10 made
         (folder / CONTAINER_FOLDER_NAME).chmod(0o777)

@@ -250,7 +250,7 @@ async def test_node_report_set_between_a_pods_allocate_calls_counts_all_of_it(ro
         await c.settle(1, timeout=30)
         assert c.refused() == {}
         await wait_for(lambda: no_locks(c), what="the confirmation releasing the node lock")
-        assert c.view.summary("node-a").rooms == tuple(sorted(agent.allocator.rooms(), key=lambda r: r.index))
+        assert c.view.summary("node-a").rooms == tuple(sorted(agent.ledger.rooms(), key=lambda r: r.index))
 
         # The next pod takes what the extender sees free on the first pod's GPU, and gets it.
         gpu = parse_decision(c.api.pod_annotations("default", "first")[PLACEMENT_ANNOTATION]).gpus["main"]
@@ -313,7 +313,7 @@ async def test_bound_pod_deleted_before_admission_leaks_nothing(root: Path) -> N
         assert c.refused() == {}
         agent = c.nodes[node].agent
         assert agent is not None and agent.allocator is not None
-        assert [a.pod_name for a in agent.allocator.allocations.values()] == ["whole"]
+        assert [a.pod_name for a in agent.ledger.allocations.values()] == ["whole"]
 
 
 async def test_pod_that_bypasses_the_extender_is_refused_with_the_fix(root: Path) -> None:
@@ -324,7 +324,7 @@ async def test_pod_that_bypasses_the_extender_is_refused_with_the_fix(root: Path
         assert "not placed by alnair-scheduler" in why and "schedulerName" in why
         assert "ALNAIR_PLACE_UNSCHEDULED" in why
         agent = c.nodes["node-a"].agent
-        assert agent is not None and agent.allocator is not None and not agent.allocator.allocations
+        assert agent is not None and agent.allocator is not None and not agent.ledger.allocations
 
 
 async def test_operator_may_let_the_agent_place_unscheduled_pods(root: Path) -> None:

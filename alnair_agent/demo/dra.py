@@ -91,7 +91,7 @@ async def demo_dra(root: Path, sim: Path, seconds: float = 15.0, out: TextIO = s
         client = api.api_client()
         watch = PodWatch(client, NODE)
         writer = AnnotationWriter(client, NODE)
-        kubernetes = Kubernetes(pod_source=watch, pod_states=watch, annotations=writer, resources=ResourceApi(client),
+        kubernetes = Kubernetes(pods=watch, annotations=writer, resources=ResourceApi(client),
                                 services=[("pod-watch", watch.run), ("annotations", writer.run)])
         try:
             async with (DraKubeletEmulator(settings.plugins_registry_dir, settings.cdi_dir,
@@ -159,7 +159,7 @@ async def _run(agent: Agent, api: FakeApiServer, kubelet: DraKubeletEmulator, ro
             claim = api.claim("default", f"{r.workload.pod}-gpu")
             kubelet.stop_pod("default", r.workload.pod)
             await kubelet.unprepare(DRA_DRIVER, [Claim("default", claim["metadata"]["uid"], claim["metadata"]["name"])])
-    left = sum(a.claim is not None for a in agent.allocator.allocations.values()) if agent.allocator else 0
+    left = sum(a.claim is not None for a in agent.ledger.allocations.values()) if agent.ledger else 0
     out.write(f"Claims unprepared: {left} DRA slices left on the node, "
               f"{len(list(Path(agent.settings.cdi_dir).glob('*.json')))} CDI specs.\n")
     summary_dra(rows, out)

@@ -31,7 +31,8 @@ from alnair_agent.constants import (
     DRA_SOCKET_NAME,
 )
 from alnair_agent.dra.cdi import is_uid
-from alnair_agent.dra.ledger import ClaimRef, DraLedger, PreparedDevice, PrepareError
+from alnair_agent.dra.claims import ClaimRef, PreparedDevice, PrepareError
+from alnair_agent.dra.prepare import ClaimPreparer
 from alnair_agent.proto import dra_v1_pb2 as v1
 from alnair_agent.proto import dra_v1_pb2_grpc as v1_grpc
 from alnair_agent.proto import dra_v1beta1_pb2_grpc as v1beta1_grpc
@@ -57,8 +58,8 @@ class DraServicer(v1_grpc.DRAPluginServicer):
     """The DRAPlugin service. The same object serves v1 and v1beta1: both are declared over the v1 messages (the
     wire format is the same; see dra_v1beta1.proto)."""
 
-    def __init__(self, ledger: DraLedger) -> None:
-        self.ledger = ledger
+    def __init__(self, preparer: ClaimPreparer) -> None:
+        self.preparer = preparer
         self.prepare_calls = 0
 
     async def _each(self, claims: Iterable[v1.Claim], what: str,
@@ -85,7 +86,7 @@ class DraServicer(v1_grpc.DRAPluginServicer):
                                    context: grpc.aio.ServicerContext) -> v1.NodePrepareResourcesResponse:
         self.prepare_calls += 1
         out = v1.NodePrepareResourcesResponse()
-        for key, answer in (await self._each(request.claims, "prepare", self.ledger.prepare)).items():
+        for key, answer in (await self._each(request.claims, "prepare", self.preparer.prepare)).items():
             if isinstance(answer, str):
                 out.claims[key].error = answer
             else:
@@ -97,7 +98,7 @@ class DraServicer(v1_grpc.DRAPluginServicer):
     async def NodeUnprepareResources(self, request: v1.NodeUnprepareResourcesRequest,
                                      context: grpc.aio.ServicerContext) -> v1.NodeUnprepareResourcesResponse:
         out = v1.NodeUnprepareResourcesResponse()
-        for key, answer in (await self._each(request.claims, "unprepare", self.ledger.unprepare)).items():
+        for key, answer in (await self._each(request.claims, "unprepare", self.preparer.unprepare)).items():
             out.claims[key].CopyFrom(v1.NodeUnprepareResourceResponse(error=answer if isinstance(answer, str) else ""))
         return out
 
@@ -133,10 +134,10 @@ def _signature(path: Path) -> tuple[int, int] | None:
 class DraPlugin:
     """Serves the DRA service and the registration socket for as long as `run` runs."""
 
-    def __init__(self, ledger: DraLedger, plugin_dir: Path, registry_dir: Path) -> None:
+    def __init__(self, preparer: ClaimPreparer, plugin_dir: Path, registry_dir: Path) -> None:
         self.plugin_dir = plugin_dir
         self.registry_dir = registry_dir
-        self.servicer = DraServicer(ledger)
+        self.servicer = DraServicer(preparer)
         self.registered = asyncio.Event()
         self.registrations = 0
         self._servers: list[grpc.aio.Server] = []

@@ -40,7 +40,7 @@ async def connect_kubernetes(settings: Settings) -> AsyncIterator[Kubernetes]:
     try:
         watch = PodWatch(api, settings.node_name)
         writer = AnnotationWriter(api, settings.node_name)
-        yield Kubernetes(pod_source=watch, pod_states=watch, annotations=writer,
+        yield Kubernetes(pods=watch, annotations=writer,
                          events=EventWriter(api, settings.node_name),
                          services=[("pod-watch", watch.run), ("annotations", writer.run)],
                          resources=ResourceApi(api))

@@ -29,7 +29,7 @@ import grpc
 import structlog
 
 from alnair_agent.kube.events import EventSink
-from alnair_agent.node.allocator import AllocationError, Allocator
+from alnair_agent.kubelet.admission import AllocationError, Allocator
 from alnair_agent.constants import (
     DEVICE_PLUGIN_API_VERSION,
     HEALTHY,

@@ -138,13 +138,13 @@ async def scenario(root: Path) -> dict:
                 api.set_container_terminated("default", name, "main")
                 kubelet.remove_pod("default", name)  # kubelet's pod-resources lists active pods only
             deadline = time.monotonic() + 30
-            while agent.allocator.allocations and time.monotonic() < deadline:
+            while agent.ledger.allocations and time.monotonic() < deadline:
                 await asyncio.sleep(0.2)
             for name in tenants:
                 api.set_phase("default", name, "Succeeded")
             await asyncio.sleep(1.0)
             ended = {name: usage(api, name).get("main") for name in tenants}
-            left = len(agent.allocator.allocations)
+            left = len(agent.ledger.allocations)
     solo = {name: 100.0 * r["matmuls"] * calib["matmul_s"] / r["life_s"] for name, r in (("mm30", mm30),
                                                                                            ("mm60", mm60))}
     # `solo`: the share of the program's alone throughput each got (the truth asserted). `did`, for the record: the
