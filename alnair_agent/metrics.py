@@ -12,7 +12,7 @@ import asyncio
 import importlib.metadata
 import platform
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, ProcessCollector
@@ -24,7 +24,35 @@ from alnair_agent import http_stop
 from alnair_agent.constants import COMPUTE_UNITS_PER_GPU
 
 if TYPE_CHECKING:
-    from alnair_agent.app import Agent
+    from alnair_agent.kubelet.admission import Allocator
+    from alnair_agent.node.inventory import Inventory
+    from alnair_agent.node.ledger import Ledger
+    from alnair_agent.profiler.service import Profiler
+
+
+class FrontEnd(Protocol):
+    @property
+    def registered(self) -> asyncio.Event: ...
+
+
+class AgentView(Protocol):
+    """What /metrics and the health endpoints read of the agent (alnair_agent.app.Agent), at scrape time: named here
+    so that this module does not import the agent that serves it."""
+
+    @property
+    def plugin(self) -> FrontEnd | None: ...
+
+    @property
+    def inventory(self) -> Inventory | None: ...
+
+    @property
+    def ledger(self) -> Ledger | None: ...
+
+    @property
+    def allocator(self) -> Allocator | None: ...
+
+    @property
+    def profiler(self) -> Profiler | None: ...
 
 GPU_LABELS = ["gpu", "UUID"]
 CONTAINER_LABELS = ["gpu", "UUID", "namespace", "pod", "container"]
@@ -40,7 +68,7 @@ def _version() -> str:
 class AgentCollector(Collector):
     """Reads the agent's state at scrape time; nothing is kept twice."""
 
-    def __init__(self, agent: "Agent") -> None:
+    def __init__(self, agent: "AgentView") -> None:
         self.agent = agent
         self.version = _version()
 
@@ -166,7 +194,7 @@ class AgentCollector(Collector):
 
 
 class MetricsServer:
-    def __init__(self, agent: "Agent", port: int, host: str = "0.0.0.0") -> None:
+    def __init__(self, agent: "AgentView", port: int, host: str = "0.0.0.0") -> None:
         self.agent = agent
         self.port = port
         self.host = host

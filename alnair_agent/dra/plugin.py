@@ -33,6 +33,7 @@ from alnair_agent.constants import (
 from alnair_agent.dra.cdi import is_uid
 from alnair_agent.dra.claims import ClaimRef, PreparedDevice, PrepareError
 from alnair_agent.dra.prepare import ClaimPreparer
+from alnair_agent.grpc_unix import serve_unix
 from alnair_agent.proto import dra_v1_pb2 as v1
 from alnair_agent.proto import dra_v1_pb2_grpc as v1_grpc
 from alnair_agent.proto import dra_v1beta1_pb2_grpc as v1beta1_grpc
@@ -156,23 +157,16 @@ class DraPlugin:
         self.registered.clear()
         for folder in (self.plugin_dir, self.registry_dir):
             folder.mkdir(parents=True, exist_ok=True)
-        for path in (self.socket_path, self.registration_path):
-            with contextlib.suppress(FileNotFoundError):
-                path.unlink()
-        dra = grpc.aio.server()
-        v1_grpc.add_DRAPluginServicer_to_server(self.servicer, dra)
-        v1beta1_grpc.add_DRAPluginServicer_to_server(self.servicer, dra)  # type: ignore[arg-type]
-        dra.add_insecure_port(f"unix://{self.socket_path}")
-        await dra.start()
-        self._servers.append(dra)
+        # Only kubelet (root) dials them: mode 0600.
+        self._servers.append(await serve_unix(
+            self.socket_path, lambda s: v1_grpc.add_DRAPluginServicer_to_server(self.servicer, s),
+            lambda s: v1beta1_grpc.add_DRAPluginServicer_to_server(self.servicer, s),  # type: ignore[arg-type]
+            mode=0o600))
         # The registration socket last: the watcher may dial the DRA socket as soon as it sees this one.
-        registration = grpc.aio.server()
-        reg_grpc.add_RegistrationServicer_to_server(RegistrationServicer(self), registration)
-        registration.add_insecure_port(f"unix://{self.registration_path}")
-        await registration.start()
-        self._servers.append(registration)
+        self._servers.append(await serve_unix(
+            self.registration_path, lambda s: reg_grpc.add_RegistrationServicer_to_server(RegistrationServicer(self), s),
+            mode=0o600))
         for path in (self.socket_path, self.registration_path):
-            os.chmod(path, 0o600)  # only kubelet (root) dials them
             self._sockets[path] = _signature(path)
         log.info("dra_plugin_serving", socket=str(self.socket_path), registration=str(self.registration_path))
 
