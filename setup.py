@@ -30,8 +30,8 @@ SIM_DIR = ROOT / "tests" / "shim" / "simcuda"
 
 def generate_protos(out_root: Path) -> None:
     """Run grpc_tools.protoc on every .proto under alnair_agent/proto, writing into out_root."""
-    from grpc_tools import protoc  # build-time dependency (pyproject.toml)
     import grpc_tools
+    from grpc_tools import protoc  # build-time dependency (pyproject.toml)
 
     include = Path(grpc_tools.__file__).parent / "_proto"
     protos = sorted(str(p) for p in PROTO_DIR.glob("*.proto"))

@@ -10,17 +10,17 @@ import structlog
 
 from alnair_agent.config import MAX_UNITS_PER_GPU, ConfigError, Settings
 from alnair_agent.dispatcher.service import Dispatcher
-from alnair_agent.kube.events import EventSink
-from alnair_agent.kube.pod_source import PodSource
-from alnair_agent.kubelet.admission import Allocator
-from alnair_agent.kubelet.deviceplugin import DevicePluginService
 from alnair_agent.dra.frontend import DRA, DraFrontEnd, ResourceApiLike
 from alnair_agent.dra.frontend import choose as choose_frontend
 from alnair_agent.gpu.backend import GpuBackend, GpuInfo
 from alnair_agent.health import HealthService
-from alnair_agent.node.inventory import Inventory
+from alnair_agent.kube.events import EventSink
+from alnair_agent.kube.pod_source import PodSource
+from alnair_agent.kubelet.admission import Allocator
+from alnair_agent.kubelet.deviceplugin import DevicePluginService
 from alnair_agent.lifecycle import run_services
 from alnair_agent.metrics import MetricsServer
+from alnair_agent.node.inventory import Inventory
 from alnair_agent.node.ledger import Ledger
 from alnair_agent.node.reconcile import AnnotationSink, Reconciler
 from alnair_agent.node.workspace import Workspace

@@ -80,7 +80,7 @@ def make_claim_pod(name: str, claims: Mapping[str, str], containers: list[tuple[
     each container names entries, each with a request or None for the whole claim."""
     pod = make_pod(name, namespace=namespace, node=node, containers=[{"name": c} for c, _ in containers])
     pod["spec"]["resourceClaims"] = [{"name": k, "resourceClaimName": v} for k, v in claims.items()]
-    for spec, (_, refs) in zip(pod["spec"]["containers"], containers):
+    for spec, (_, refs) in zip(pod["spec"]["containers"], containers, strict=True):
         spec["resources"] = {"claims": [{"name": k, **({"request": r} if r else {})} for k, r in refs]}
     return pod
 

@@ -27,9 +27,6 @@ import time
 from pathlib import Path
 
 import aiohttp
-
-ROOT = Path(__file__).resolve().parents[1]
-
 from benchstats import machine
 
 from alnair_agent import logs
@@ -38,6 +35,8 @@ from alnair_standins.apiserver import FakeApiServer, make_pod
 from alnair_standins.kubelet import KubeletEmulator
 from alnair_standins.node import NODE, remove_tree, short_tmp
 from alnair_standins.simbuild import build_shim_and_driver
+
+ROOT = Path(__file__).resolve().parents[1]
 
 TICKS = os.sysconf("SC_CLK_TCK")
 

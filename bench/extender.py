@@ -174,7 +174,7 @@ async def measure(n_nodes: int, n_pods: int, seed: int, workdir: Path) -> dict:
                     took("bind", resp, t)
                     assert bound["Error"] == "", bound
                     # The node agent confirms the admission on the pod (this releases the node's lock).
-                    api.modify_pod("default", meta["name"], lambda p: p["metadata"]["annotations"].update(
+                    api.modify_pod("default", meta["name"], lambda p, node=node: p["metadata"]["annotations"].update(
                         {ALLOCATED_ANNOTATION: json.dumps({"node": node, "containers": {}})}))
         finally:
             proc.terminate()

@@ -23,8 +23,6 @@ import statistics
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-
 from dispatcher_gpu import INFER, TRAIN
 
 from alnair_agent.node.region import Region, Turn, monotonic_ns

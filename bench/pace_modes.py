@@ -15,8 +15,6 @@ import asyncio
 import json
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-
 from benchstats import machine, write_json
 from shares_gpu import SHAPES
 

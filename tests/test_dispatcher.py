@@ -224,7 +224,7 @@ async def test_caps_alone_hold_within_3_points(root, api, build, timelines):
         t0, t1 = await run_together(tenants, 6_000)
         shares = [t.share(t0, t1) for t in tenants]
         print("caps", caps, "shares over 6 s", fmt(shares))
-        for cap, share in zip(caps, shares):
+        for cap, share in zip(caps, shares, strict=False):
             assert abs(share - cap) <= 3, (cap, share)
 
 

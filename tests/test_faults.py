@@ -362,7 +362,7 @@ async def test_container_filling_the_workspace_is_cut_back_and_others_unaffected
             with open(run / REGION_FILE_NAME, "r+b") as region_file:  # grown past its size
                 region_file.seek(L.REGION_SIZE + (1 << 16))
                 region_file.write(b"x")
-            held = open(run / "junk", "wb")  # noqa: SIM115
+            held = open(run / "junk", "wb")
             try:
                 try:
                     while True:

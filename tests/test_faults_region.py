@@ -130,7 +130,7 @@ async def test_hostile_values_over_every_field_leave_the_agent_and_the_others_un
             await asyncio.sleep(0.3)  # the dispatcher has laid out the GPU's turns
             good_before = good_region.read_agent_block()
             rng = random.Random(17)
-            for block, name, offset, width in every_field():  # one field at a time, then put back
+            for _block, _name, offset, width in every_field():  # one field at a time, then put back
                 original = victim.read_bytes()[offset:offset + width]
                 for value in hostile_values(width) + [rng.getrandbits(8 * width)]:
                     scribble(victim, offset, value.to_bytes(width, "little"))

@@ -92,12 +92,12 @@ def test_in_this_process_the_packages_are_lazy_and_names_are_one_object() -> Non
         assert isinstance(package.__spec__.loader, lazy_client._LazyLoader), package.__name__
         assert package.__file__.endswith("__init__.py") and package.__path__
     from kubernetes_asyncio.client.models.v1_pod import V1Pod
-    assert getattr(models, "V1Pod") is kubernetes_asyncio.client.V1Pod is V1Pod
+    assert models.V1Pod is kubernetes_asyncio.client.V1Pod is V1Pod
     assert kubernetes_asyncio.watch is watch and kubernetes_asyncio.client.CoreV1Api is CoreV1Api
     assert "V1PodList" in dir(models) and "watch" in dir(kubernetes_asyncio)
     assert kubernetes_asyncio.__version__ == kubernetes_asyncio.client.__version__
     with pytest.raises(AttributeError, match="V1NoSuchThing"):
-        getattr(models, "V1NoSuchThing")
+        _ = models.V1NoSuchThing
     assert not hasattr(kubernetes_asyncio.client, "no_such_module")
 
 

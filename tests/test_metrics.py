@@ -9,10 +9,10 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from alnair_standins.gpu import sim_uuid
+from alnair_standins.kubelet import KubeletEmulator
 from alnair_standins.node import NODE, node_settings, registered, running_agent
 
 GiB = 1 << 30
-from alnair_standins.kubelet import KubeletEmulator
 
 
 def free_port() -> int:

@@ -134,7 +134,7 @@ def no_locks(c: Cluster) -> bool:
 
 
 def allocated_everywhere(c: Cluster) -> bool:
-    for uid, (_, adm) in c.admitted().items():
+    for _uid, (_, adm) in c.admitted().items():
         pod = c.api.pod(adm.namespace, adm.pod)
         if ALLOCATED_ANNOTATION not in pod["metadata"].get("annotations", {}):
             return False
@@ -155,7 +155,7 @@ async def test_every_container_gets_its_own_limits_on_the_decided_gpu(root: Path
         assert c.refused() == {}
         check_cluster(c, gpu_units(c))
         await wait_for(lambda: allocated_everywhere(c), what="allocated annotations")
-        for uid, (_, adm) in c.admitted().items():  # the pod's record names the GPU each container runs on
+        for _uid, (_, adm) in c.admitted().items():  # the pod's record names the GPU each container runs on
             pod = c.api.pod(adm.namespace, adm.pod)
             granted = parse_allocated(pod["metadata"]["annotations"][ALLOCATED_ANNOTATION])
             for name, answers in adm.answers.items():

@@ -55,7 +55,7 @@ class Backend:
 
 
 @dataclass
-class Allocator:
+class Ledger:
     allocations: dict[str, Allocation] = field(default_factory=dict)
 
 
@@ -75,10 +75,10 @@ def written(sink: Sink) -> dict:
     return json.loads(sink.writes[-1][2][USAGE_ANNOTATION])
 
 
-def make(tmp_path: Path, pods: Pods, allocs: list[Allocation], samples: Samples = Samples()) -> tuple[Profiler, Sink]:
+def make(tmp_path: Path, pods: Pods, allocs: list[Allocation], samples: Samples | None = None) -> tuple[Profiler, Sink]:
     sink = Sink()
-    allocator = Allocator({a.id: a for a in allocs})
-    p = Profiler(Backend(samples), allocator, Workspace(tmp_path), pods, sink, 1.0, 30.0,  # type: ignore[arg-type]
+    ledger = Ledger({a.id: a for a in allocs})
+    p = Profiler(Backend(samples or Samples()), ledger, Workspace(tmp_path), pods, sink, 1.0, 30.0,  # type: ignore[arg-type]
                  proc_root=tmp_path / "proc")
     return p, sink
 
@@ -215,7 +215,7 @@ async def test_a_capped_containers_utilization_is_the_gpu_time_its_shim_counted(
     a, b = capped("00000000000000a1", 30, "p"), capped("00000000000000b1", 70, "q")
     regions = {x.id: ws.create(x) for x in (a, b)}
     backend = Backend(Samples((GpuSample(GPU, 99.0),), (ProcessSample(GPU, 4242, 100.0, 0.0, 5),), 1.0))
-    p = Profiler(backend, Allocator({a.id: a, b.id: b}), ws, Pods(), Sink(), 1.0, 30.0,  # type: ignore[arg-type]
+    p = Profiler(backend, Ledger({a.id: a, b.id: b}), ws, Pods(), Sink(), 1.0, 30.0,  # type: ignore[arg-type]
                  proc_root=tmp_path / "proc")
     counted = {a.id: 0, b.id: 0}
 

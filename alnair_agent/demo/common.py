@@ -177,7 +177,7 @@ async def watch_workloads(agent: Agent, rows: list[Row], gpus: dict[str, int],
         _refresh(agent, rows)
         screen.draw(table(rows, gpus, min(time.monotonic() - started, seconds), seconds))
         await asyncio.wait([waiting], timeout=REFRESH_S)
-    for (r, p), (stdout, _) in zip(procs, waiting.result()):
+    for (r, p), (stdout, _) in zip(procs, waiting.result(), strict=True):
         r.output, r.returncode = stdout.decode().splitlines(), p.returncode
     await asyncio.sleep(settle_s)
     _refresh(agent, rows)

@@ -78,7 +78,7 @@ class DraServicer(v1_grpc.DRAPluginServicer):
             except PrepareError as e:
                 log.warning(f"dra_{what}_refused", claim=f"{ref.namespace}/{ref.name}", uid=ref.uid, reason=str(e))
                 out[key] = str(e)
-            except Exception as e:  # noqa: BLE001 - a fault of ours fails this claim (kubelet retries), not the call
+            except Exception as e:
                 log.exception(f"dra_{what}_failed", claim=f"{ref.namespace}/{ref.name}", uid=ref.uid)
                 out[key] = f"{ref.describe()}: internal error of {DRA_DRIVER}: {type(e).__name__}: {e}"
         return out

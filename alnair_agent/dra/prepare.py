@@ -28,7 +28,15 @@ import structlog
 
 from alnair_agent.constants import RESOURCE_COMPUTE, RESOURCE_MEMORY
 from alnair_agent.dra.cdi import CdiError, CdiWriter, device_id
-from alnair_agent.dra.claims import ClaimReader, ClaimRef, ClaimResult, ClaimSource, PreparedDevice, PrepareError, share_key
+from alnair_agent.dra.claims import (
+    ClaimReader,
+    ClaimRef,
+    ClaimResult,
+    ClaimSource,
+    PreparedDevice,
+    PrepareError,
+    share_key,
+)
 from alnair_agent.dra.spares import SparePool
 from alnair_agent.kube.pod_source import PodSource
 from alnair_agent.node import edits

@@ -18,8 +18,13 @@ from typing import Any
 
 import structlog
 
-from alnair_agent.constants import (COMPUTE_POLICY_ANNOTATION, RESOURCE_COMPUTE, RESOURCE_MEMORY, RESOURCES,
-                                     USAGE_ANNOTATION)
+from alnair_agent.constants import (
+    COMPUTE_POLICY_ANNOTATION,
+    RESOURCE_COMPUTE,
+    RESOURCE_MEMORY,
+    RESOURCES,
+    USAGE_ANNOTATION,
+)
 from alnair_agent.node.decision import (
     ALLOCATED_ANNOTATION,
     PLACEMENT_ANNOTATION,

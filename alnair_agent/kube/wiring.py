@@ -8,9 +8,9 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from alnair_agent.app import Kubernetes
 from alnair_agent.config import Settings
 from alnair_agent.kube.client import api_client
-from alnair_agent.kubelet.podresources import DeviceAssignment, PodResourcesClient
 from alnair_agent.kube.podwatch import PodWatch
 from alnair_agent.kube.resourceapi import ResourceApi
+from alnair_agent.kubelet.podresources import DeviceAssignment, PodResourcesClient
 
 
 @contextlib.asynccontextmanager

@@ -22,8 +22,8 @@ from __future__ import annotations
 import functools
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
 from fractions import Fraction
+from typing import NamedTuple
 
 PACK = "pack"
 SPREAD = "spread"

@@ -24,14 +24,14 @@ from typing import Protocol
 import structlog
 
 from alnair_agent import constants as C
+from alnair_agent.kube.pod_source import PodSource
 from alnair_agent.kube.pods import PodInfo, container_ended
+from alnair_agent.kubelet.admission import Allocator
 from alnair_agent.kubelet.podresources import DeviceAssignment
 from alnair_agent.node.decision import ALLOCATED_ANNOTATION, Granted, allocated_json
 from alnair_agent.node.gpu_devices import HEARTBEAT_S, GpuReport, NodeReport
-from alnair_agent.node.region import Region, RegionError
-from alnair_agent.kubelet.admission import Allocator
-from alnair_agent.kube.pod_source import PodSource
 from alnair_agent.node.ledger import Ledger
+from alnair_agent.node.region import Region, RegionError
 from alnair_agent.node.workspace import Allocation, Workspace
 from alnair_agent.profiler.sink import UsageSink
 

@@ -165,7 +165,7 @@ class Profiler:
                     if str(e) != failing:
                         log.warning("profiler_sampling_failed", error=str(e))
                         failing = str(e)
-                except Exception:  # noqa: BLE001 - a profiler fault must not stop the device plugin
+                except Exception:
                     log.exception("profiler_tick_failed")
                 await self._until_next(started)
         finally:

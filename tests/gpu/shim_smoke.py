@@ -12,7 +12,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
 from alnair_agent.node.region import Region
 
 CHILD = str(Path(__file__).with_name("shim_torch_child.py"))

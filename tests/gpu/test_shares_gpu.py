@@ -24,11 +24,11 @@ pytest.importorskip("torch")
 structlog = pytest.importorskip("structlog")
 pytest.importorskip("kubernetes_asyncio")
 
-ROOT = Path(__file__).resolve().parents[2]
-
 import shares_gpu as sg
 
 from alnair_standins.workloads import skip_without_gpu_or_shim
+
+ROOT = Path(__file__).resolve().parents[2]
 
 SHIM = Path(os.environ.get("ALNAIR_SHIM") or ROOT / "alnair_agent/lib/libalnair.so")
 SECONDS = 2.5  # the measured window (settle 0.83 s before it); the benchmark's default is 3

@@ -18,9 +18,10 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
 from alnair_agent.node.region import Region
 from alnair_standins.workloads import NvmlUtilization
+
+ROOT = Path(__file__).resolve().parents[2]
 
 CHILD = Path(__file__).with_name("shim_torch_child.py")
 GiB = 1 << 30
