@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from alnair_agent.kube.events import EventSink
 from alnair_agent.kube.pod_source import PodSource
 from alnair_agent.kubelet.admission import Allocator
 from alnair_agent.kubelet.deviceplugin import DevicePluginService
+from alnair_agent.kubelet.podresources import DeviceAssignment
 from alnair_agent.lifecycle import run_services
 from alnair_agent.metrics import MetricsServer
 from alnair_agent.node.inventory import Inventory
@@ -42,8 +44,9 @@ class Kubernetes:
 
 class Agent:
     def __init__(self, settings: Settings, backend: GpuBackend, kubernetes: Kubernetes | None = None,
-                 list_held=None, unseen_grace_s: float | None = None,  # type: ignore[no-untyped-def]
-                 proc_root: Path = Path("/proc"), list_claims=None) -> None:  # type: ignore[no-untyped-def]
+                 list_held: Callable[[], Awaitable[list[DeviceAssignment]]] | None = None,
+                 unseen_grace_s: float | None = None, proc_root: Path = Path("/proc"),
+                 list_claims: Callable[[], Awaitable[set[tuple[str, str]]]] | None = None) -> None:
         self.settings = settings
         self.backend = backend
         self.kubernetes = kubernetes or Kubernetes()
@@ -96,6 +99,7 @@ class Agent:
                      external_devices=len(self.ledger.external_held))
             events = self.kubernetes.events  # Events on refused pods and on the node's GPU health
             services: list[tuple[str, object]] = await self._front_end(workspace, events)
+            assert self.plugin is not None  # _front_end chose one
             health = HealthService(self.backend, self.inventory, self.plugin, s.health_interval_s, events)
             services += [
                 ("health", health.run()),
@@ -120,7 +124,7 @@ class Agent:
     async def _front_end(self, workspace: Workspace, events: EventSink | None) -> list[tuple[str, object]]:
         """One front-end offers the GPUs (alnair_agent.dra.frontend says which); on a device plugin node, claims
         prepared before a switch stay served until kubelet unprepares them."""
-        assert self.ledger is not None and self.allocator is not None
+        assert self.ledger is not None and self.allocator is not None and self.inventory is not None
         s, resources = self.settings, self.kubernetes.resources
         choice = await choose_frontend(s, resources)
         self.frontend = choice.frontend

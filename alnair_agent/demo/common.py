@@ -131,9 +131,14 @@ def _refresh(agent: Agent, rows: list[Row]) -> None:
         if u is None:
             continue
         e = u.entry()
-        r.util_now, r.util_mean, r.util_max = u.gpu_util_now, float(e["gpu_util_mean"]), float(e["gpu_util_max"])
-        r.memory_used, r.memory_max = u.memory_now_bytes, int(e["memory_max_bytes"])
-        r.throttled_s = float(e["throttled_seconds"])
+        r.util_now, r.util_mean, r.util_max = u.gpu_util_now, _number(e["gpu_util_mean"]), _number(e["gpu_util_max"])
+        r.memory_used, r.memory_max = u.memory_now_bytes, int(_number(e["memory_max_bytes"]))
+        r.throttled_s = _number(e["throttled_seconds"])
+
+
+def _number(value: object) -> float:
+    """A figure of the usage entry (JSON numbers)."""
+    return float(value) if isinstance(value, (int, float)) else 0.0
 
 
 class Screen:

@@ -160,7 +160,7 @@ class DraPlugin:
         # Only kubelet (root) dials them: mode 0600.
         self._servers.append(await serve_unix(
             self.socket_path, lambda s: v1_grpc.add_DRAPluginServicer_to_server(self.servicer, s),
-            lambda s: v1beta1_grpc.add_DRAPluginServicer_to_server(self.servicer, s),  # type: ignore[arg-type]
+            lambda s: v1beta1_grpc.add_DRAPluginServicer_to_server(self.servicer, s),
             mode=0o600))
         # The registration socket last: the watcher may dial the DRA socket as soon as it sees this one.
         self._servers.append(await serve_unix(

@@ -325,7 +325,7 @@ def parse_pod(obj: Mapping[str, Any]) -> PodInfo:
     scheduled_at = _scheduled_at(meta, status)
     deleting = bool(meta.get("deletionTimestamp"))
     init_specs = _list(spec.get("initContainers"))
-    common = dict(uid=uid, namespace=namespace, name=name, scheduled_at=scheduled_at)
+    common: dict[str, Any] = dict(uid=uid, namespace=namespace, name=name, scheduled_at=scheduled_at)
     invalid: list[InvalidQuantity] = []
     containers = _container_requests(init_specs, invalid, init=True, start=0, **common) + _container_requests(
         _list(spec.get("containers")), invalid, init=False, start=len(init_specs), **common)

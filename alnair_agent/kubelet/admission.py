@@ -190,7 +190,8 @@ class Allocator:
             if all(not self._missing(c, records.get(c.container)) for c in pod.containers):
                 continue
             out.append(pod)
-        return sorted(out, key=lambda p: (self.pods.bound_order(p.uid), p.created_at, p.namespace, p.name))
+        pods = self.pods
+        return sorted(out, key=lambda p: (pods.bound_order(p.uid), p.created_at, p.namespace, p.name))
 
     def _next_container(self, pod: PodInfo, resource: str,
                         records: dict[str, Allocation] | None = None) -> ContainerRequest | None:

@@ -23,6 +23,7 @@ import random
 import socket
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import grpc
@@ -235,7 +236,7 @@ class DevicePluginService:
                     old.unlink()
             # only kubelet (root) dials it; no other host user may talk to the plugin
             self._servers[resource] = await serve_unix(
-                path, lambda s, servicer=servicer: pb_grpc.add_DevicePluginServicer_to_server(servicer, s), mode=0o600)
+                path, partial(pb_grpc.add_DevicePluginServicer_to_server, servicer), mode=0o600)
         log.info("device_plugin_serving", sockets=[str(self.socket_path(r)) for r in RESOURCES])
 
     async def _register(self) -> None:

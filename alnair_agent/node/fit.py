@@ -53,7 +53,7 @@ class Room(NamedTuple):
     """One healthy GPU: units free and offered of each resource. (A NamedTuple: `place` makes many of them.)"""
 
     uuid: str
-    index: int
+    index: int  # type: ignore[assignment]  # the GPU's index (as NVML and the node report say), shadowing tuple.index
     memory_free: int
     compute_free: int
     memory_total: int

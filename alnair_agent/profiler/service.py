@@ -30,6 +30,7 @@ from alnair_agent.profiler.usage import ContainerUsage, parse_usage, render_usag
 
 if TYPE_CHECKING:
     from alnair_agent.kube.pod_source import PodSource
+    from alnair_agent.kube.pods import PodInfo
     from alnair_agent.node.ledger import Ledger
     from alnair_agent.node.reconcile import AnnotationSink
     from alnair_agent.node.workspace import Allocation, Workspace
@@ -298,7 +299,7 @@ class Profiler:
     def _synced(self) -> bool:
         return self.pods is None or self.pods.synced
 
-    def _pod(self, alloc: "Allocation"):  # type: ignore[no-untyped-def]
+    def _pod(self, alloc: "Allocation") -> "PodInfo | None":
         if self.pods is None or not alloc.identified:
             return None
         return self.pods.get(alloc.pod_uid) if alloc.pod_uid else self.pods.find(alloc.namespace, alloc.pod_name)
