@@ -16,6 +16,7 @@ RUN apt-get update \
 WORKDIR /src
 COPY pyproject.toml setup.py setup.cfg README.md ./
 COPY alnair_agent/ alnair_agent/
+COPY alnair_standins/ alnair_standins/
 COPY shim/ shim/
 RUN pip wheel --no-cache-dir --wheel-dir /wheels . \
  && python -c "import zipfile, glob, sys; w = glob.glob('/wheels/alnair-*.whl'); \

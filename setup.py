@@ -20,7 +20,7 @@ from setuptools.command.build_py import build_py
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
 from alnair_agent.config import SHIM_CC  # noqa: E402 - the build's variables are declared once, with the agent's
-from alnair_agent.constants import PACKAGE_SIM_DRIVER_DIR, SIM_DRIVER_FILES  # noqa: E402
+from alnair_standins.simdriver import SIM_DRIVER_DIR, SIM_DRIVER_FILES  # noqa: E402
 
 PROTO_DIR = Path("alnair_agent") / "proto"
 SHIM_DIR = ROOT / "shim"
@@ -30,8 +30,8 @@ SIM_DIR = ROOT / "tests" / "shim" / "simcuda"
 
 def generate_protos(out_root: Path) -> None:
     """Run grpc_tools.protoc on every .proto under alnair_agent/proto, writing into out_root."""
-    from grpc_tools import protoc  # build-time dependency (pyproject.toml)
     import grpc_tools
+    from grpc_tools import protoc  # build-time dependency (pyproject.toml)
 
     include = Path(grpc_tools.__file__).parent / "_proto"
     protos = sorted(str(p) for p in PROTO_DIR.glob("*.proto"))
@@ -71,7 +71,7 @@ def build_shim(out_dir: Path) -> str | None:
 def build_simulated_driver(out_dir: Path, cc: str) -> None:
     """Build the demo's simulated CUDA driver (tests/shim/simcuda: libcuda.so.1, libnvidia-ml.so.1 and simapp) with
     the shim's compiler and copy it to out_dir, so `alnair-agent demo` runs from an installed package in any folder.
-    Skipped where its sources are not there (the image's build context holds shim/ and alnair_agent/ only)."""
+    Skipped where its sources are not there (the image's build context has no tests/)."""
     if not (SIM_DIR / "Makefile").exists():
         return
     build_dir = ROOT / "build" / "sim"
@@ -90,7 +90,7 @@ class BuildWithGenerated(build_py):
         generate_protos(target)
         cc = build_shim(target / "alnair_agent" / "lib")
         if cc is not None:
-            build_simulated_driver(target / "alnair_agent" / PACKAGE_SIM_DRIVER_DIR, cc)
+            build_simulated_driver(target / "alnair_standins" / SIM_DRIVER_DIR, cc)
         super().run()
 
 

@@ -53,10 +53,6 @@ COMPUTE_POLICY_ANNOTATION = ANNOTATION_PREFIX + "compute-policy"
 # NVML Xid errors caused by the application, not the GPU: they do not make a device unhealthy.
 APPLICATION_XIDS = frozenset({13, 31, 43, 45, 68, 109})
 
-# -- built into the package beside the shim (setup.py) --------------------------------------------------------
-PACKAGE_SIM_DRIVER_DIR = "lib/sim"  # under alnair_agent/: the demo's simulated CUDA driver
-SIM_DRIVER_FILES = ("libcuda.so.1", "libnvidia-ml.so.1", "simapp")  # what `alnair-agent demo` runs of it
-
 # -- DRA front-end (resource.k8s.io/v1, kubelet DRA plugin) ------------------------------------------------
 # The driver name (ResourceSlice spec.driver, allocation results, plugin registration) and the DeviceClass that
 # selects its devices: both under the project's centaurus.io domain.

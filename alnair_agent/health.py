@@ -7,8 +7,8 @@ from typing import Protocol
 
 import structlog
 
-from alnair_agent.kube.events import EventSink
 from alnair_agent.gpu.backend import GpuBackend, HealthEvent
+from alnair_agent.kube.events import EventSink
 from alnair_agent.node.inventory import Inventory
 
 log = structlog.get_logger(__name__)

@@ -31,7 +31,7 @@ async def _guard(process: str, name: str, coro: Coroutine[Any, Any, None]) -> No
         await coro
     except asyncio.CancelledError:
         raise
-    except Exception as e:  # noqa: BLE001 - logged by name, then the whole process stops
+    except Exception as e:
         log.error("service_ended", process=process, service=name, error=repr(e))
         raise ServiceFailed(name, e) from e
     log.error("service_ended", process=process, service=name, error=None)

@@ -9,16 +9,18 @@ from __future__ import annotations
 
 import logging
 import sys
+from typing import TextIO
 
 import structlog
+from structlog.typing import Processor
 
 _LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
 _HANDLER_NAME = "alnair"
 
 
-def configure(log_format: str = "json", level: str = "info", stream=sys.stderr) -> None:  # type: ignore[no-untyped-def]
+def configure(log_format: str = "json", level: str = "info", stream: TextIO = sys.stderr) -> None:
     renderer = structlog.processors.JSONRenderer() if log_format == "json" else structlog.dev.ConsoleRenderer(colors=False)
-    shared = [
+    shared: list[Processor] = [
         structlog.contextvars.merge_contextvars,
         structlog.processors.add_log_level,
         structlog.processors.TimeStamper(fmt="iso", utc=True),

@@ -85,7 +85,7 @@ def help_epilog() -> str:
     lines = ["configuration (environment variables only; a bad value stops the agent with one line naming it):"]
     for v in VARIABLES:
         default = "required" if v.default is None else f"default {v.default}"
-        lines.append(f"  {v.name}  ({default}; {v.parse.__doc__.replace('`', '')})")
+        lines.append(f"  {v.name}  ({default}; {(v.parse.__doc__ or '').replace('`', '')})")
     lines.append("")
     lines.append("commands:")
     lines.append("  demo [--seconds N]  the agent, the shim and simulated GPUs on this machine: no GPU, no cluster")
@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return install_shim(args.folder)
     if args.demo or args.command == "demo":
-        from alnair_agent.demo import run_demo
+        from alnair_agent.demo.run import run_demo
 
         return run_demo(getattr(args, "seconds", 15.0))
     try:

@@ -12,7 +12,7 @@ import asyncio
 import importlib.metadata
 import platform
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, ProcessCollector
@@ -24,7 +24,35 @@ from alnair_agent import http_stop
 from alnair_agent.constants import COMPUTE_UNITS_PER_GPU
 
 if TYPE_CHECKING:
-    from alnair_agent.app import Agent
+    from alnair_agent.kubelet.admission import Allocator
+    from alnair_agent.node.inventory import Inventory
+    from alnair_agent.node.ledger import Ledger
+    from alnair_agent.profiler.service import Profiler
+
+
+class FrontEnd(Protocol):
+    @property
+    def registered(self) -> asyncio.Event: ...
+
+
+class AgentView(Protocol):
+    """What /metrics and the health endpoints read of the agent (alnair_agent.app.Agent), at scrape time: named here
+    so that this module does not import the agent that serves it."""
+
+    @property
+    def plugin(self) -> FrontEnd | None: ...
+
+    @property
+    def inventory(self) -> Inventory | None: ...
+
+    @property
+    def ledger(self) -> Ledger | None: ...
+
+    @property
+    def allocator(self) -> Allocator | None: ...
+
+    @property
+    def profiler(self) -> Profiler | None: ...
 
 GPU_LABELS = ["gpu", "UUID"]
 CONTAINER_LABELS = ["gpu", "UUID", "namespace", "pod", "container"]
@@ -40,7 +68,7 @@ def _version() -> str:
 class AgentCollector(Collector):
     """Reads the agent's state at scrape time; nothing is kept twice."""
 
-    def __init__(self, agent: "Agent") -> None:
+    def __init__(self, agent: "AgentView") -> None:
         self.agent = agent
         self.version = _version()
 
@@ -52,10 +80,10 @@ class AgentCollector(Collector):
         up = GaugeMetricFamily("alnair_device_plugin_registered", "1 while registered with kubelet")
         up.add_metric([], 1.0 if a.plugin is not None and a.plugin.registered.is_set() else 0.0)
         yield up
-        if a.allocator is None or a.inventory is None:
+        if a.ledger is None or a.inventory is None:
             return
         allocs = GaugeMetricFamily("alnair_allocations", "Containers holding Alnair resources on this node")
-        allocs.add_metric([], len(a.allocator.allocations))
+        allocs.add_metric([], len(a.ledger.allocations))
         yield allocs
         index = {uuid: str(g.info.index) for uuid, g in a.inventory.gpus.items()}
         yield from self._gpus(index)
@@ -63,7 +91,7 @@ class AgentCollector(Collector):
 
     def _gpus(self, index: dict[str, str]) -> Iterator[Metric]:
         a = self.agent
-        assert a.allocator is not None and a.inventory is not None
+        assert a.ledger is not None and a.allocator is not None and a.inventory is not None
         healthy = GaugeMetricFamily("alnair_gpu_healthy", "1 when the GPU is healthy", labels=GPU_LABELS)
         sick = GaugeMetricFamily("alnair_gpus_unhealthy", "GPUs whose devices are Unhealthy in ListAndWatch")
         sick.add_metric([], sum(1 for g in a.inventory.gpus.values() if not g.healthy))
@@ -76,7 +104,7 @@ class AgentCollector(Collector):
                                      "GPU memory not yet given to any container (in whole units)", labels=GPU_LABELS)
         free_sm = GaugeMetricFamily("alnair_gpu_allocatable_compute_ratio",
                                     "Share of the GPU's compute not yet given to any container", labels=GPU_LABELS)
-        rooms = {room.uuid: room for room in a.allocator.rooms()}
+        rooms = {room.uuid: room for room in a.ledger.rooms()}
         unit = a.inventory.memory_unit_bytes
         for uuid, gpu in a.inventory.gpus.items():
             labels = [index[uuid], uuid]
@@ -124,7 +152,7 @@ class AgentCollector(Collector):
     def _containers(self, index: dict[str, str]) -> Iterator[Metric]:
         a = self.agent
         p = a.profiler
-        assert a.allocator is not None
+        assert a.ledger is not None
         util = GaugeMetricFamily("alnair_container_gpu_utilization_ratio",
                                  "The container's own share of its GPU's time, last sample", labels=CONTAINER_LABELS)
         memcpy = GaugeMetricFamily("alnair_container_memcpy_utilization_ratio",
@@ -147,7 +175,7 @@ class AgentCollector(Collector):
         lent = GaugeMetricFamily("alnair_container_lent", "Dispatcher: 1 while the container is lent its whole GPU "
                                  "(elastic)", labels=CONTAINER_LABELS)
         d = getattr(a, "dispatcher", None)
-        for alloc in a.allocator.allocations.values():
+        for alloc in a.ledger.allocations.values():
             labels = [index.get(alloc.gpu_uuid, ""), alloc.gpu_uuid, alloc.namespace, alloc.pod_name, alloc.container]
             if d is not None and alloc.id in d.turns:
                 turn.add_metric(labels, d.turns[alloc.id])
@@ -166,7 +194,7 @@ class AgentCollector(Collector):
 
 
 class MetricsServer:
-    def __init__(self, agent: "Agent", port: int, host: str = "0.0.0.0") -> None:
+    def __init__(self, agent: "AgentView", port: int, host: str = "0.0.0.0") -> None:
         self.agent = agent
         self.port = port
         self.host = host

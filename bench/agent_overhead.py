@@ -27,19 +27,16 @@ import time
 from pathlib import Path
 
 import aiohttp
+from benchstats import machine
+
+from alnair_agent import logs
+from alnair_agent.constants import RESOURCE_COMPUTE, RESOURCE_MEMORY
+from alnair_standins.apiserver import FakeApiServer, make_pod
+from alnair_standins.kubelet import KubeletEmulator
+from alnair_standins.node import NODE, remove_tree, short_tmp
+from alnair_standins.simbuild import build_shim_and_driver
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
-sys.path.insert(0, str(ROOT))
-
-from agent_harness import NODE, remove_tree, short_tmp  # noqa: E402
-from fakes.apiserver import FakeApiServer, make_pod  # noqa: E402
-from benchstats import machine  # noqa: E402 - beside this script
-from simbuild import build_shim_and_driver  # noqa: E402
-
-from alnair_agent import logs  # noqa: E402
-from alnair_agent.constants import RESOURCE_COMPUTE, RESOURCE_MEMORY  # noqa: E402
-from alnair_agent.kubelet.emulator import KubeletEmulator  # noqa: E402
 
 TICKS = os.sysconf("SC_CLK_TCK")
 

@@ -17,16 +17,22 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from benchstats import machine, pct
 
-from agent_harness import NODE, kubernetes_for, node_settings, registered, remove_tree, running_agent, short_tmp  # noqa: E402
-from fakes.apiserver import FakeApiServer, make_pod  # noqa: E402
-
-from benchstats import machine, pct  # noqa: E402
-from alnair_agent import logs  # noqa: E402
-from alnair_agent.config import parse_sim_gpus  # noqa: E402
-from alnair_agent.constants import RESOURCE_COMPUTE, RESOURCE_MEMORY  # noqa: E402
-from alnair_agent.kubelet.emulator import KubeletEmulator  # noqa: E402
+from alnair_agent import logs
+from alnair_agent.config import parse_sim_gpus
+from alnair_agent.constants import RESOURCE_COMPUTE, RESOURCE_MEMORY
+from alnair_standins.apiserver import FakeApiServer, make_pod
+from alnair_standins.kubelet import KubeletEmulator
+from alnair_standins.node import (
+    NODE,
+    kubernetes_for,
+    node_settings,
+    registered,
+    remove_tree,
+    running_agent,
+    short_tmp,
+)
 
 
 async def run(pods: int) -> dict:
@@ -46,7 +52,7 @@ async def run(pods: int) -> dict:
                     name = f"pod-{n:03d}"
                     api.add_pod(make_pod(name, node=NODE, containers=[{"name": "main", "memory": 4, "compute": 6}]))
                 # The pods were bound over time in a real cluster: let the watch take them in before timing.
-                while len(kubernetes.pod_source.pods()) < pods:
+                while len(kubernetes.pods.pods()) < pods:
                     await asyncio.sleep(0.05)
                 for n in range(pods):
                     start = time.perf_counter()

@@ -16,15 +16,13 @@ import json
 import os
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-from benchstats import pct  # noqa: E402 - beside this script
+from benchstats import pct
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 C_SRC = r"""
 #define _GNU_SOURCE

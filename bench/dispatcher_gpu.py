@@ -29,15 +29,11 @@ import argparse
 import asyncio
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "tests" / "gpu")]
-
-import workloads  # noqa: E402
-from workloads import CALIBRATE, NvmlUtilization, plain_env, run_py  # noqa: E402
+from alnair_standins import workloads
+from alnair_standins.workloads import CALIBRATE, NvmlUtilization, plain_env, run_py
 
 # bf16 matmuls back to back for argv[1] s; an event every 4 matmuls gives when each batch completed on the GPU
 TENANT = """
@@ -114,7 +110,7 @@ class Node(workloads.Node):
         self._trace(self.agent)  # the agent's services (the dispatcher among them) exist once it runs
         return self
 
-    def _trace(self, agent) -> None:  # noqa: ANN001
+    def _trace(self, agent) -> None:
         self.trace: list[list] = []
         self.boosts: list[list] = []  # per tick: (t, GPU, lending together, device utilization read)
         d = agent.dispatcher
@@ -261,7 +257,7 @@ async def packing(shim: Path) -> dict:
                     key=lambda r: r["t"][-1] - r["t"][0])
         r = rs[len(rs) // 2]
         loop_s[name], alone[name] = r["seconds"], r["t"][-1] - r["t"][0]
-        alone_phases[name] = [round(b - a, 3) for a, b in zip(r["t"], r["t"][1:])]
+        alone_phases[name] = [round(b - a, 3) for a, b in zip(r["t"], r["t"][1:], strict=False)]
     out: dict = {"args": args, "alone_s": alone, "alone_loop_s": loop_s, "alone_phases": alone_phases}
 
     async def together(group: tuple[str, ...], cap: int, policy: str) -> dict:
@@ -269,7 +265,7 @@ async def packing(shim: Path) -> dict:
             envs = [await node.admit(cap, memory_gib=24) for _ in group]
             with sampler(envs[0]) as nv:
                 t = time.time()
-                rs = await asyncio.gather(*(timed(JOBS[n][0], e, *args[n]) for n, e in zip(group, envs)))
+                rs = await asyncio.gather(*(timed(JOBS[n][0], e, *args[n]) for n, e in zip(group, envs, strict=False)))
                 tog = time.time() - t
             return {"together_s": tog, "loop_s": [r["seconds"] for r in rs], "nvml": nv.mean(t, t + tog),
                     "phases": [[round(x - t, 3) for x in r["t"]] for r in rs], "trace": node.trace,
@@ -310,8 +306,8 @@ async def packing(shim: Path) -> dict:
         if isinstance(v, dict) and "sequential_s" in v:
             for mode in ("no_compute_limit", "elastic"):
                 for i, r in enumerate(v[mode]["runs"]):
-                    jobs = "  ".join(f"{n}: " + "/".join(f"{b - a:.1f}" for a, b in zip(ph, ph[1:])) + f" @{ph[-1]:.1f}"
-                                     for n, ph in zip(k.split("+"), r["phases"]))
+                    jobs = "  ".join(f"{n}: " + "/".join(f"{b - a:.1f}" for a, b in zip(ph, ph[1:], strict=False)) + f" @{ph[-1]:.1f}"
+                                     for n, ph in zip(k.split("+"), r["phases"], strict=False))
                     print(f"{k[:20]:<20} {mode:<17} #{i} {r['together_s']:>5.1f} s  {jobs}")
     return out
 
@@ -369,8 +365,9 @@ if __name__ == "__main__":
     ap.add_argument("--log-level", choices=("debug", "info", "warning"), default="warning",
                     help="the in-process agent's log level (info: its dispatcher's lending decisions, among others)")
     ARGS = ap.parse_args()
-    import structlog
     import logging
+
+    import structlog
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(getattr(logging, ARGS.log_level.upper())))
     res = asyncio.run(main())
     if ARGS.json:

@@ -37,20 +37,18 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from benchstats import machine, pct, write_json
 
-from agent_harness import remove_tree, short_tmp  # noqa: E402
-from fakes.apiserver import FakeApiServer  # noqa: E402
-from fakes.apiserver_process import ApiServerProcess  # noqa: E402
-from fakes.dra import dra_node  # noqa: E402
-from fakes.dra_allocator import AllocationFailed, Allocator  # noqa: E402
-
-from benchstats import machine, pct, write_json  # noqa: E402
-from alnair_agent import logs  # noqa: E402
-from alnair_agent.config import parse_sim_gpus  # noqa: E402
-from alnair_agent.constants import DRA_DEVICE_CLASS  # noqa: E402
-from alnair_agent.dra.capacity import device_class_json  # noqa: E402
-from alnair_agent.dra.quantity import parse_quantity  # noqa: E402
+from alnair_agent import logs
+from alnair_agent.config import parse_sim_gpus
+from alnair_agent.constants import DRA_DEVICE_CLASS
+from alnair_agent.dra.capacity import device_class_json
+from alnair_agent.dra.quantity import parse_quantity
+from alnair_standins.apiserver import FakeApiServer
+from alnair_standins.apiserver_process import ApiServerProcess
+from alnair_standins.dra_allocator import AllocationFailed, Allocator
+from alnair_standins.dra_node import dra_node
+from alnair_standins.node import remove_tree, short_tmp
 
 GiB = 1 << 30
 
@@ -239,7 +237,7 @@ async def five_nodes(claims: int, nodes: int, seed: int) -> dict[str, Any]:
             for name, node in cluster.items():
                 agent = node.running.agent
                 by_gpu = {f"gpu-{g.index}": g.uuid for g in agent.gpus}
-                rooms = {r.uuid: r for r in agent.allocator.rooms()}
+                rooms = {r.uuid: r for r in agent.ledger.rooms()}
                 for (pool, device), (mem, comp) in books.items():
                     if pool != name:
                         continue

@@ -24,19 +24,16 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import aiohttp
+from benchstats import pct, write_json
 
-import aiohttp  # noqa: E402
-from fakes.apiserver import FakeApiServer, make_node  # noqa: E402
-from fakes.cluster import alnair_pod  # noqa: E402
-
-from benchstats import pct, write_json  # noqa: E402
-from alnair_agent import logs  # noqa: E402
-from alnair_agent.constants import NODE_GPU_DEVICES  # noqa: E402
-from alnair_agent.node.decision import ALLOCATED_ANNOTATION  # noqa: E402
-from alnair_agent.node.gpu_devices import GpuReport, NodeReport  # noqa: E402
-from alnair_agent.scheduler.view import utcnow  # noqa: E402
+from alnair_agent import logs
+from alnair_agent.constants import NODE_GPU_DEVICES
+from alnair_agent.node.decision import ALLOCATED_ANNOTATION
+from alnair_agent.node.gpu_devices import GpuReport, NodeReport
+from alnair_agent.scheduler.view import utcnow
+from alnair_standins.apiserver import FakeApiServer, make_node
+from alnair_standins.cluster import alnair_pod
 
 
 def realistic_node(name: str, rng: random.Random) -> dict:
@@ -177,7 +174,7 @@ async def measure(n_nodes: int, n_pods: int, seed: int, workdir: Path) -> dict:
                     took("bind", resp, t)
                     assert bound["Error"] == "", bound
                     # The node agent confirms the admission on the pod (this releases the node's lock).
-                    api.modify_pod("default", meta["name"], lambda p: p["metadata"]["annotations"].update(
+                    api.modify_pod("default", meta["name"], lambda p, node=node: p["metadata"]["annotations"].update(
                         {ALLOCATED_ANNOTATION: json.dumps({"node": node, "containers": {}})}))
         finally:
             proc.terminate()

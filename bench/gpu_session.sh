@@ -10,6 +10,9 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/bench/out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
+# The device runs the checkout uninstalled: alnair_agent and alnair_standins from here, the benchmarks' modules
+# (which tests/gpu import) from bench/.
+export PYTHONPATH=$PWD:$PWD/bench${PYTHONPATH:+:$PYTHONPATH}
 {
   date -u
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader

@@ -20,14 +20,12 @@ import json
 import os
 import statistics
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-from benchstats import pct  # noqa: E402 - beside this script
+from benchstats import pct
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 C_SRC = r"""
 #define _GNU_SOURCE
@@ -143,7 +141,7 @@ def main() -> None:
     rows = {"in-process: real driver function": summary(inproc["real"]),
             "in-process: through the shim's hook": summary(inproc["hook"])}
     rows.update({f"processes: {k}": summary(v) for k, v in procs.items()})
-    added_inproc = statistics.median(h - r for h, r in zip(inproc["hook"], inproc["real"]))
+    added_inproc = statistics.median(h - r for h, r in zip(inproc["hook"], inproc["real"], strict=False))
     added_procs = rows["processes: shim, region (uncapped)"]["median_ns"] - rows["processes: no shim"]["median_ns"]
     added_metered = rows["processes: shim, region (capped: metered)"]["median_ns"] - rows["processes: no shim"]["median_ns"]
     result = {"batch": a.batch, "rows": rows, "added_ns_in_process_median_of_pairs": added_inproc,

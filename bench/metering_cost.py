@@ -20,17 +20,13 @@ import argparse
 import asyncio
 import json
 import statistics
-import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "bench"), str(ROOT / "tests" / "gpu")]
+from dispatcher_gpu import INFER, TRAIN
 
-from dispatcher_gpu import INFER, TRAIN  # noqa: E402
-from workloads import plain_env, run_py  # noqa: E402
-
-from alnair_agent.node.region import Region, Turn, monotonic_ns  # noqa: E402
+from alnair_agent.node.region import Region, Turn, monotonic_ns
+from alnair_standins.workloads import plain_env, run_py
 
 JOBS = {"train-mlp": (TRAIN, ["2048", "32"]), "infer-transformer": (INFER, ["1024", "4"])}
 MODES = ("no shim", "memory only", "metered")

@@ -13,15 +13,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "bench"), str(ROOT / "tests" / "gpu")]
+from benchstats import machine, write_json
+from shares_gpu import SHAPES
 
-from benchstats import machine, write_json  # noqa: E402
-from shares_gpu import SHAPES  # noqa: E402
-from workloads import plain_env, run_py  # noqa: E402
+from alnair_standins.workloads import plain_env, run_py
 
 HEAD = """
 import os, sys, time, json

@@ -19,16 +19,12 @@ import platform
 import random
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchstats import pct, write_json
 
-from agent_harness import remove_tree, short_tmp  # noqa: E402
-from fakes.cluster import alnair_pod, cluster  # noqa: E402
-
-from benchstats import pct, write_json  # noqa: E402
-from alnair_agent import logs  # noqa: E402
+from alnair_agent import logs
+from alnair_standins.cluster import alnair_pod, cluster
+from alnair_standins.node import remove_tree, short_tmp
 
 
 async def run(pods: int, nodes: int, seed: int) -> dict:

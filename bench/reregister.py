@@ -18,17 +18,20 @@ import asyncio
 import statistics
 import sys
 from dataclasses import asdict
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from benchstats import machine, pct, write_json
 
-from agent_harness import node_settings, registered, remove_tree, running_agent, short_tmp  # noqa: E402
-from crashloop import Episode, Outcome, run_episode  # noqa: E402
-
-from benchstats import machine, pct, write_json  # noqa: E402
-from alnair_agent import logs  # noqa: E402
-from alnair_agent.kubelet import deviceplugin  # noqa: E402
-from alnair_agent.kubelet.emulator import KubeletEmulator  # noqa: E402
+from alnair_agent import logs
+from alnair_agent.kubelet import deviceplugin
+from alnair_standins.crashloop import Episode, Outcome, run_episode
+from alnair_standins.kubelet import KubeletEmulator
+from alnair_standins.node import (
+    node_settings,
+    registered,
+    remove_tree,
+    running_agent,
+    short_tmp,
+)
 
 GOAL_S = 1.0
 

@@ -18,17 +18,14 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchstats import pct  # noqa: E402
-from cuda_startup import build, start_together  # noqa: E402
+from benchstats import pct
+from cuda_startup import build, start_together
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 
 def summary(v: list[float]) -> dict:

@@ -3,23 +3,39 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 
 import pytest
 
 # The lazy kubernetes-asyncio packages, installed before any test module imports kubernetes_asyncio: the tests run
 # the client the way the agent loads it (alnair_agent/kube/lazy_client.py).
 import alnair_agent.kube  # noqa: F401
-
-# Node fixtures (root, api) for the agent's tests; the GPU machine runs tests/gpu with --confcutdir=tests/gpu.
-pytest_plugins = ["agent_harness"]
+from alnair_standins.apiserver import FakeApiServer
+from alnair_standins.node import remove_tree, short_tmp
 
 try:
     import pytest_asyncio
 except ImportError:  # the GPU machine has no pytest-asyncio; the tests it runs (-m gpu) are synchronous
     pytest_asyncio = None
 
-if pytest_asyncio is not None:
 
+@pytest.fixture
+def root() -> Iterator[Path]:
+    """A short folder for the node's sockets and workspace, removed after the test."""
+    path = short_tmp()
+    yield path
+    remove_tree(path)
+
+
+@pytest.fixture
+async def api() -> AsyncIterator[FakeApiServer]:
+    """The API server stand-in, serving for the test."""
+    async with FakeApiServer() as server:
+        yield server
+
+
+if pytest_asyncio is not None:
     @pytest_asyncio.fixture(autouse=True)
     async def _no_leftover_tasks():
         """Fail a test that leaves tasks running on its loop: a leaked task is a leaked service."""

@@ -17,9 +17,9 @@ from typing import Any
 
 import aiohttp
 import pytest
-from agent_harness import AgentProcess
 
 from alnair_agent.config import Settings
+from alnair_standins.node import AgentProcess
 
 
 def free_port() -> int:

@@ -9,7 +9,15 @@ import signal
 import time
 from pathlib import Path
 
-from agent_harness import (
+from alnair_agent.constants import (
+    ENV_VISIBLE_DEVICES,
+    RESOURCE_COMPUTE,
+    RESOURCE_MEMORY,
+)
+from alnair_standins.apiserver import FakeApiServer, make_pod
+from alnair_standins.gpu import sim_uuid
+from alnair_standins.kubelet import KubeletEmulator
+from alnair_standins.node import (
     NODE,
     AgentProcess,
     gpu_of,
@@ -18,11 +26,6 @@ from agent_harness import (
     registered,
     running_agent,
 )
-from fakes.apiserver import FakeApiServer, make_pod
-
-from alnair_agent.constants import ENV_VISIBLE_DEVICES, RESOURCE_COMPUTE, RESOURCE_MEMORY
-from alnair_agent.gpu.simulated import sim_uuid
-from alnair_agent.kubelet.emulator import KubeletEmulator
 
 MEM, SM = RESOURCE_MEMORY, RESOURCE_COMPUTE
 
@@ -54,7 +57,7 @@ async def test_restart_keeps_allocations_and_never_double_books(root, api):
         async with running_agent(settings, kubernetes_for(clients[1])) as running:
             await registered(kubelet, since=2)
             assert records(settings.workspace) == before
-            assert set(running.agent.allocator.allocations) == set(before)
+            assert set(running.agent.ledger.allocations) == set(before)
             # GPU 0 has 10 % compute left: a container asking 20 % must go to GPU 1 even though binpack prefers
             # the fuller GPU. Only a restored ledger knows that (kubelet only lists free IDs of one resource).
             answers = await admit(api, kubelet, "c", 2, 20)
@@ -75,7 +78,7 @@ async def test_restart_with_lost_workspace_learns_held_devices_from_pod_resource
         shutil.rmtree(settings.workspace)  # e.g. a node whose host folder was wiped
         async with running_agent(settings, kubernetes_for(clients[1])) as running:
             await registered(kubelet, since=2)
-            assert len(running.agent.allocator.external_held) == 2 + 95
+            assert len(running.agent.ledger.external_held) == 2 + 95
             answers = await admit(api, kubelet, "b", 1, 10)
             assert answers[MEM].envs[ENV_VISIBLE_DEVICES] == sim_uuid(1, NODE)
     for client in clients:

@@ -9,12 +9,12 @@ from collections.abc import AsyncIterator
 
 import pytest
 from kubernetes_asyncio.client import ApiClient
+from service_util import running, wait_until
 from structlog.testing import capture_logs
 
-from alnair_agent.kube.annotations import AnnotationWriter, WriterTiming
 from alnair_agent.constants import NODE_GPU_DEVICES, USAGE_ANNOTATION
-from fakes.apiserver import MERGE_PATCH, FakeApiServer, make_pod
-from fakes.util import running, wait_until
+from alnair_agent.kube.annotations import AnnotationWriter, WriterTiming
+from alnair_standins.apiserver import MERGE_PATCH, FakeApiServer, make_pod
 
 pytestmark = pytest.mark.timeout(20)
 

@@ -7,11 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import cpus
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-
-import cpus  # noqa: E402
 
 
 def sysfs(tmp: Path, siblings: dict[int, str]) -> Path:

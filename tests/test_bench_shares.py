@@ -4,14 +4,10 @@ from which a figure holds (elastic give-back), the scaled-cap rule, the usage tr
 from __future__ import annotations
 
 import ast
-import sys
 from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-
-import shares_gpu as sg  # noqa: E402
+import shares_gpu as sg
 
 
 def marks(pieces: list[tuple[float, float]], t0: float, t1: float, dt: float = 0.01) -> list[list[float]]:
@@ -283,7 +279,7 @@ def test_tenant_env_passes_every_answer_variable_with_host_paths() -> None:
     mounts included): container paths become the mounts' host folders; the allocation id comes along."""
     from types import SimpleNamespace as NS
 
-    from workloads import tenant_env
+    from alnair_standins.workloads import tenant_env
 
     mem = NS(envs={"NVIDIA_VISIBLE_DEVICES": "GPU-1", "LD_PRELOAD": "/opt/alnair/lib/libalnair.so",
                    "ALNAIR_REGION": "/run/alnair/region", "ALNAIR_ALLOCATION_ID": "a1", "ALNAIR_MEMORY_LIMIT": "5",

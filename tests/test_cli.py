@@ -73,7 +73,7 @@ def test_library_logs_come_out_in_the_same_json() -> None:
 
 
 async def test_kubeconfig_files_are_merged_like_kubectl(tmp_path: Path) -> None:
-    from fakes.apiserver import FakeApiServer, make_pod
+    from alnair_standins.apiserver import FakeApiServer, make_pod
 
     async with FakeApiServer() as api:
         api.add_pod(make_pod("p", node="n"))

@@ -17,8 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from alnair_agent.constants import PACKAGE_SIM_DRIVER_DIR, SIM_DRIVER_FILES
-from alnair_agent.demo import DEMO_WORKLOADS, HEADER, Row, demo
+from alnair_agent.demo.common import DEMO_WORKLOADS, HEADER, Row, failure
+from alnair_agent.demo.device_plugin import demo
+from alnair_standins import simdriver
+from alnair_standins.simdriver import SIM_DRIVER_DIR, SIM_DRIVER_FILES
 
 pytestmark = pytest.mark.timeout(60)
 GiB = 1 << 30
@@ -85,7 +87,7 @@ def test_pip_install_then_the_demo_runs_from_any_folder(tmp_path: Path) -> None:
                    check=True, capture_output=True, text=True, timeout=360)
     wheel = next(wheels.glob("alnair-*.whl"))
     names = zipfile.ZipFile(wheel).namelist()
-    assert {f"alnair_agent/{PACKAGE_SIM_DRIVER_DIR}/{n}" for n in SIM_DRIVER_FILES} <= set(names), names
+    assert {f"alnair_standins/{SIM_DRIVER_DIR}/{n}" for n in SIM_DRIVER_FILES} <= set(names), names
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
     site = next((venv / "lib").glob("python3*/site-packages"))
@@ -102,15 +104,17 @@ def test_pip_install_then_the_demo_runs_from_any_folder(tmp_path: Path) -> None:
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert "Summary" in done.stdout and "CUDA_ERROR_OUT_OF_MEMORY" in done.stdout, done.stdout
+    # both front-ends ran: the DRA run's stand-ins (API server, kube-scheduler's allocator) come with the package
+    assert "Summary (DRA)" in done.stdout, done.stdout
+    assert "Claims unprepared: 0 DRA slices left on the node, 0 CDI specs." in done.stdout, done.stdout
+    assert "skipped" not in done.stdout, done.stdout
     assert "FAILED" not in done.stdout, done.stdout  # every container's program ran to its end
 
 
 def test_demo_builds_the_driver_from_a_checkout_when_the_package_holds_none(tmp_path: Path, monkeypatch) -> None:
     # A source tree that was never installed: no lib/sim/ in the package; the driver is built from tests/shim/simcuda.
-    import alnair_agent.demo as demo_module
-
-    monkeypatch.setattr(demo_module, "packaged_simulated_driver", lambda: tmp_path / "none")
-    sim = demo_module.simulated_driver(tmp_path / "sim")
+    monkeypatch.setattr(simdriver, "packaged_simulated_driver", lambda: tmp_path / "none")
+    sim = simdriver.simulated_driver(tmp_path / "sim")
     assert all((sim / n).is_file() for n in SIM_DRIVER_FILES)
     assert os.access(sim / "simapp", os.X_OK)
 
@@ -122,8 +126,6 @@ def test_demo_builds_the_driver_from_a_checkout_when_the_package_holds_none(tmp_
     (3, "    its program FAILED: it ended with exit code 3.\n"),
 ])
 def test_the_summary_says_which_container_program_failed(returncode, said) -> None:
-    from alnair_agent.demo import failure
-
     r = Row(DEMO_WORKLOADS[0])
     r.returncode = returncode
     assert failure(r) == said

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from alnair_agent.demo import build_simulated_driver
-from alnair_agent.demo_dra import demo_dra
+from alnair_agent.demo.dra import demo_dra
+from alnair_standins.simdriver import build_simulated_driver
 
 pytestmark = pytest.mark.timeout(60)
 GiB = 1 << 30

@@ -15,7 +15,12 @@ import yaml
 
 from alnair_agent.config import Settings
 from alnair_agent.scheduler.main import parse_args
-from alnair_agent.scheduler.webhook import PROFILE_ANNOTATION, WEBHOOK_CONFIGURATION, build_webhook_app, profile_of
+from alnair_agent.scheduler.webhook import (
+    PROFILE_ANNOTATION,
+    WEBHOOK_CONFIGURATION,
+    build_webhook_app,
+    profile_of,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 KUBERNETES_VERSION = "1.31"  # the kube-scheduler image the scheduler manifest runs
@@ -262,10 +267,14 @@ def test_the_daemonset_mounts_the_dra_folders_where_the_agent_looks() -> None:
 
 
 def test_the_dra_example_asks_4_gib_and_30_percent_of_the_alnair_device_class() -> None:
-    from alnair_agent.constants import DRA_CAP_COMPUTE, DRA_CAP_MEMORY, DRA_DEVICE_CLASS, DRA_DRIVER
-    from alnair_agent.dra.quantity import parse_quantity
-
+    from alnair_agent.constants import (
+        DRA_CAP_COMPUTE,
+        DRA_CAP_MEMORY,
+        DRA_DEVICE_CLASS,
+        DRA_DRIVER,
+    )
     from alnair_agent.dra.capacity import device_class_json
+    from alnair_agent.dra.quantity import parse_quantity
 
     [cls] = by_kind("DeviceClass")
     assert cls == device_class_json()  # the agent's own definition (the demo creates it from there)

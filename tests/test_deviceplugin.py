@@ -9,16 +9,6 @@ from pathlib import Path
 
 import grpc
 import pytest
-from agent_harness import (
-    NODE,
-    gpu_of,
-    kubernetes_for,
-    node_settings,
-    registered,
-    running_agent,
-)
-from crashloop import Episode, run_episode
-from fakes.apiserver import FakeApiServer, make_pod
 
 from alnair_agent.app import Kubernetes
 from alnair_agent.constants import (
@@ -33,9 +23,19 @@ from alnair_agent.constants import (
     UNHEALTHY,
     USAGE_ANNOTATION,
 )
-from alnair_agent.gpu.simulated import sim_uuid
-from alnair_agent.kubelet.emulator import AdmissionError, KubeletEmulator
 from alnair_agent.node.region import Region
+from alnair_standins.apiserver import FakeApiServer, make_pod
+from alnair_standins.crashloop import Episode, run_episode
+from alnair_standins.gpu import sim_uuid
+from alnair_standins.kubelet import AdmissionError, KubeletEmulator
+from alnair_standins.node import (
+    NODE,
+    gpu_of,
+    kubernetes_for,
+    node_settings,
+    registered,
+    running_agent,
+)
 
 GIB = 1 << 30
 MEM, SM = RESOURCE_MEMORY, RESOURCE_COMPUTE
@@ -118,7 +118,7 @@ async def test_memory_and_compute_of_one_container_land_on_one_gpu(root, kubelet
             assert (region.memory_limit, region.compute_limit) == (4 * GIB, 20)
         finally:
             region.close()
-        alloc = next(a for a in running.agent.allocator.allocations.values() if a.pod_name == "next")
+        alloc = next(a for a in running.agent.ledger.allocations.values() if a.pod_name == "next")
         assert (alloc.namespace, alloc.container, alloc.gpu_uuid) == ("default", "main", sim_uuid(1, NODE))
 
 
@@ -240,7 +240,7 @@ async def test_device_ids_not_ours_are_invalid_argument(root, kubelet, resource,
             await kubelet.allocate_raw(resource, [device_id])
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert says in err.value.details()
-        assert not running.agent.allocator.allocations  # nothing recorded for a refused request
+        assert not running.agent.ledger.allocations  # nothing recorded for a refused request
 
 
 async def test_ended_container_workspace_removed_live_one_kept(root, kubelet, api, k8s):
@@ -266,7 +266,7 @@ async def test_ended_container_workspace_removed_live_one_kept(root, kubelet, ap
         figures = json.loads(api.pod_annotations("default", "job")[USAGE_ANNOTATION])["main"]
         assert figures["state"] == "ended"
         assert figures["memory_limit_bytes"] == 2 * GIB and figures["compute_limit_percent"] == 20
-        assert [a.pod_name for a in running.agent.allocator.allocations.values()] == ["server"]
+        assert [a.pod_name for a in running.agent.ledger.allocations.values()] == ["server"]
 
 
 async def test_node_annotation_tells_the_scheduler_what_is_free(root, kubelet, api, k8s):
@@ -295,7 +295,7 @@ async def test_refused_second_resource_abandons_the_half_made_allocation(root, k
             await kubelet.admit("default", "late", "main", {MEM: 4, SM: 20})  # binpack: memory to GPU 0
         assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "the container needs 20 there" in err.value.details
-        assert len(running.agent.allocator.allocations) == 1  # the half-made allocation is gone
+        assert len(running.agent.ledger.allocations) == 1  # the half-made allocation is gone
         assert len(list((root / "ws").iterdir())) == 1
         # kubelet frees what it gave the failed pod; those units are usable at once.
         kubelet.remove_pod("default", "late")
@@ -318,7 +318,7 @@ async def test_app_container_reuses_its_init_containers_devices(root, kubelet, a
         keys = {k.container: k for k in held}
         assert held[keys["main"]] == held[keys["prepare"]]  # kubelet reused the very same device IDs
         assert main[MEM].envs[ENV_VISIBLE_DEVICES] == init[MEM].envs[ENV_VISIBLE_DEVICES]
-        by_container = {a.container: a for a in running.agent.allocator.allocations.values()}
+        by_container = {a.container: a for a in running.agent.ledger.allocations.values()}
         assert by_container["main"].all_ids() == {i for ids in held[keys["main"]].values() for i in ids}
         assert not by_container.get("prepare") or not by_container["prepare"].all_ids()
 
@@ -346,7 +346,7 @@ async def test_container_cannot_hurt_the_agent_through_its_folder(root, kubelet,
             await asyncio.sleep(0.05)
         assert victim.read_bytes() == b"precious"
         assert not running.task.done()
-        assert len(running.agent.allocator.allocations) == 3
+        assert len(running.agent.ledger.allocations) == 3
 
 
 async def test_preferred_allocation_always_includes_what_kubelet_must_include(root, kubelet, api, k8s):
@@ -415,7 +415,7 @@ async def test_api_outage_holds_no_reconcile_pass_and_loses_no_final_figures(roo
 async def test_kubelets_record_corrects_an_allocations_identity(root, kubelet, api, k8s):
     """pod-resources is the truth about who holds what: a record whose devices kubelet reports for another
     container is rewritten to that container, and its folder is kept while kubelet reports it."""
-    from alnair_agent.kubelet.emulator import ContainerKey
+    from alnair_standins.kubelet import ContainerKey
 
     async with running_agent(node_settings(root), k8s()) as running:
         await registered(kubelet)
@@ -424,12 +424,12 @@ async def test_kubelets_record_corrects_an_allocations_identity(root, kubelet, a
         key = next(k for k in kubelet.assigned if k.pod == "recorded")
         kubelet.assigned[ContainerKey("default", "truth", "worker")] = kubelet.assigned.pop(key)
         await running.agent.reconciler.once()
-        [alloc] = running.agent.allocator.allocations.values()
+        [alloc] = running.agent.ledger.allocations.values()
         assert (alloc.pod_name, alloc.container, alloc.pod_uid) == ("truth", "worker", truth["metadata"]["uid"])
         api.delete_pod("default", "recorded")  # the pod the record first named is gone: nothing of truth's goes
         for _ in range(3):
             await running.agent.reconciler.once()
-        assert [a.pod_name for a in running.agent.allocator.allocations.values()] == ["truth"]
+        assert [a.pod_name for a in running.agent.ledger.allocations.values()] == ["truth"]
 
 
 def test_simulated_gpus_of_two_nodes_never_share_a_uuid():

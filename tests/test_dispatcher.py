@@ -16,14 +16,25 @@ from pathlib import Path
 import pytest
 import structlog
 import structlog.testing
-from agent_harness import NODE, kubernetes_for, node_settings, registered, running_agent
-from fakes.apiserver import make_pod
-from simbuild import Build, build_shim_and_driver
 
-from alnair_agent.constants import (COMPUTE_POLICY_ANNOTATION, ENV_COMPUTE_LIMIT, ENV_MEMORY_LIMIT,
-                                    ENV_VISIBLE_DEVICES, RESOURCE_COMPUTE)
-from alnair_agent.gpu import simtimeline as TL
-from alnair_agent.kubelet.emulator import KubeletEmulator
+from alnair_agent.constants import (
+    COMPUTE_POLICY_ANNOTATION,
+    ENV_COMPUTE_LIMIT,
+    ENV_MEMORY_LIMIT,
+    ENV_VISIBLE_DEVICES,
+    RESOURCE_COMPUTE,
+)
+from alnair_standins import simtimeline as TL
+from alnair_standins.apiserver import make_pod
+from alnair_standins.kubelet import KubeletEmulator
+from alnair_standins.node import (
+    NODE,
+    kubernetes_for,
+    node_settings,
+    registered,
+    running_agent,
+)
+from alnair_standins.simbuild import Build, build_shim_and_driver
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -213,7 +224,7 @@ async def test_caps_alone_hold_within_3_points(root, api, build, timelines):
         t0, t1 = await run_together(tenants, 6_000)
         shares = [t.share(t0, t1) for t in tenants]
         print("caps", caps, "shares over 6 s", fmt(shares))
-        for cap, share in zip(caps, shares):
+        for cap, share in zip(caps, shares, strict=False):
             assert abs(share - cap) <= 3, (cap, share)
 
 
@@ -264,7 +275,7 @@ async def test_two_tenants_30_70_split_3_to_7(root, api, build, timelines, shape
         b = await admit(api, kubelet, build, timelines, "b", 70)
 
         def figures() -> tuple[int, dict[str, tuple[float, float]]]:
-            allocs = running.agent.allocator.allocations
+            allocs = running.agent.ledger.allocations
             return now_ns(), {allocs[k].pod_name: (u.gpu_util_integral, u.observed_s)
                               for k, u in running.agent.profiler.usage.items()}
 
@@ -410,7 +421,7 @@ async def test_policy_annotation_is_validated(root, api, build, timelines):
             await admit(api, kubelet, build, timelines, "none", 30)
             d = running.agent.dispatcher
             await asyncio.sleep(0.3)
-            by_pod = {running.agent.allocator.allocations[k].pod_name: c.policy for k, c in d.state.items()}
+            by_pod = {running.agent.ledger.allocations[k].pod_name: c.policy for k, c in d.state.items()}
     assert by_pod == {"ok": "elastic", "bad": "strict", "none": "strict"}
     bad = [e for e in logs if e["event"] == "compute_policy_invalid"]
     assert len(bad) == 1  # once, not every tick

@@ -23,7 +23,7 @@ def test_windows_never_overlap_and_stay_inside_the_period(caps, period):
     containers = [c(f"a{i:02}", cap, pol) for i, (cap, pol) in enumerate(caps)]
     w = C.layout(containers, period)
     spans = sorted((off, off + length) for off, length in w.values() if length)
-    for (a0, a1), (b0, b1) in zip(spans, spans[1:]):
+    for (_a0, a1), (b0, _b1) in zip(spans, spans[1:], strict=False):
         assert a1 <= b0, spans
     assert all(0 <= off < period and off + length <= period for off, length in w.values())
     total = sum(cap for cap, _ in caps)
@@ -196,7 +196,7 @@ def test_trials_that_slow_someone_back_off_doubling():
         if C.update_lending(g, cs, False, t) == "trial":
             starts.append(t)
             _, t = trial(cs, g, t, {"a": 500, "b": 500})
-    gaps = [round(b - a, 2) for a, b in zip(starts, starts[1:])]
+    gaps = [round(b - a, 2) for a, b in zip(starts, starts[1:], strict=False)]
     assert gaps == sorted(gaps) and gaps[-1] >= 6 * gaps[0], gaps
 
 

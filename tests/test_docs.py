@@ -8,7 +8,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-REPO_DIRS = ("alnair_agent/", "shim/", "manifests/", "examples/", "docs/", "tests/", "bench/", ".ci/")
+REPO_DIRS = ("alnair_agent/", "alnair_standins/", "shim/", "manifests/", "examples/", "docs/", "tests/", "bench/", ".ci/")
 
 
 def fenced_commands(text: str) -> list[str]:

@@ -7,16 +7,27 @@ from __future__ import annotations
 from fractions import Fraction
 
 import pytest
-from fakes.dra import claim_spec, device_class
-from fakes.dra_allocator import AllocationFailed, Allocator, consumed_amount, violates
 
-from alnair_agent.constants import CDI_KIND, DRA_DEVICE_CLASS, DRA_DRIVER, RESOURCE_COMPUTE, RESOURCE_MEMORY
+from alnair_agent.constants import (
+    CDI_KIND,
+    DRA_DEVICE_CLASS,
+    DRA_DRIVER,
+    RESOURCE_COMPUTE,
+    RESOURCE_MEMORY,
+)
 from alnair_agent.dra import capacity
 from alnair_agent.dra.cdi import CdiWriter, device_id
 from alnair_agent.dra.quantity import QuantityError, format_bytes, parse_quantity
 from alnair_agent.gpu.backend import GpuInfo
 from alnair_agent.node.edits import ContainerEdits
 from alnair_agent.node.inventory import Gpu
+from alnair_standins.dra_allocator import (
+    AllocationFailed,
+    Allocator,
+    consumed_amount,
+    violates,
+)
+from alnair_standins.dra_node import claim_spec, device_class
 
 GiB = 1 << 30
 

@@ -9,13 +9,13 @@ import os
 import shutil
 from typing import Any
 
-from fakes.dra import dra_node
-from fakes.util import wait_until
+from service_util import wait_until
 
 from alnair_agent.constants import DRA_DRIVER
-from alnair_agent.dra.ledger import SPARES
-from alnair_agent.kubelet.dra_emulator import Claim
+from alnair_agent.dra.spares import SPARES
 from alnair_agent.proto import dra_v1_pb2, dra_v1_pb2_grpc
+from alnair_standins.dra_node import dra_node
+from alnair_standins.kubelet_dra import Claim
 
 GOOD = {"request": "gpu", "driver": DRA_DRIVER, "pool": "node-1", "device": "gpu-0",
         "shareID": "0b7c5f6e-6f0f-4f55-9b43-3f2a0d6f0a11", "consumedCapacity": {"memory": "4Gi", "compute": "30"}}
@@ -92,16 +92,16 @@ async def test_bad_claims_are_refused_naming_what_is_wrong_and_lose_nothing_held
         pod = node.pod("p0", {"gpu": "held"}, [("main", [("gpu", None)])])
         node.schedule(pod, ["held"])
         before_view = (await node.start(pod))["main"]
-        allocator = node.running.agent.allocator
-        before = {a.id: copy.deepcopy(a) for a in allocator.allocations.values()}
-        rooms = allocator.rooms()
+        ledger = node.running.agent.ledger
+        before = {a.id: copy.deepcopy(a) for a in ledger.allocations.values()}
+        rooms = ledger.rooms()
         spec_files = spec_names(node)
         for i, (what, results, message) in enumerate(CASES):
             ref = forge(api, f"bad-{i}", results)
             errors = await node.kubelet.prepare_once(DRA_DRIVER, [ref])
             assert message in errors[ref.uid], (what, errors)
-            assert {a.id: a for a in allocator.allocations.values()} == before, what
-        assert allocator.rooms() == rooms
+            assert {a.id: a for a in ledger.allocations.values()} == before, what
+        assert ledger.rooms() == rooms
         assert spec_names(node) == spec_files
         assert allocation_folders(node) == sorted(before)
         again = node.kubelet.resolve(before_view.cdi_ids)  # the held container's devices resolve as before
@@ -118,7 +118,7 @@ async def test_claims_kubelet_misnames_are_refused_each_on_its_own(root, api):
         assert "does not exist" in errors[missing.uid]
         assert "the claim of that name has uid" in errors[wrong_uid.uid]
         assert good.uid not in errors  # one claim's failure never touches another's
-        assert len(node.running.agent.allocator.allocations) == 1
+        assert len(node.running.agent.ledger.allocations) == 1
         # a claim without its UID (every field is required): answered under its name, with the reason
         stub = dra_v1_pb2_grpc.DRAPluginStub(node.kubelet.plugins[DRA_DRIVER].channel)
         answer = await stub.NodePrepareResources(dra_v1_pb2.NodePrepareResourcesRequest(
@@ -133,7 +133,7 @@ async def test_an_api_server_that_does_not_answer_is_named_and_kubelet_retries(r
         errors = await node.kubelet.prepare_once(DRA_DRIVER, [ref])
         assert "cannot read ResourceClaim default/c" in errors[ref.uid] and "503" in errors[ref.uid]
         await node.kubelet.prepare(DRA_DRIVER, [ref])  # kubelet calls again: the second failure, then success
-        assert len(node.running.agent.allocator.allocations) == 1
+        assert len(node.running.agent.ledger.allocations) == 1
 
 
 async def test_a_spec_that_cannot_be_written_refuses_the_claim_and_leaves_nothing_behind(root, api):
@@ -150,10 +150,10 @@ async def test_a_spec_that_cannot_be_written_refuses_the_claim_and_leaves_nothin
             cdi.unlink()
             cdi.mkdir(exist_ok=True)  # the agent may make it again first (a spare spec file made ahead)
         assert "cannot write its slice" in errors[ref.uid] and "CDI spec" in errors[ref.uid]
-        assert not node.running.agent.allocator.allocations
+        assert not node.running.agent.ledger.allocations
         assert not allocation_folders(node)
         await node.kubelet.prepare(DRA_DRIVER, [ref])
-        assert len(node.running.agent.allocator.allocations) == 1
+        assert len(node.running.agent.ledger.allocations) == 1
 
 
 async def test_unpreparing_a_claim_never_prepared_is_a_success(root, api):

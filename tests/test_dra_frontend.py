@@ -7,9 +7,6 @@ import asyncio
 
 import grpc
 import pytest
-from agent_harness import NODE, kubernetes_for, node_settings, registered, running_agent
-from fakes.apiserver import make_pod
-from fakes.dra import device_class, dra_node
 
 from alnair_agent.config import ConfigError
 from alnair_agent.constants import (
@@ -23,10 +20,19 @@ from alnair_agent.constants import (
 from alnair_agent.dra import frontend
 from alnair_agent.dra.capacity import slice_name
 from alnair_agent.kube.resourceapi import ResourceApi
-from alnair_agent.kubelet.dra_emulator import DraKubeletEmulator
-from alnair_agent.kubelet.emulator import KubeletEmulator
 from alnair_agent.proto import pluginregistration_pb2 as reg
 from alnair_agent.proto import pluginregistration_pb2_grpc as reg_grpc
+from alnair_standins.apiserver import make_pod
+from alnair_standins.dra_node import device_class, dra_node
+from alnair_standins.kubelet import KubeletEmulator
+from alnair_standins.kubelet_dra import DraKubeletEmulator
+from alnair_standins.node import (
+    NODE,
+    kubernetes_for,
+    node_settings,
+    registered,
+    running_agent,
+)
 
 
 async def choose(api, wanted: str, root) -> frontend.Choice:  # type: ignore[no-untyped-def]
@@ -91,7 +97,7 @@ async def test_switching_a_node_keeps_what_the_other_front_end_holds(root, api):
         node.schedule(pod, ["c1"])
         await node.start(pod)
         ref = node.refs(pod)["gpu"]
-        gpu = node.running.agent.allocator.allocations[next(iter(node.running.agent.allocator.allocations))].gpu_uuid
+        gpu = node.running.agent.ledger.allocations[next(iter(node.running.agent.ledger.allocations))].gpu_uuid
         settings = node.settings
     dp = node_settings(root, frontend="device-plugin", plugins_registry_dir=settings.plugins_registry_dir,
                        cdi_dir=settings.cdi_dir, dra_plugin_dir=settings.dra_plugin_dir)
@@ -103,10 +109,10 @@ async def test_switching_a_node_keeps_what_the_other_front_end_holds(root, api):
                 await registered(kubelet)
                 await dra_kubelet.wait_registered(DRA_DRIVER)  # the leftover claim is still served
                 assert running.agent.frontend == "device-plugin" and not api.resource_slices()
-                room = next(r for r in running.agent.allocator.rooms() if r.uuid == gpu)
+                room = next(r for r in running.agent.ledger.rooms() if r.uuid == gpu)
                 assert (room.memory_free, room.compute_free) == (4, 40)  # the claim's units stay held
                 await dra_kubelet.prepare(DRA_DRIVER, [ref])  # kubelet restarted: prepares again, same slice
-                assert len(running.agent.allocator.allocations) == 1
+                assert len(running.agent.ledger.allocations) == 1
                 node.claim("c2", [{"name": "gpu", "memory": "1Gi"}])
                 pod2 = node.pod("p2", {"gpu": "c2"}, [("main", [("gpu", None)])])
                 api.set_claim_status("default", "c2", {"allocation": {"devices": {"results": [
@@ -119,8 +125,8 @@ async def test_switching_a_node_keeps_what_the_other_front_end_holds(root, api):
                 api.add_pod(make_pod("dp-pod", containers=[{"name": "main", "memory": 4, "compute": 10}]))
                 await kubelet.admit("default", "dp-pod", "main", {RESOURCE_MEMORY: 4, RESOURCE_COMPUTE: 10})
                 await dra_kubelet.unprepare(DRA_DRIVER, [ref])
-                assert len(running.agent.allocator.allocations) == 1
-                dp_gpus = {a.gpu_uuid for a in running.agent.allocator.allocations.values()}
+                assert len(running.agent.ledger.allocations) == 1
+                dp_gpus = {a.gpu_uuid for a in running.agent.ledger.allocations.values()}
     finally:
         await client.close()
     async with dra_node(root, api) as node:  # back to DRA: the device plugin container's GPU stays out

@@ -11,11 +11,7 @@ import os
 from pathlib import Path
 
 import pytest
-from agent_harness import node_settings, registered, running_agent
-from fakes.apiserver_process import ApiServerProcess
-from fakes.dra import dra_node
-from fakes.dra_allocator import AllocationFailed
-from fakes.util import wait_until
+from service_util import wait_until
 
 from alnair_agent.constants import (
     CONTAINER_RUN_DIR,
@@ -32,9 +28,13 @@ from alnair_agent.constants import (
     USAGE_ANNOTATION,
 )
 from alnair_agent.dra.capacity import slice_name
-from alnair_agent.kubelet.dra_emulator import Claim, DraKubeletEmulator
-from alnair_agent.kubelet.emulator import KubeletEmulator
 from alnair_agent.node.region import Region
+from alnair_standins.apiserver_process import ApiServerProcess
+from alnair_standins.dra_allocator import AllocationFailed
+from alnair_standins.dra_node import dra_node
+from alnair_standins.kubelet import KubeletEmulator
+from alnair_standins.kubelet_dra import Claim, DraKubeletEmulator
+from alnair_standins.node import node_settings, registered, running_agent
 
 GiB = 1 << 30
 
@@ -80,13 +80,13 @@ async def test_a_claim_of_4_gib_and_30_percent_gives_its_container_that_slice_an
         gpu = next(g for g in node.running.agent.gpus if f"gpu-{g.index}" == result["device"])
         assert env[ENV_VISIBLE_DEVICES] == gpu.uuid
         assert region_limits(node, views["main"]) == (4 * GiB, 30)
-        [alloc] = node.running.agent.allocator.allocations.values()
+        [alloc] = node.running.agent.ledger.allocations.values()
         assert alloc.claim is not None and alloc.claim.name == "c1" and alloc.pod_name == "p1"
         folder = node.settings.workspace / alloc.id
         cdi = node.settings.cdi_dir / f"alnair.centaurus.io-gpu_{claim['metadata']['uid']}.json"
         assert folder.is_dir() and cdi.is_file()
         await node.finish(pod)
-        assert not node.running.agent.allocator.allocations
+        assert not node.running.agent.ledger.allocations
         assert not folder.exists() and not cdi.exists()
 
 
@@ -130,7 +130,7 @@ async def test_a_claim_shared_by_two_containers_gives_both_one_slice(root, api):
         a, b = views["reader"], views["writer"]
         assert a.envs == b.envs and a.mounts == b.mounts  # one folder, one region, one set of limits
         assert a.envs[ENV_MEMORY_LIMIT] == str(6 * GiB) and a.envs[ENV_REGION] == "/run/alnair/region"
-        [alloc] = node.running.agent.allocator.allocations.values()
+        [alloc] = node.running.agent.ledger.allocations.values()
         async def named() -> None:
             while alloc.container != "reader,writer":
                 await asyncio.sleep(0.02)
@@ -162,7 +162,7 @@ async def test_kube_scheduler_never_books_a_gpu_past_its_capacity_and_the_ledger
         pod = node.pod("p4", {"gpu": "c4"}, [("main", [("gpu", None)])])
         with pytest.raises(AllocationFailed):
             node.schedule(pod, ["c4"])
-        rooms = node.running.agent.allocator.rooms()
+        rooms = node.running.agent.ledger.rooms()
         assert [r.memory_free for r in rooms] == [0, 0] and [r.compute_free for r in rooms] == [80, 80]
 
 
@@ -174,7 +174,7 @@ async def test_prepare_is_idempotent(root, api):
         ref = node.refs(pod)["gpu"]
         for _ in range(3):  # kubelet retries after a timeout, or after its own restart
             assert await node.kubelet.prepare_once(DRA_DRIVER, [ref]) == {}
-        assert len(node.running.agent.allocator.allocations) == 1
+        assert len(node.running.agent.ledger.allocations) == 1
         first = node.kubelet.cdi_ids(ref.uid)
         (node.settings.cdi_dir / f"alnair.centaurus.io-gpu_{ref.uid}.json").unlink()  # lost (a tmpfs cleared)
         assert await node.kubelet.prepare_once(DRA_DRIVER, [ref]) == {}
@@ -198,7 +198,7 @@ async def test_a_1_34_kubelet_speaking_only_v1beta1_is_served(root, api):
             view = old.start_container("default", "p1", "main", [(ref, None)])
             assert view.envs[ENV_COMPUTE_LIMIT] == "20"
             await old.unprepare(DRA_DRIVER, [ref])
-            assert not node.running.agent.allocator.allocations
+            assert not node.running.agent.ledger.allocations
 
 
 async def test_unprepare_writes_the_final_usage_before_the_folder_goes(root, api):
@@ -207,7 +207,7 @@ async def test_unprepare_writes_the_final_usage_before_the_folder_goes(root, api
         pod = node.pod("p1", {"gpu": "c1"}, [("main", [("gpu", None)])])
         node.schedule(pod, ["c1"])
         await node.start(pod)
-        [alloc] = node.running.agent.allocator.allocations.values()
+        [alloc] = node.running.agent.ledger.allocations.values()
 
         async def named() -> None:
             while alloc.container != "main":
@@ -266,7 +266,7 @@ async def test_a_container_naming_one_request_gets_only_that_requests_slice(root
         assert views["trainer"].envs[ENV_MEMORY_LIMIT] == str(8 * GiB)
         assert views["evaluator"].envs[ENV_COMPUTE_LIMIT] == "10"
         assert views["trainer"].mounts[CONTAINER_RUN_DIR] != views["evaluator"].mounts[CONTAINER_RUN_DIR]
-        assert len(node.running.agent.allocator.allocations) == 2
+        assert len(node.running.agent.ledger.allocations) == 2
 
 
 async def test_an_agent_restart_after_prepare_keeps_the_slice_and_its_spec(root, api):
@@ -282,10 +282,10 @@ async def test_an_agent_restart_after_prepare_keeps_the_slice_and_its_spec(root,
         await node.kubelet.prepare(DRA_DRIVER, [ref])  # a new kubelet too: it prepares the claim again
         after = node.kubelet.start_container("default", "p1", "main", [(ref, None)])
         assert after.envs == before.envs and after.mounts == before.mounts
-        assert len(node.running.agent.allocator.allocations) == 1
+        assert len(node.running.agent.ledger.allocations) == 1
         assert not (root / "cdi" / "alnair.centaurus.io-gpu_00000000-dead-beef-0000-000000000000.json").exists()
         await node.finish(pod)
-        assert not node.running.agent.allocator.allocations
+        assert not node.running.agent.ledger.allocations
 
 
 async def test_a_claim_kubelet_forgot_is_retired_once_gone_from_the_api_and_pod_resources(root, api):
@@ -294,15 +294,15 @@ async def test_a_claim_kubelet_forgot_is_retired_once_gone_from_the_api_and_pod_
         pod = node.pod("p1", {"gpu": "c1"}, [("main", [("gpu", None)])])
         node.schedule(pod, ["c1"])
         await node.start(pod)
-        ledger = node.running.agent.dra.ledger
+        cleanup = node.running.agent.dra.cleanup
         list_claims = node.running.agent.list_claims
-        assert await ledger.collect_orphans(list_claims) == 0  # in use: kept
+        assert await cleanup.collect_orphans(list_claims) == 0  # in use: kept
         node.kubelet.stop_pod("default", "p1")
-        assert await ledger.collect_orphans(list_claims) == 0  # still allocated as recorded: kept
+        assert await cleanup.collect_orphans(list_claims) == 0  # still allocated as recorded: kept
         api.delete_claim("default", "c1")
         api.delete_pod("default", "p1")
-        assert await ledger.collect_orphans(list_claims) == 1
-        assert not node.running.agent.allocator.allocations
+        assert await cleanup.collect_orphans(list_claims) == 1
+        assert not node.running.agent.ledger.allocations
 
 
 async def test_prepare_waits_for_nothing_when_kubelet_names_a_claim_of_another_driver_only(root, api):
@@ -314,7 +314,7 @@ async def test_prepare_waits_for_nothing_when_kubelet_names_a_claim_of_another_d
             {"request": "nic", "driver": "nic.example.com", "pool": "node-1", "device": "eth1"}]}}})
         ref = Claim("default", claim["metadata"]["uid"], "nic")
         assert await node.kubelet.prepare_once(DRA_DRIVER, [ref]) == {}
-        assert node.kubelet.prepared[ref.uid] == [] and not node.running.agent.allocator.allocations
+        assert node.kubelet.prepared[ref.uid] == [] and not node.running.agent.ledger.allocations
 
 
 async def test_the_agent_process_prepares_claims_and_keeps_them_through_a_kill(root):
@@ -348,7 +348,7 @@ async def test_the_agent_process_prepares_claims_and_keeps_them_through_a_kill(r
 async def test_a_prepare_takes_a_slice_folder_and_a_spec_file_made_ahead_and_none_outlives_the_agent(root, api):
     """The front-end keeps folders and spec files made ahead (off the prepare's path): a prepare renames them into
     place, they are made again, and the agent's stop removes what is left (its restart would, too)."""
-    from alnair_agent.dra.ledger import SPARES
+    from alnair_agent.dra.spares import SPARES
 
     ws, cdi = root / "ws", root / "cdi"
 
@@ -372,7 +372,7 @@ async def test_a_prepare_takes_a_slice_folder_and_a_spec_file_made_ahead_and_non
         node.schedule(pod, ["c1"])
         view = (await node.start(pod))["main"]
         assert region_limits(node, view) == (4 * GiB, 30)
-        [alloc] = node.running.agent.allocator.allocations.values()
+        [alloc] = node.running.agent.ledger.allocations.values()
         assert (ws / alloc.id / "run" / REGION_FILE_NAME).stat().st_ino in folders.values()
         spec = cdi / f"alnair.centaurus.io-gpu_{node.refs(pod)['gpu'].uid}.json"
         assert spec.stat().st_ino in files.values()

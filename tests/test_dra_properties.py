@@ -16,8 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from fakes.dra import DraNode, dra_node
-from fakes.dra_allocator import AllocationFailed
 
 from alnair_agent.config import parse_sim_gpus
 from alnair_agent.constants import (
@@ -29,8 +27,10 @@ from alnair_agent.constants import (
     REGION_FILE_NAME,
 )
 from alnair_agent.dra.quantity import parse_quantity
-from alnair_agent.kubelet.dra_emulator import ContainerView
 from alnair_agent.node.region import Region
+from alnair_standins.dra_allocator import AllocationFailed
+from alnair_standins.dra_node import DraNode, dra_node
+from alnair_standins.kubelet_dra import ContainerView
 
 GiB = 1 << 30
 SEEDS = range(24)
@@ -118,12 +118,12 @@ def check_capacity(node: DraNode) -> None:
     for g in node.running.agent.gpus:
         memory, compute = held.get(f"gpu-{g.index}", [0, 0])
         assert memory <= (g.memory_bytes // GiB) * GiB and compute <= 100
-    for room in node.running.agent.allocator.rooms():
+    for room in node.running.agent.ledger.rooms():
         assert room.memory_free >= 0 and room.compute_free >= 0
 
 
 def check_ledger(node: DraNode, prepared: set[str], finished: set[str]) -> None:
-    records = [a for a in node.running.agent.allocator.allocations.values() if a.claim is not None]
+    records = [a for a in node.running.agent.ledger.allocations.values() if a.claim is not None]
     by_claim = {a.claim.uid for a in records if a.claim is not None}
     assert prepared <= by_claim, "a prepared claim lost its slice"
     assert not (finished & by_claim), "an unprepared claim kept its slice"
@@ -178,4 +178,4 @@ async def test_every_container_gets_exactly_its_claims_slice_whatever_the_order(
                 want = expected(node, pod)
                 for cname, view in node.start_containers(pod).items():
                     check_container(view, want[cname])
-        assert not [a for a in node.running.agent.allocator.allocations.values() if a.claim is not None]
+        assert not [a for a in node.running.agent.ledger.allocations.values() if a.claim is not None]

@@ -4,14 +4,25 @@ fix), and on the node when a GPU turns unhealthy and back. The real agent, kubel
 from __future__ import annotations
 
 import pytest
-from agent_harness import NODE, kubernetes_for, node_settings, registered, running_agent
-from fakes.apiserver import FakeApiServer, make_pod
-from fakes.util import wait_until
+from service_util import wait_until
 
 from alnair_agent.constants import RESOURCE_COMPUTE, RESOURCE_MEMORY
-from alnair_agent.gpu.simulated import sim_uuid
-from alnair_agent.kube.events import REASON_GPU_HEALTHY, REASON_GPU_UNHEALTHY, REASON_REFUSED, EventWriter
-from alnair_agent.kubelet.emulator import AdmissionError, KubeletEmulator
+from alnair_agent.kube.events import (
+    REASON_GPU_HEALTHY,
+    REASON_GPU_UNHEALTHY,
+    REASON_REFUSED,
+    EventWriter,
+)
+from alnair_standins.apiserver import FakeApiServer, make_pod
+from alnair_standins.gpu import sim_uuid
+from alnair_standins.kubelet import AdmissionError, KubeletEmulator
+from alnair_standins.node import (
+    NODE,
+    kubernetes_for,
+    node_settings,
+    registered,
+    running_agent,
+)
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -19,7 +19,6 @@ from pathlib import Path
 
 import grpc
 import pytest
-from agent_harness import env_for, gpu_of, node_settings, registered
 from faults_util import (
     agent_process,
     count,
@@ -42,10 +41,11 @@ from alnair_agent.constants import (
     RESOURCE_MEMORY,
     UNHEALTHY,
 )
-from alnair_agent.gpu.simulated import sim_uuid
-from alnair_agent.kubelet.emulator import AdmissionError, KubeletEmulator
 from alnair_agent.node import region_layout as L
 from alnair_agent.node.region import _SLOT, Region
+from alnair_standins.gpu import sim_uuid
+from alnair_standins.kubelet import AdmissionError, KubeletEmulator
+from alnair_standins.node import env_for, gpu_of, node_settings, registered
 
 MEM, SM = RESOURCE_MEMORY, RESOURCE_COMPUTE
 NODE = "node-1"
@@ -362,7 +362,7 @@ async def test_container_filling_the_workspace_is_cut_back_and_others_unaffected
             with open(run / REGION_FILE_NAME, "r+b") as region_file:  # grown past its size
                 region_file.seek(L.REGION_SIZE + (1 << 16))
                 region_file.write(b"x")
-            held = open(run / "junk", "wb")  # noqa: SIM115
+            held = open(run / "junk", "wb")
             try:
                 try:
                     while True:
@@ -529,7 +529,7 @@ async def test_too_many_memory_units_on_a_real_gpu_is_a_configuration_error(root
     then (main prints it in one line, exit 2), before anything is registered."""
     from alnair_agent.app import Agent
     from alnair_agent.config import ConfigError, SimGpu
-    from alnair_agent.gpu.simulated import SimulatedBackend
+    from alnair_standins.gpu import SimulatedBackend
 
     settings = node_settings(root, memory_unit_mib=1, sim_gpus=(SimGpu(141 << 30),))
     agent = Agent(settings, SimulatedBackend.from_settings(settings))

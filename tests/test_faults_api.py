@@ -9,13 +9,18 @@ import time
 from pathlib import Path
 
 import pytest
-from agent_harness import NODE, AgentProcess, node_settings, registered
 from faults_util import count, events, free_port, http_get, stop, wait_until
-from fakes.apiserver import FakeApiServer, make_pod
 
-from alnair_agent.constants import NODE_GPU_DEVICES, RESOURCE_COMPUTE, RESOURCE_MEMORY, USAGE_ANNOTATION
-from alnair_agent.kubelet.emulator import KubeletEmulator
+from alnair_agent.constants import (
+    NODE_GPU_DEVICES,
+    RESOURCE_COMPUTE,
+    RESOURCE_MEMORY,
+    USAGE_ANNOTATION,
+)
 from alnair_agent.node.decision import ALLOCATED_ANNOTATION
+from alnair_standins.apiserver import FakeApiServer, make_pod
+from alnair_standins.kubelet import KubeletEmulator
+from alnair_standins.node import NODE, AgentProcess, node_settings, registered
 
 MEM, SM = RESOURCE_MEMORY, RESOURCE_COMPUTE
 

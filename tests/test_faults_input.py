@@ -17,7 +17,6 @@ from typing import Any
 
 import grpc
 import pytest
-from agent_harness import AgentProcess, node_settings, registered, remove_tree, running_agent, short_tmp
 from faults_util import open_paths, stop
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -29,12 +28,20 @@ from alnair_agent.constants import (
     RESOURCE_MEMORY,
     SOCKET_NAME,
 )
-from alnair_agent.gpu.simulated import sim_uuid
 from alnair_agent.kube.pods import PodError, parse_pod
-from alnair_agent.kubelet.emulator import KubeletEmulator
 from alnair_agent.proto import deviceplugin_pb2 as pb
 from alnair_agent.proto import deviceplugin_pb2_grpc as pb_grpc
 from alnair_agent.scheduler.server import answer_filter, answer_prioritize
+from alnair_standins.gpu import sim_uuid
+from alnair_standins.kubelet import KubeletEmulator
+from alnair_standins.node import (
+    AgentProcess,
+    node_settings,
+    registered,
+    remove_tree,
+    running_agent,
+    short_tmp,
+)
 
 MEM, SM = RESOURCE_MEMORY, RESOURCE_COMPUTE
 NODE = "node-1"
@@ -183,15 +190,15 @@ async def test_multi_container_allocate_rolls_back_a_completed_record(root):
             await registered(kubelet)
             alloc = (await kubelet.allocate_raw(MEM, [_ids("mem")[0]]))
             assert alloc.container_responses
-            allocator = running.agent.allocator
-            record = next(iter(allocator.allocations.values()))
+            ledger = running.agent.ledger
+            record = next(iter(ledger.allocations.values()))
             snapshot = json.loads((settings_.workspace / record.id / ALLOCATION_FILE_NAME).read_text())
             with pytest.raises(grpc.aio.AioRpcError):
                 await kubelet.plugins[SM].stub.Allocate(pb.AllocateRequest(container_requests=[
                     pb.ContainerAllocateRequest(devices_ids=_ids("sm")[:1]),
                     pb.ContainerAllocateRequest(devices_ids=["junk"])]), timeout=5)
             assert json.loads((settings_.workspace / record.id / ALLOCATION_FILE_NAME).read_text()) == snapshot
-            assert list(allocator.allocations) == [record.id]
+            assert list(ledger.allocations) == [record.id]
             assert SM not in record.device_ids
 
 
@@ -278,9 +285,8 @@ def test_fuzzed_pods_parse_or_are_refused_as_pods(pod):
 
 async def test_agent_with_odd_pods_on_its_node_keeps_serving(root, api):
     """Odd pods bound to the node (names, quantities, statuses of every shape) reach the real pod watch."""
-    from agent_harness import kubernetes_for
-
-    from fakes.apiserver import make_pod
+    from alnair_standins.apiserver import make_pod
+    from alnair_standins.node import kubernetes_for
 
     rng = random.Random(10)
     odd_values: list[Any] = [None, "", "-1", "1e400", "NaN", "1.5", "9" * 40, "２", [], {}, True, -3, 2**70, "1Ki"]

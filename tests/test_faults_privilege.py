@@ -8,12 +8,17 @@ import stat
 from pathlib import Path
 
 import yaml
-from agent_harness import node_settings, registered, running_agent
 
-from alnair_agent.constants import ALLOCATION_FILE_NAME, CONTAINER_FOLDER_NAME, REGION_FILE_NAME, SOCKET_NAME
+from alnair_agent.constants import (
+    ALLOCATION_FILE_NAME,
+    CONTAINER_FOLDER_NAME,
+    REGION_FILE_NAME,
+    SOCKET_NAME,
+)
 from alnair_agent.constants import RESOURCE_COMPUTE as SM
 from alnair_agent.constants import RESOURCE_MEMORY as MEM
-from alnair_agent.kubelet.emulator import KubeletEmulator
+from alnair_standins.kubelet import KubeletEmulator
+from alnair_standins.node import node_settings, registered, running_agent
 
 REPO = Path(__file__).resolve().parent.parent
 # The API calls the agent makes (not the scheduler: its own manifest and test) -> (resource, verb).
@@ -46,7 +51,7 @@ async def test_files_folders_and_sockets_have_the_tightest_modes(root):
         async with running_agent(settings) as running:
             await registered(kubelet)
             await kubelet.admit("default", "p", "main", {MEM: 1, SM: 10})
-            alloc_id = next(iter(running.agent.allocator.allocations))
+            alloc_id = next(iter(running.agent.ledger.allocations))
             ws = settings.workspace
             assert mode(ws) == 0o700  # no host user but root reaches any region or record
             assert mode(ws / alloc_id) == 0o700
@@ -93,7 +98,7 @@ async def test_folders_of_an_earlier_agent_get_the_tight_modes_at_start(root):
         async with running_agent(settings) as running:
             await registered(kubelet)
             await kubelet.admit("default", "p", "main", {MEM: 1, SM: 10})
-            alloc_id = next(iter(running.agent.allocator.allocations))
+            alloc_id = next(iter(running.agent.ledger.allocations))
         folder = settings.workspace / alloc_id
         folder.chmod(0o755)  # what the agent before issue 10 made
         (folder / CONTAINER_FOLDER_NAME).chmod(0o777)

@@ -13,16 +13,16 @@ import time
 from dataclasses import replace
 
 import pytest
-from agent_harness import node_settings, registered
 from faults_util import agent_process, count, free_port, http_get, kill, wait_until
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_faults import region_of
 
 from alnair_agent.constants import ENV_ALLOCATION_ID, RESOURCE_COMPUTE, RESOURCE_MEMORY
-from alnair_agent.kubelet.emulator import KubeletEmulator
 from alnair_agent.node import region_layout as L
 from alnair_agent.node.region import AgentBlock, Region, Turn, monotonic_ns
-from test_faults import region_of
+from alnair_standins.kubelet import KubeletEmulator
+from alnair_standins.node import node_settings, registered
 
 MEM, SM = RESOURCE_MEMORY, RESOURCE_COMPUTE
 
@@ -130,7 +130,7 @@ async def test_hostile_values_over_every_field_leave_the_agent_and_the_others_un
             await asyncio.sleep(0.3)  # the dispatcher has laid out the GPU's turns
             good_before = good_region.read_agent_block()
             rng = random.Random(17)
-            for block, name, offset, width in every_field():  # one field at a time, then put back
+            for _block, _name, offset, width in every_field():  # one field at a time, then put back
                 original = victim.read_bytes()[offset:offset + width]
                 for value in hostile_values(width) + [rng.getrandbits(8 * width)]:
                     scribble(victim, offset, value.to_bytes(width, "little"))

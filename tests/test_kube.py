@@ -10,7 +10,7 @@ from structlog.testing import capture_logs
 
 from alnair_agent.config import Settings
 from alnair_agent.kube.client import KubeConfigError, api_client, read_json
-from fakes.apiserver import FakeApiServer, make_pod
+from alnair_standins.apiserver import FakeApiServer, make_pod
 
 pytestmark = pytest.mark.timeout(20)
 

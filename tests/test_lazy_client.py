@@ -20,7 +20,7 @@ from kubernetes_asyncio.client import CoreV1Api
 from structlog.testing import capture_logs
 
 from alnair_agent.kube import lazy_client
-from fakes.apiserver import FakeApiServer, make_node, make_pod
+from alnair_standins.apiserver import FakeApiServer, make_node, make_pod
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -42,8 +42,7 @@ def _python(code: str, *, lazy: bool) -> subprocess.CompletedProcess[str]:
     library's own eager import (nothing of alnair_agent imported)."""
     prelude = "import alnair_agent.kube\n" if lazy else ""
     return subprocess.run([sys.executable, "-c", prelude + textwrap.dedent(code)], cwd=ROOT, capture_output=True,
-                          text=True, timeout=50, env={**os.environ, "PYTHONPATH": os.pathsep.join(
-                              [str(ROOT / "tests"), *filter(None, [os.environ.get("PYTHONPATH")])])})
+                          text=True, timeout=50)
 
 
 # Prints, for every name each lazy package binds in the eager import, what it is: "module:qualname" for classes and
@@ -93,12 +92,12 @@ def test_in_this_process_the_packages_are_lazy_and_names_are_one_object() -> Non
         assert isinstance(package.__spec__.loader, lazy_client._LazyLoader), package.__name__
         assert package.__file__.endswith("__init__.py") and package.__path__
     from kubernetes_asyncio.client.models.v1_pod import V1Pod
-    assert getattr(models, "V1Pod") is kubernetes_asyncio.client.V1Pod is V1Pod
+    assert models.V1Pod is kubernetes_asyncio.client.V1Pod is V1Pod
     assert kubernetes_asyncio.watch is watch and kubernetes_asyncio.client.CoreV1Api is CoreV1Api
     assert "V1PodList" in dir(models) and "watch" in dir(kubernetes_asyncio)
     assert kubernetes_asyncio.__version__ == kubernetes_asyncio.client.__version__
     with pytest.raises(AttributeError, match="V1NoSuchThing"):
-        getattr(models, "V1NoSuchThing")
+        _ = models.V1NoSuchThing
     assert not hasattr(kubernetes_asyncio.client, "no_such_module")
 
 
@@ -127,7 +126,7 @@ from datetime import datetime, timezone
 from types import SimpleNamespace
 from kubernetes_asyncio import watch
 from kubernetes_asyncio.client import ApiClient, CoreV1Api
-from fakes.apiserver import make_node, make_pod
+from alnair_standins.apiserver import make_node, make_pod
 async def main():  # ApiClient wants a running loop (its aiohttp session)
     api = ApiClient()
     at = datetime(2026, 12, 1, 7, 0, tzinfo=timezone.utc)
@@ -207,13 +206,13 @@ def _package(root: Path, name: str, init: str, modules: dict[str, str]) -> None:
 def _run_with_finder(root: Path, package: str, code: str) -> subprocess.CompletedProcess[str]:
     script = f"""
     import sys
-    sys.path.insert(0, {str(root)!r})
     from alnair_agent.kube.lazy_client import LazyPackageFinder
     finder = LazyPackageFinder([{package!r}])
     sys.meta_path.insert(0, finder)
     """
     return subprocess.run([sys.executable, "-c", textwrap.dedent(script) + textwrap.dedent(code)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=50)
+                          capture_output=True, text=True, timeout=50,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))})
 
 
 MODULES = {"alpha": "print('alpha loaded')\nclass A: pass\n", "beta": "print('beta loaded')\nclass B: pass\n"}

@@ -11,9 +11,9 @@ import sys
 import time
 
 import pytest
-from agent_harness import AgentProcess, env_for, node_settings, registered
 
-from alnair_agent.kubelet.emulator import KubeletEmulator
+from alnair_standins.kubelet import KubeletEmulator
+from alnair_standins.node import AgentProcess, env_for, node_settings, registered
 
 
 @pytest.mark.parametrize("sig,health_s", [(signal.SIGTERM, 0.05), (signal.SIGINT, 0.05), (signal.SIGTERM, 60.0)])

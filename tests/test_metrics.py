@@ -6,14 +6,13 @@ import asyncio
 import socket
 
 import aiohttp
-from agent_harness import NODE, node_settings, registered, running_agent
-
 from prometheus_client.parser import text_string_to_metric_families
 
-from alnair_agent.gpu.simulated import sim_uuid
+from alnair_standins.gpu import sim_uuid
+from alnair_standins.kubelet import KubeletEmulator
+from alnair_standins.node import NODE, node_settings, registered, running_agent
 
 GiB = 1 << 30
-from alnair_agent.kubelet.emulator import KubeletEmulator
 
 
 def free_port() -> int:

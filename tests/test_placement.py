@@ -14,14 +14,24 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from agent_harness import short_tmp, remove_tree
-from fakes.cluster import MEM, SM, Cluster, alnair_pod, cluster
-from fakes.apiserver import make_pod
 
-from alnair_agent.constants import ENV_ALLOCATION_ID, ENV_COMPUTE_LIMIT, ENV_MEMORY_LIMIT, ENV_VISIBLE_DEVICES
-from alnair_agent.node.decision import ALLOCATED_ANNOTATION, PLACEMENT_ANNOTATION, parse_allocated, parse_decision
+from alnair_agent.constants import (
+    ENV_ALLOCATION_ID,
+    ENV_COMPUTE_LIMIT,
+    ENV_MEMORY_LIMIT,
+    ENV_VISIBLE_DEVICES,
+)
+from alnair_agent.node.decision import (
+    ALLOCATED_ANNOTATION,
+    PLACEMENT_ANNOTATION,
+    parse_allocated,
+    parse_decision,
+)
 from alnair_agent.node.gpu_devices import report_of_node
 from alnair_agent.node.region import Region
+from alnair_standins.apiserver import make_pod
+from alnair_standins.cluster import MEM, SM, Cluster, alnair_pod, cluster
+from alnair_standins.node import remove_tree, short_tmp
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -95,7 +105,7 @@ def check_cluster(c: Cluster, gpu_memory_units: dict[str, int]) -> None:
                     wanted[MEM] * GIB, wanted[SM] if 0 < wanted[SM] < 100 else 0)
             finally:
                 region.close()
-            from alnair_agent.kubelet.emulator import ContainerKey
+            from alnair_standins.kubelet import ContainerKey
             assigned = node.kubelet.assigned[ContainerKey(adm.namespace, adm.pod, spec["name"])]
             for resource, ids in assigned.items():
                 assert len(ids) == wanted[resource]
@@ -124,7 +134,7 @@ def no_locks(c: Cluster) -> bool:
 
 
 def allocated_everywhere(c: Cluster) -> bool:
-    for uid, (_, adm) in c.admitted().items():
+    for _uid, (_, adm) in c.admitted().items():
         pod = c.api.pod(adm.namespace, adm.pod)
         if ALLOCATED_ANNOTATION not in pod["metadata"].get("annotations", {}):
             return False
@@ -145,7 +155,7 @@ async def test_every_container_gets_its_own_limits_on_the_decided_gpu(root: Path
         assert c.refused() == {}
         check_cluster(c, gpu_units(c))
         await wait_for(lambda: allocated_everywhere(c), what="allocated annotations")
-        for uid, (_, adm) in c.admitted().items():  # the pod's record names the GPU each container runs on
+        for _uid, (_, adm) in c.admitted().items():  # the pod's record names the GPU each container runs on
             pod = c.api.pod(adm.namespace, adm.pod)
             granted = parse_allocated(pod["metadata"]["annotations"][ALLOCATED_ANNOTATION])
             for name, answers in adm.answers.items():
@@ -240,7 +250,7 @@ async def test_node_report_set_between_a_pods_allocate_calls_counts_all_of_it(ro
         await c.settle(1, timeout=30)
         assert c.refused() == {}
         await wait_for(lambda: no_locks(c), what="the confirmation releasing the node lock")
-        assert c.view.summary("node-a").rooms == tuple(sorted(agent.allocator.rooms(), key=lambda r: r.index))
+        assert c.view.summary("node-a").rooms == tuple(sorted(agent.ledger.rooms(), key=lambda r: r.index))
 
         # The next pod takes what the extender sees free on the first pod's GPU, and gets it.
         gpu = parse_decision(c.api.pod_annotations("default", "first")[PLACEMENT_ANNOTATION]).gpus["main"]
@@ -303,7 +313,7 @@ async def test_bound_pod_deleted_before_admission_leaks_nothing(root: Path) -> N
         assert c.refused() == {}
         agent = c.nodes[node].agent
         assert agent is not None and agent.allocator is not None
-        assert [a.pod_name for a in agent.allocator.allocations.values()] == ["whole"]
+        assert [a.pod_name for a in agent.ledger.allocations.values()] == ["whole"]
 
 
 async def test_pod_that_bypasses_the_extender_is_refused_with_the_fix(root: Path) -> None:
@@ -314,7 +324,7 @@ async def test_pod_that_bypasses_the_extender_is_refused_with_the_fix(root: Path
         assert "not placed by alnair-scheduler" in why and "schedulerName" in why
         assert "ALNAIR_PLACE_UNSCHEDULED" in why
         agent = c.nodes["node-a"].agent
-        assert agent is not None and agent.allocator is not None and not agent.allocator.allocations
+        assert agent is not None and agent.allocator is not None and not agent.ledger.allocations
 
 
 async def test_operator_may_let_the_agent_place_unscheduled_pods(root: Path) -> None:

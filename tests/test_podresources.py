@@ -14,10 +14,15 @@ import grpc.aio
 import pytest
 
 from alnair_agent.constants import RESOURCE_COMPUTE, RESOURCE_MEMORY
-from alnair_agent.kubelet.podresources import DeviceAssignment, PodResourcesClient, PodResourcesError, list_assignments
+from alnair_agent.kubelet.podresources import (
+    DeviceAssignment,
+    PodResourcesClient,
+    PodResourcesError,
+    list_assignments,
+)
 from alnair_agent.proto import podresources_pb2 as pb
 from alnair_agent.proto import podresources_pb2_grpc as pb_grpc
-from fakes.podresources import FakePodResources
+from alnair_standins.podresources import FakePodResources
 
 pytestmark = pytest.mark.timeout(20)
 

@@ -22,7 +22,7 @@ from alnair_agent.kube.pods import (
     parse_quantity,
     pod_gone,
 )
-from fakes.apiserver import make_pod
+from alnair_standins.apiserver import make_pod
 
 T0 = datetime(2026, 11, 29, 12, 0, 0, tzinfo=timezone.utc)
 

@@ -10,12 +10,12 @@ from datetime import datetime, timedelta, timezone
 
 import pytest
 from kubernetes_asyncio.client import ApiClient
+from service_util import running, wait_until
 from structlog.testing import capture_logs
 
 from alnair_agent.constants import RESOURCE_MEMORY
 from alnair_agent.kube.podwatch import PodWatch, WatchTiming
-from fakes.apiserver import FakeApiServer, make_pod
-from fakes.util import running, wait_until
+from alnair_standins.apiserver import FakeApiServer, make_pod
 
 pytestmark = pytest.mark.timeout(20)
 

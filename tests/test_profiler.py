@@ -13,10 +13,7 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
-from agent_harness import NODE, kubernetes_for, node_settings, registered, running_agent
-from fakes.apiserver import FakeApiServer, make_pod
-from fakes.util import wait_until
-from simbuild import Build, build_shim_and_driver
+from service_util import wait_until
 
 from alnair_agent.constants import (
     ENV_COMPUTE_LIMIT,
@@ -26,9 +23,18 @@ from alnair_agent.constants import (
     RESOURCE_MEMORY,
     USAGE_ANNOTATION,
 )
-from alnair_agent.kubelet.emulator import KubeletEmulator
 from alnair_agent.metrics import AgentCollector
 from alnair_agent.profiler.usage import FIELD_NAMES, markdown_table
+from alnair_standins.apiserver import FakeApiServer, make_pod
+from alnair_standins.kubelet import KubeletEmulator
+from alnair_standins.node import (
+    NODE,
+    kubernetes_for,
+    node_settings,
+    registered,
+    running_agent,
+)
+from alnair_standins.simbuild import Build, build_shim_and_driver
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -132,7 +138,7 @@ async def test_known_duty_cycles_come_back_on_the_pod_and_stay_after_it_complete
         gpu_s = {s.labels["container"]: s.value for s in families["alnair_container_gpu_seconds"].samples
                  if s.name.endswith("_total")}
         profiler = running.agent.profiler
-        by_name = {running.agent.allocator.allocations[i].container: u.gpu_seconds for i, u in profiler.usage.items()}
+        by_name = {running.agent.ledger.allocations[i].container: u.gpu_seconds for i, u in profiler.usage.items()}
         assert gpu_s["a"] == pytest.approx(by_name["a"]) and gpu_s["a"] > 0.8
         assert {s.labels["gpu"] for s in families["alnair_gpu_utilization_ratio"].samples} == {"0", "1"}
         api.set_container_terminated("default", "duty", "a")
@@ -140,7 +146,7 @@ async def test_known_duty_cycles_come_back_on_the_pod_and_stay_after_it_complete
         api.set_container_terminated("default", "capped", "main")
         for name in ("duty", "capped"):  # every container ended for good: kubelet lists the pods no more
             kubelet.remove_pod("default", name)
-        await wait_until(lambda: not running.agent.allocator.allocations, 10)  # retired after the final write
+        await wait_until(lambda: not running.agent.ledger.allocations, 10)  # retired after the final write
         written = usage(api, "duty")
         api.set_phase("default", "duty", "Succeeded")
         await asyncio.sleep(0.5)
@@ -181,7 +187,7 @@ async def test_rate_limit_and_the_final_write(root, api, build, timelines):
         final = usage(api, "job")["main"]
         assert final["observed_seconds"] > 1.0 and final["gpu_util_mean"] > 30
         kubelet.remove_pod("default", "job")  # the pod has ended: kubelet lists it no more
-        await wait_until(lambda: not running.agent.allocator.allocations, 5)
+        await wait_until(lambda: not running.agent.ledger.allocations, 5)
     assert len([p for p in api.patches if p.name == "job" and USAGE_ANNOTATION in p.body["metadata"]["annotations"]]) == 2
 
 

@@ -8,7 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from alnair_agent.profiler.pidmap import CgroupPlace, PidMapper, ProcReader, SlotPid, container_id_of, parse_cgroup
+from alnair_agent.profiler.pidmap import (
+    CgroupPlace,
+    PidMapper,
+    ProcReader,
+    SlotPid,
+    container_id_of,
+    parse_cgroup,
+)
 
 UID = "6f8f4f1c-2d0b-4a8e-9f3e-0b1a2c3d4e5f"
 UID_ = UID.replace("-", "_")

@@ -13,7 +13,7 @@ from alnair_agent.gpu.backend import GpuSample, ProcessSample, Samples
 from alnair_agent.kube.pods import PodInfo, parse_pod
 from alnair_agent.node.workspace import Allocation, Workspace
 from alnair_agent.profiler.service import Profiler
-from fakes.apiserver import make_pod
+from alnair_standins.apiserver import make_pod
 
 GPU = "GPU-0b8a5f29-a68d-c604-39f3-5174ded264da"
 CID = "ab" * 32
@@ -55,7 +55,7 @@ class Backend:
 
 
 @dataclass
-class Allocator:
+class Ledger:
     allocations: dict[str, Allocation] = field(default_factory=dict)
 
 
@@ -75,10 +75,10 @@ def written(sink: Sink) -> dict:
     return json.loads(sink.writes[-1][2][USAGE_ANNOTATION])
 
 
-def make(tmp_path: Path, pods: Pods, allocs: list[Allocation], samples: Samples = Samples()) -> tuple[Profiler, Sink]:
+def make(tmp_path: Path, pods: Pods, allocs: list[Allocation], samples: Samples | None = None) -> tuple[Profiler, Sink]:
     sink = Sink()
-    allocator = Allocator({a.id: a for a in allocs})
-    p = Profiler(Backend(samples), allocator, Workspace(tmp_path), pods, sink, 1.0, 30.0,  # type: ignore[arg-type]
+    ledger = Ledger({a.id: a for a in allocs})
+    p = Profiler(Backend(samples or Samples()), ledger, Workspace(tmp_path), pods, sink, 1.0, 30.0,  # type: ignore[arg-type]
                  proc_root=tmp_path / "proc")
     return p, sink
 
@@ -114,7 +114,7 @@ async def test_resumes_the_same_allocation_after_a_restart(tmp_path: Path) -> No
     assert got["first_seen"] == "2026-12-01T00:00:00Z" and got["memory_max_bytes"] == 123
     b = alloc("00000000000000b1", "q", "uid-2")  # another allocation: figures of an older one are not its own
     pods.by_name[("default", "q")] = pod_info("q", "uid-2", {"main": earlier["main"]})
-    p.allocator.allocations["00000000000000b1"] = b
+    p.ledger.allocations["00000000000000b1"] = b
     p.seen(b)
     assert written(sink)["main"]["observed_seconds"] == 0
 
@@ -125,14 +125,14 @@ async def test_ended_entries_stay_for_their_pod_and_never_reach_a_new_pod_of_the
     p, sink = make(tmp_path, pods, [first, second])
     assert await p.final(first)
     p.forget(first)
-    del p.allocator.allocations["00000000000000c1"]
+    del p.ledger.allocations["00000000000000c1"]
     p._published.clear()
     p.seen(second)
     assert set(written(sink)) == {"init", "main"} and written(sink)["init"]["state"] == "ended"
     # the StatefulSet's pod is deleted and made again under the same name, faster than a tick
     pods.by_name[("default", "s-0")] = pod_info("s-0", "uid-2", containers=("main",))
     third = alloc("00000000000000d2", "s-0", "uid-2", "main")
-    p.allocator.allocations = {"00000000000000d2": third}
+    p.ledger.allocations = {"00000000000000d2": third}
     await p.tick()
     p._published.clear()
     p.seen(third)
@@ -158,7 +158,7 @@ async def test_a_container_retired_while_a_pass_gives_the_loop_back_keeps_its_fi
 
     async def retired() -> None:  # runs when the pass first gives the loop back
         p.forget(init)
-        del p.allocator.allocations[init.id]
+        del p.ledger.allocations[init.id]
 
     retire = asyncio.create_task(retired())
     await p.seen_all([*first, main])
@@ -215,7 +215,7 @@ async def test_a_capped_containers_utilization_is_the_gpu_time_its_shim_counted(
     a, b = capped("00000000000000a1", 30, "p"), capped("00000000000000b1", 70, "q")
     regions = {x.id: ws.create(x) for x in (a, b)}
     backend = Backend(Samples((GpuSample(GPU, 99.0),), (ProcessSample(GPU, 4242, 100.0, 0.0, 5),), 1.0))
-    p = Profiler(backend, Allocator({a.id: a, b.id: b}), ws, Pods(), Sink(), 1.0, 30.0,  # type: ignore[arg-type]
+    p = Profiler(backend, Ledger({a.id: a, b.id: b}), ws, Pods(), Sink(), 1.0, 30.0,  # type: ignore[arg-type]
                  proc_root=tmp_path / "proc")
     counted = {a.id: 0, b.id: 0}
 

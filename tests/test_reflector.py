@@ -15,10 +15,10 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 from kubernetes_asyncio.client import ApiClient, Configuration, CoreV1Api
+from service_util import running, wait_until
 from structlog.testing import capture_logs
 
 from alnair_agent.kube.reflector import Reflector, ReflectorTiming
-from fakes.util import running, wait_until
 
 pytestmark = pytest.mark.timeout(20)
 

@@ -499,10 +499,9 @@ async def test_sigterm_answers_a_bind_waiting_for_a_locked_node_and_exits_within
     pod bound there that kubelet has not admitted yet). The waiting bind is answered with an Error at once (kube-
     scheduler retries it against the new extender), nothing of it is left on the pod, and the process exits 0
     within 2 s, its log naming the scheduler."""
-    from fakes.apiserver import FakeApiServer
-    from fakes.cluster import alnair_pod
-
     from alnair_agent.node.decision import PLACEMENT_ANNOTATION
+    from alnair_standins.apiserver import FakeApiServer
+    from alnair_standins.cluster import alnair_pod
 
     async with FakeApiServer() as api:
         api.add_node("gpu-a", node=node("gpu-a", [gpu(0)]))

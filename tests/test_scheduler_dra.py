@@ -10,8 +10,6 @@ import contextlib
 import json
 
 from aiohttp.test_utils import TestClient, TestServer
-from fakes.dra import claim_spec, device_class
-from fakes.dra_allocator import Allocator
 
 from alnair_agent.constants import DRA_DEVICE_CLASS, RESOURCE_COMPUTE, RESOURCE_MEMORY
 from alnair_agent.dra import capacity
@@ -21,6 +19,8 @@ from alnair_agent.node.inventory import Gpu
 from alnair_agent.scheduler.dra import DraView, dra_reflectors
 from alnair_agent.scheduler.server import build_app
 from alnair_agent.scheduler.view import ClusterView
+from alnair_standins.dra_allocator import Allocator
+from alnair_standins.dra_node import claim_spec, device_class
 
 GiB = 1 << 30
 

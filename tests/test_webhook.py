@@ -15,7 +15,12 @@ import pytest
 from aiohttp import web
 
 from alnair_agent.scheduler.main import parse_args, webhook_services
-from alnair_agent.scheduler.webhook import PROFILE_ANNOTATION, publish_ca_bundle, review, tls_context
+from alnair_agent.scheduler.webhook import (
+    PROFILE_ANNOTATION,
+    publish_ca_bundle,
+    review,
+    tls_context,
+)
 
 pytestmark = pytest.mark.timeout(30)
 DEFAULT = "alnair-cost-saving"

@@ -11,7 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from alnair_agent.constants import ALLOCATION_FILE_NAME, CONTAINER_FOLDER_NAME, REGION_FILE_NAME
+from alnair_agent.constants import (
+    ALLOCATION_FILE_NAME,
+    CONTAINER_FOLDER_NAME,
+    REGION_FILE_NAME,
+)
 from alnair_agent.dra.cdi import CdiWriter
 from alnair_agent.node.edits import ContainerEdits
 from alnair_agent.node.region import Region

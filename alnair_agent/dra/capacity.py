@@ -17,12 +17,12 @@ from typing import Any
 
 from alnair_agent.constants import (
     COMPUTE_UNITS_PER_GPU,
+    DRA_API_GROUP_VERSION,
     DRA_ATTR_INDEX,
     DRA_ATTR_MEMORY,
     DRA_ATTR_PRODUCT,
     DRA_ATTR_UUID,
     DRA_CAP_COMPUTE,
-    DRA_API_GROUP_VERSION,
     DRA_CAP_MEMORY,
     DRA_DEVICE_CLASS,
     DRA_DEVICE_PREFIX,

@@ -27,13 +27,17 @@ from alnair_agent.config import ConfigError, Settings
 from alnair_agent.constants import COMPUTE_UNITS_PER_GPU, DRA_DEVICE_CLASS, RESOURCE_COMPUTE, RESOURCE_MEMORY
 from alnair_agent.dra import capacity
 from alnair_agent.dra.cdi import CdiWriter
-from alnair_agent.dra.ledger import ClaimSource, DraLedger, PodLookup, UsageSink
+from alnair_agent.dra.claims import ClaimSource
+from alnair_agent.dra.cleanup import ClaimCleanup
 from alnair_agent.dra.plugin import DraPlugin
+from alnair_agent.dra.prepare import ClaimPreparer
 from alnair_agent.dra.slices import SliceApi, SlicePublisher
 from alnair_agent.gpu.backend import GpuInfo
-from alnair_agent.node.allocator import Allocator
+from alnair_agent.kube.pod_source import PodSource
 from alnair_agent.node.inventory import Gpu
+from alnair_agent.node.ledger import Ledger
 from alnair_agent.node.workspace import Workspace
+from alnair_agent.profiler.sink import UsageSink
 
 log = structlog.get_logger(__name__)
 
@@ -109,20 +113,22 @@ async def choose(settings: Settings, api: ResourceApiLike | None) -> Choice:
 
 
 class DraFrontEnd:
-    """The DRA front-end's parts: the ledger, the kubelet plugin and (when it offers the GPUs) the slice publisher.
+    """The DRA front-end's parts: the claim preparer (booking in the node's ledger) and its cleanup, the kubelet
+    plugin and (when it offers the GPUs) the slice publisher.
     `serving=False` is the device-plugin node's leftover duty: serve only claims prepared before the switch."""
 
-    def __init__(self, settings: Settings, allocator: Allocator, workspace: Workspace, api: ResourceApiLike,
-                 usage: UsageSink | None, pods: PodLookup | None,
+    def __init__(self, settings: Settings, ledger: Ledger, workspace: Workspace, api: ResourceApiLike,
+                 usage: UsageSink | None, pods: PodSource | None,
                  list_claims: Callable[[], Awaitable[set[tuple[str, str]]]] | None, serving: bool = True) -> None:
         self.settings = settings
         self.serving = serving
         self.list_claims = list_claims
-        self.ledger = DraLedger(allocator, workspace, CdiWriter(settings.cdi_dir), api, settings.node_name,
-                                str(settings.shim_dir), usage=usage, pods=pods, accept_new=serving)
-        self.plugin = DraPlugin(self.ledger, settings.dra_plugin_dir, settings.plugins_registry_dir)
-        self.slices = SlicePublisher(api, allocator, settings.node_name, settings.resync_interval_s)
-        self.ledger.restore()
+        self.preparer = ClaimPreparer(ledger, workspace, CdiWriter(settings.cdi_dir), api, settings.node_name,
+                                      str(settings.shim_dir), usage=usage, pods=pods, accept_new=serving)
+        self.cleanup = ClaimCleanup(self.preparer)
+        self.plugin = DraPlugin(self.preparer, settings.dra_plugin_dir, settings.plugins_registry_dir)
+        self.slices = SlicePublisher(api, ledger, settings.node_name, settings.resync_interval_s)
+        self.cleanup.restore_specs()
 
     @property
     def registered(self) -> asyncio.Event:
@@ -136,9 +142,9 @@ class DraFrontEnd:
         loop = asyncio.get_running_loop()
         next_check = loop.time()
         while True:
-            self.ledger.learn_containers()
+            self.preparer.learn_containers()
             if loop.time() >= next_check:
-                await self.ledger.collect_orphans(self.list_claims)
+                await self.cleanup.collect_orphans(self.list_claims)
                 next_check = loop.time() + ORPHAN_CHECK_S
             await asyncio.sleep(self.settings.resync_interval_s)
 
@@ -146,5 +152,5 @@ class DraFrontEnd:
         out: list[tuple[str, Coroutine[Any, Any, None]]] = [("dra-plugin", self.plugin.run()),
                                                             ("dra-housekeeping", self.housekeeping())]
         if self.serving:  # only a serving front-end makes new slices: only it keeps folders made ahead
-            out += [("dra-slices", self.slices.run()), ("dra-spares", self.ledger.keep_spares())]
+            out += [("dra-slices", self.slices.run()), ("dra-spares", self.preparer.spares.run())]
         return out

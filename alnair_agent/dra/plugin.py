@@ -31,7 +31,9 @@ from alnair_agent.constants import (
     DRA_SOCKET_NAME,
 )
 from alnair_agent.dra.cdi import is_uid
-from alnair_agent.dra.ledger import ClaimRef, DraLedger, PreparedDevice, PrepareError
+from alnair_agent.dra.claims import ClaimRef, PreparedDevice, PrepareError
+from alnair_agent.dra.prepare import ClaimPreparer
+from alnair_agent.grpc_unix import serve_unix
 from alnair_agent.proto import dra_v1_pb2 as v1
 from alnair_agent.proto import dra_v1_pb2_grpc as v1_grpc
 from alnair_agent.proto import dra_v1beta1_pb2_grpc as v1beta1_grpc
@@ -57,8 +59,8 @@ class DraServicer(v1_grpc.DRAPluginServicer):
     """The DRAPlugin service. The same object serves v1 and v1beta1: both are declared over the v1 messages (the
     wire format is the same; see dra_v1beta1.proto)."""
 
-    def __init__(self, ledger: DraLedger) -> None:
-        self.ledger = ledger
+    def __init__(self, preparer: ClaimPreparer) -> None:
+        self.preparer = preparer
         self.prepare_calls = 0
 
     async def _each(self, claims: Iterable[v1.Claim], what: str,
@@ -76,7 +78,7 @@ class DraServicer(v1_grpc.DRAPluginServicer):
             except PrepareError as e:
                 log.warning(f"dra_{what}_refused", claim=f"{ref.namespace}/{ref.name}", uid=ref.uid, reason=str(e))
                 out[key] = str(e)
-            except Exception as e:  # noqa: BLE001 - a fault of ours fails this claim (kubelet retries), not the call
+            except Exception as e:
                 log.exception(f"dra_{what}_failed", claim=f"{ref.namespace}/{ref.name}", uid=ref.uid)
                 out[key] = f"{ref.describe()}: internal error of {DRA_DRIVER}: {type(e).__name__}: {e}"
         return out
@@ -85,7 +87,7 @@ class DraServicer(v1_grpc.DRAPluginServicer):
                                    context: grpc.aio.ServicerContext) -> v1.NodePrepareResourcesResponse:
         self.prepare_calls += 1
         out = v1.NodePrepareResourcesResponse()
-        for key, answer in (await self._each(request.claims, "prepare", self.ledger.prepare)).items():
+        for key, answer in (await self._each(request.claims, "prepare", self.preparer.prepare)).items():
             if isinstance(answer, str):
                 out.claims[key].error = answer
             else:
@@ -97,7 +99,7 @@ class DraServicer(v1_grpc.DRAPluginServicer):
     async def NodeUnprepareResources(self, request: v1.NodeUnprepareResourcesRequest,
                                      context: grpc.aio.ServicerContext) -> v1.NodeUnprepareResourcesResponse:
         out = v1.NodeUnprepareResourcesResponse()
-        for key, answer in (await self._each(request.claims, "unprepare", self.ledger.unprepare)).items():
+        for key, answer in (await self._each(request.claims, "unprepare", self.preparer.unprepare)).items():
             out.claims[key].CopyFrom(v1.NodeUnprepareResourceResponse(error=answer if isinstance(answer, str) else ""))
         return out
 
@@ -133,10 +135,10 @@ def _signature(path: Path) -> tuple[int, int] | None:
 class DraPlugin:
     """Serves the DRA service and the registration socket for as long as `run` runs."""
 
-    def __init__(self, ledger: DraLedger, plugin_dir: Path, registry_dir: Path) -> None:
+    def __init__(self, preparer: ClaimPreparer, plugin_dir: Path, registry_dir: Path) -> None:
         self.plugin_dir = plugin_dir
         self.registry_dir = registry_dir
-        self.servicer = DraServicer(ledger)
+        self.servicer = DraServicer(preparer)
         self.registered = asyncio.Event()
         self.registrations = 0
         self._servers: list[grpc.aio.Server] = []
@@ -155,23 +157,16 @@ class DraPlugin:
         self.registered.clear()
         for folder in (self.plugin_dir, self.registry_dir):
             folder.mkdir(parents=True, exist_ok=True)
-        for path in (self.socket_path, self.registration_path):
-            with contextlib.suppress(FileNotFoundError):
-                path.unlink()
-        dra = grpc.aio.server()
-        v1_grpc.add_DRAPluginServicer_to_server(self.servicer, dra)
-        v1beta1_grpc.add_DRAPluginServicer_to_server(self.servicer, dra)  # type: ignore[arg-type]
-        dra.add_insecure_port(f"unix://{self.socket_path}")
-        await dra.start()
-        self._servers.append(dra)
+        # Only kubelet (root) dials them: mode 0600.
+        self._servers.append(await serve_unix(
+            self.socket_path, lambda s: v1_grpc.add_DRAPluginServicer_to_server(self.servicer, s),
+            lambda s: v1beta1_grpc.add_DRAPluginServicer_to_server(self.servicer, s),
+            mode=0o600))
         # The registration socket last: the watcher may dial the DRA socket as soon as it sees this one.
-        registration = grpc.aio.server()
-        reg_grpc.add_RegistrationServicer_to_server(RegistrationServicer(self), registration)
-        registration.add_insecure_port(f"unix://{self.registration_path}")
-        await registration.start()
-        self._servers.append(registration)
+        self._servers.append(await serve_unix(
+            self.registration_path, lambda s: reg_grpc.add_RegistrationServicer_to_server(RegistrationServicer(self), s),
+            mode=0o600))
         for path in (self.socket_path, self.registration_path):
-            os.chmod(path, 0o600)  # only kubelet (root) dials them
             self._sockets[path] = _signature(path)
         log.info("dra_plugin_serving", socket=str(self.socket_path), registration=str(self.registration_path))
 

@@ -22,7 +22,7 @@ import structlog
 
 from alnair_agent.constants import DRA_API_GROUP_VERSION
 from alnair_agent.dra import capacity
-from alnair_agent.node.allocator import Allocator
+from alnair_agent.node.ledger import Ledger
 
 log = structlog.get_logger(__name__)
 
@@ -57,10 +57,10 @@ def _comparable(spec: Mapping[str, Any]) -> dict[str, Any]:
 
 
 class SlicePublisher:
-    def __init__(self, api: SliceApi, allocator: Allocator, node_name: str, interval_s: float) -> None:
+    def __init__(self, api: SliceApi, ledger: Ledger, node_name: str, interval_s: float) -> None:
         self.api = api
-        self.allocator = allocator
-        self.inventory = allocator.inventory
+        self.ledger = ledger
+        self.inventory = ledger.inventory
         self.node_name = node_name
         self.name = capacity.slice_name(node_name)
         self.interval_s = interval_s
@@ -71,8 +71,8 @@ class SlicePublisher:
 
     def offered(self) -> list[str]:
         """UUIDs of the GPUs this front-end offers now, in index order."""
-        dp_held = {a.gpu_uuid for a in self.allocator.allocations.values()
-                   if a.claim is None and self.allocator.live(a)}
+        dp_held = {a.gpu_uuid for a in self.ledger.allocations.values()
+                   if a.claim is None and self.ledger.live(a)}
         return [g.uuid for g in self.inventory.gpus.values()
                 if g.healthy and g.uuid not in dp_held and capacity.publishable(g)]
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any, TypeVar
 
 import pynvml
@@ -151,12 +152,12 @@ class NvmlBackend:
         self._last_sample_at = now
         gpus, procs = [], []
         for uuid, h in self._handles:
-            util = _field(lambda: pynvml.nvmlDeviceGetUtilizationRates(h))
-            mem = _field(lambda: pynvml.nvmlDeviceGetMemoryInfo(h))
-            rx = _field(lambda: pynvml.nvmlDeviceGetPcieThroughput(h, pynvml.NVML_PCIE_UTIL_RX_BYTES))
-            tx = _field(lambda: pynvml.nvmlDeviceGetPcieThroughput(h, pynvml.NVML_PCIE_UTIL_TX_BYTES))
-            power = _field(lambda: pynvml.nvmlDeviceGetPowerUsage(h))
-            clock = _field(lambda: pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_SM))
+            util = _field(partial(pynvml.nvmlDeviceGetUtilizationRates, h))
+            mem = _field(partial(pynvml.nvmlDeviceGetMemoryInfo, h))
+            rx = _field(partial(pynvml.nvmlDeviceGetPcieThroughput, h, pynvml.NVML_PCIE_UTIL_RX_BYTES))
+            tx = _field(partial(pynvml.nvmlDeviceGetPcieThroughput, h, pynvml.NVML_PCIE_UTIL_TX_BYTES))
+            power = _field(partial(pynvml.nvmlDeviceGetPowerUsage, h))
+            clock = _field(partial(pynvml.nvmlDeviceGetClockInfo, h, pynvml.NVML_CLOCK_SM))
             gpus.append(GpuSample(
                 uuid,
                 gpu_util=float(util.gpu) if util is not None else None,
@@ -179,7 +180,7 @@ class NvmlBackend:
         (see there) and held between asks."""
         used: dict[int, int | None] = {}
         for lister in (pynvml.nvmlDeviceGetComputeRunningProcesses, pynvml.nvmlDeviceGetGraphicsRunningProcesses):
-            for p in _field(lambda: lister(h)) or []:
+            for p in _field(partial(lister, h)) or []:
                 mem = getattr(p, "usedGpuMemory", None)  # None or a huge value: not available (e.g. under MIG)
                 pid = int(p.pid)
                 if isinstance(mem, int) and 0 <= mem < 1 << 50:
@@ -204,7 +205,7 @@ class NvmlBackend:
         seen = self._pid_seen.setdefault(uuid, {})
         newest = max(seen.values(), default=0)
         since = max(min([seen[p] for p in listed if p in seen] + [newest]), newest - PID_LOOKBACK_US, 0)
-        samples = _field(lambda: pynvml.nvmlDeviceGetProcessUtilization(h, since)) or []
+        samples = _field(partial(pynvml.nvmlDeviceGetProcessUtilization, h, since)) or []
         fresh = [s for s in samples if int(s.timeStamp) > seen.get(int(s.pid), since)]
         attribution.add([(int(s.timeStamp), int(s.pid)) for s in fresh])
         sums: dict[int, tuple[int, float, float]] = {}

@@ -95,7 +95,8 @@ def env_proxy(host: str, env: Mapping[str, str]) -> str | None:
     url = urllib.parse.urlsplit(host)
     if not url.hostname or url.scheme not in proxies:
         return None
-    if urllib.request.proxy_bypass_environment(url.hostname, proxies):
+    # Undocumented (so not in typeshed), but what urllib itself and requests decide no_proxy with.
+    if urllib.request.proxy_bypass_environment(url.hostname, proxies):  # type: ignore[attr-defined]
         return None
     return proxies[url.scheme]
 
@@ -132,7 +133,7 @@ async def read_json(resp: aiohttp.ClientResponse) -> Any:
         resp.release()
     if not 200 <= resp.status <= 299:
         exc = ApiException(status=resp.status, reason=resp.reason)
-        exc.body = body.decode("utf-8", "replace")
+        exc.body = body.decode("utf-8", "replace")  # type: ignore[assignment]  # the text, as the library sets it
         raise exc
     try:
         return json.loads(body)

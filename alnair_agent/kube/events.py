@@ -101,7 +101,7 @@ class EventWriter:
             self.written += 1
         except asyncio.CancelledError:
             raise
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - an Event is best effort: no failure of it may stop the agent
             log.warning("event_write_failed", reason=body["reason"], object=body["involvedObject"].get("name"),
                         error=f"{type(e).__name__}: {e}")
 

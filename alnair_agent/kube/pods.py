@@ -18,8 +18,13 @@ from typing import Any
 
 import structlog
 
-from alnair_agent.constants import (COMPUTE_POLICY_ANNOTATION, RESOURCE_COMPUTE, RESOURCE_MEMORY, RESOURCES,
-                                     USAGE_ANNOTATION)
+from alnair_agent.constants import (
+    COMPUTE_POLICY_ANNOTATION,
+    RESOURCE_COMPUTE,
+    RESOURCE_MEMORY,
+    RESOURCES,
+    USAGE_ANNOTATION,
+)
 from alnair_agent.node.decision import (
     ALLOCATED_ANNOTATION,
     PLACEMENT_ANNOTATION,
@@ -320,7 +325,7 @@ def parse_pod(obj: Mapping[str, Any]) -> PodInfo:
     scheduled_at = _scheduled_at(meta, status)
     deleting = bool(meta.get("deletionTimestamp"))
     init_specs = _list(spec.get("initContainers"))
-    common = dict(uid=uid, namespace=namespace, name=name, scheduled_at=scheduled_at)
+    common: dict[str, Any] = dict(uid=uid, namespace=namespace, name=name, scheduled_at=scheduled_at)
     invalid: list[InvalidQuantity] = []
     containers = _container_requests(init_specs, invalid, init=True, start=0, **common) + _container_requests(
         _list(spec.get("containers")), invalid, init=False, start=len(init_specs), **common)

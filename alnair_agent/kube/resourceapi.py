@@ -14,7 +14,7 @@ import aiohttp
 from kubernetes_asyncio.client import ApiClient, ResourceV1Api
 from kubernetes_asyncio.client.exceptions import ApiException
 
-from alnair_agent.dra.ledger import ClaimUnavailable
+from alnair_agent.dra.claims import ClaimUnavailable
 from alnair_agent.kube.client import read_json
 
 REQUEST_TIMEOUT_S = 5.0

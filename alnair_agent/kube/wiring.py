@@ -8,9 +8,9 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from alnair_agent.app import Kubernetes
 from alnair_agent.config import Settings
 from alnair_agent.kube.client import api_client
-from alnair_agent.kubelet.podresources import DeviceAssignment, PodResourcesClient
 from alnair_agent.kube.podwatch import PodWatch
 from alnair_agent.kube.resourceapi import ResourceApi
+from alnair_agent.kubelet.podresources import DeviceAssignment, PodResourcesClient
 
 
 @contextlib.asynccontextmanager
@@ -40,7 +40,7 @@ async def connect_kubernetes(settings: Settings) -> AsyncIterator[Kubernetes]:
     try:
         watch = PodWatch(api, settings.node_name)
         writer = AnnotationWriter(api, settings.node_name)
-        yield Kubernetes(pod_source=watch, pod_states=watch, annotations=writer,
+        yield Kubernetes(pods=watch, annotations=writer,
                          events=EventWriter(api, settings.node_name),
                          services=[("pod-watch", watch.run), ("annotations", writer.run)],
                          resources=ResourceApi(api))

@@ -23,13 +23,12 @@ import random
 import socket
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import grpc
 import structlog
 
-from alnair_agent.kube.events import EventSink
-from alnair_agent.node.allocator import AllocationError, Allocator
 from alnair_agent.constants import (
     DEVICE_PLUGIN_API_VERSION,
     HEALTHY,
@@ -38,6 +37,9 @@ from alnair_agent.constants import (
     SOCKET_NAME,
     UNHEALTHY,
 )
+from alnair_agent.grpc_unix import serve_unix
+from alnair_agent.kube.events import EventSink
+from alnair_agent.kubelet.admission import AllocationError, Allocator
 from alnair_agent.node.inventory import Inventory
 from alnair_agent.proto import deviceplugin_pb2 as pb
 from alnair_agent.proto import deviceplugin_pb2_grpc as pb_grpc
@@ -232,12 +234,9 @@ class DevicePluginService:
             for old in _our_sockets(self.plugin_dir, resource):  # this one's and any a previous generation left
                 with contextlib.suppress(FileNotFoundError):
                     old.unlink()
-            server = grpc.aio.server()
-            pb_grpc.add_DevicePluginServicer_to_server(servicer, server)
-            server.add_insecure_port(f"unix://{path}")
-            await server.start()
-            os.chmod(path, 0o600)  # only kubelet (root) dials it; no other host user may talk to the plugin
-            self._servers[resource] = server
+            # only kubelet (root) dials it; no other host user may talk to the plugin
+            self._servers[resource] = await serve_unix(
+                path, partial(pb_grpc.add_DevicePluginServicer_to_server, servicer), mode=0o600)
         log.info("device_plugin_serving", sockets=[str(self.socket_path(r)) for r in RESOURCES])
 
     async def _register(self) -> None:

@@ -22,8 +22,8 @@ from __future__ import annotations
 import functools
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
 from fractions import Fraction
+from typing import NamedTuple
 
 PACK = "pack"
 SPREAD = "spread"
@@ -53,7 +53,7 @@ class Room(NamedTuple):
     """One healthy GPU: units free and offered of each resource. (A NamedTuple: `place` makes many of them.)"""
 
     uuid: str
-    index: int
+    index: int  # type: ignore[assignment]  # the GPU's index (as NVML and the node report say), shadowing tuple.index
     memory_free: int
     compute_free: int
     memory_total: int

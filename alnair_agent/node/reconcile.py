@@ -1,4 +1,4 @@
-"""Keeps the allocator's records true to kubelet and the pods: restart recovery, ended containers, heartbeats.
+"""Keeps the ledger's records true to kubelet and the pods: restart recovery, ended containers, heartbeats.
 
 - kubelet's pod-resources API is the authority on which container holds which device IDs: IDs it reports that
   no record covers are held (never offered again), an unidentified record learns its pod from it, and a record
@@ -24,13 +24,16 @@ from typing import Protocol
 import structlog
 
 from alnair_agent import constants as C
+from alnair_agent.kube.pod_source import PodSource
 from alnair_agent.kube.pods import PodInfo, container_ended
+from alnair_agent.kubelet.admission import Allocator
 from alnair_agent.kubelet.podresources import DeviceAssignment
-from alnair_agent.node.allocator import Allocator
 from alnair_agent.node.decision import ALLOCATED_ANNOTATION, Granted, allocated_json
 from alnair_agent.node.gpu_devices import HEARTBEAT_S, GpuReport, NodeReport
+from alnair_agent.node.ledger import Ledger
 from alnair_agent.node.region import Region, RegionError
 from alnair_agent.node.workspace import Allocation, Workspace
+from alnair_agent.profiler.sink import UsageSink
 
 log = structlog.get_logger(__name__)
 
@@ -45,17 +48,6 @@ FINAL_FLUSH_S = 2.0
 # pass over hundreds of slices is milliseconds of file calls, and a kubelet call arriving meanwhile must not wait
 # for all of it.
 RECORDS_PER_STEP = 8
-
-
-class PodStates(Protocol):
-    """What the reconciler needs of the pod watch (alnair_agent.kube.podwatch.PodWatch)."""
-
-    @property
-    def synced(self) -> bool: ...
-
-    def get(self, uid: str) -> PodInfo | None: ...
-
-    def find(self, namespace: str, name: str) -> PodInfo | None: ...
 
 
 class AnnotationSink(Protocol):
@@ -86,31 +78,21 @@ def node_report(allocator: Allocator, heartbeat: datetime) -> NodeReport:
     return NodeReport(inventory.memory_unit_bytes >> 20, tuple(gpus), heartbeat, frozenset(pods))
 
 
-class UsageSink(Protocol):
-    """What the reconciler needs of the profiler (alnair_agent.profiler.service.Profiler)."""
-
-    def seen(self, alloc: Allocation) -> None: ...
-
-    async def seen_all(self, allocs: list[Allocation]) -> None: ...
-
-    async def final(self, alloc: Allocation, timeout: float = 10.0) -> bool: ...
-
-    def forget(self, alloc: Allocation) -> None: ...
-
-
 class Reconciler:
     def __init__(
         self,
+        ledger: Ledger,
         allocator: Allocator,
         workspace: Workspace,
         list_held: Callable[[], Awaitable[list[DeviceAssignment]]] | None,
-        pods: PodStates | None,
+        pods: PodSource | None,
         annotations: AnnotationSink | None,
         interval_s: float,
         unseen_grace_s: float = UNSEEN_GRACE_S,
         usage: UsageSink | None = None,
     ) -> None:
-        self.allocator = allocator
+        self.ledger = ledger
+        self.allocator = allocator  # the device plugin's admission: the node report, and pods to confirm
         self.workspace = workspace
         self.list_held = list_held
         self.pods = pods
@@ -157,11 +139,11 @@ class Reconciler:
             log.warning("allocation_record_write_failed", allocation=alloc.id, error=str(e))
 
     async def _sweep(self) -> None:
-        records = list(self.allocator.allocations.values())
+        records = list(self.ledger.allocations.values())
         for n, alloc in enumerate(records):
             if n and n % RECORDS_PER_STEP == 0:
                 await asyncio.sleep(0)
-            if alloc.id not in self.allocator.allocations:
+            if alloc.id not in self.ledger.allocations:
                 continue  # retired meanwhile: its folder is gone
             freed = self.workspace.sweep(alloc.id)
             if freed:
@@ -175,22 +157,22 @@ class Reconciler:
         if held is not None:
             by_id = {i: h for h in held if h.resource in C.RESOURCES for i in h.device_ids}
             self._correct_identities(by_id)
-            ours = self.allocator.recorded_ids()
+            ours = self.ledger.recorded_ids()
             external = {i for i in by_id if i not in ours}
-            if external != self.allocator.external_held:
+            if external != self.ledger.external_held:
                 log.info("pod_resources_external_devices", count=len(external))
-                self.allocator.external_held = external
+                self.ledger.external_held = external
         elif self.list_held is None:
             by_id = None
-        for alloc_id in [i for i in self._regions if i not in self.allocator.allocations]:
+        for alloc_id in [i for i in self._regions if i not in self.ledger.allocations]:
             self._forget_region(alloc_id)  # abandoned by the allocator
         now = time.time()
         ended: list[Allocation] = []
         live: list[Allocation] = []
-        for n, alloc in enumerate(list(self.allocator.allocations.values())):
+        for n, alloc in enumerate(list(self.ledger.allocations.values())):
             if n and n % RECORDS_PER_STEP == 0:
                 await asyncio.sleep(0)
-            if alloc.id not in self.allocator.allocations:
+            if alloc.id not in self.ledger.allocations:
                 continue  # retired meanwhile
             if self._ended(alloc, by_id, now):
                 ended.append(alloc)
@@ -224,7 +206,7 @@ class Reconciler:
         self.kick.set()
 
     def _learn_identities(self, by_id: dict[str, DeviceAssignment]) -> None:
-        for alloc in self.allocator.allocations.values():
+        for alloc in self.ledger.allocations.values():
             if alloc.identified:
                 continue
             owner = next((by_id[i] for i in alloc.all_ids() if i in by_id), None)
@@ -238,10 +220,10 @@ class Reconciler:
         """kubelet's record wins: a record whose devices kubelet reports for another container becomes that
         container's (its pod UID from the watch), unless another record already is that container's."""
         self._learn_identities(by_id)
-        claimed = {(a.namespace, a.pod_name, a.container) for a in self.allocator.allocations.values()
+        claimed = {(a.namespace, a.pod_name, a.container) for a in self.ledger.allocations.values()
                    if a.identified}
-        for alloc in self.allocator.allocations.values():
-            if not alloc.identified or not self.allocator.live(alloc):
+        for alloc in self.ledger.allocations.values():
+            if not alloc.identified or not self.ledger.live(alloc):
                 continue
             owners = {(by_id[i].namespace, by_id[i].pod, by_id[i].container) for i in alloc.all_ids() if i in by_id}
             if len(owners) != 1:
@@ -272,11 +254,11 @@ class Reconciler:
         """Whether the record's container has ended for good: per its pod (terminated for good, or the pod is gone)
         or because kubelet gave its devices to another; without an API server, when kubelet has not reported it
         for a while. A DRA claim's slice never ends here: the DRA front-end retires it when kubelet unprepares the
-        claim (alnair_agent.dra.ledger)."""
+        claim (alnair_agent.dra.prepare)."""
         if alloc.claim is not None:
             return False
         if self.pods is not None and self.pods.synced and alloc.identified:
-            return alloc.id in self.allocator.freed_by_kubelet or container_ended(self._pod(alloc), alloc.container)
+            return alloc.id in self.ledger.freed_by_kubelet or container_ended(self._pod(alloc), alloc.container)
         if by_id is None:
             return False  # no authority to ask: keep it
         return not self._reported(alloc, by_id) and now - alloc.created_at > self.unseen_grace_s
@@ -304,7 +286,7 @@ class Reconciler:
             self._finalized.discard(alloc.id)
             self._forget_region(alloc.id)
             self.workspace.remove(alloc.id)
-            self.allocator.remove(alloc.id)
+            self.ledger.remove(alloc.id)
             if self.annotations is not None and alloc.identified and self._pod_gone(alloc):
                 # A later pod of the same name (StatefulSet) must get its annotations written afresh.
                 self.annotations.forget_pod(alloc.namespace, alloc.pod_name)
@@ -324,8 +306,8 @@ class Reconciler:
         turns, gets them rewritten within one beat). Only the agent's own record of them counts
         (region.AgentBlock), and limits that differ from the allocation's are set from the allocation."""
         now = time.clock_gettime_ns(time.CLOCK_MONOTONIC)
-        for alloc_id in list(self.allocator.allocations) if alloc_ids is None else alloc_ids:
-            alloc = self.allocator.allocations.get(alloc_id)
+        for alloc_id in list(self.ledger.allocations) if alloc_ids is None else alloc_ids:
+            alloc = self.ledger.allocations.get(alloc_id)
             if alloc is None:
                 continue  # retired since the beat began
             region = self._region(alloc_id)
@@ -360,7 +342,7 @@ class Reconciler:
 
     async def run_heartbeat(self) -> None:
         while True:
-            ids = list(self.allocator.allocations)
+            ids = list(self.ledger.allocations)
             for start in range(0, len(ids), RECORDS_PER_STEP):
                 if start:
                     await asyncio.sleep(0)

@@ -25,6 +25,7 @@ import shutil
 import stat
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -384,7 +385,7 @@ class Workspace:
 
     def load_all(self) -> list[Allocation]:
         """Every readable record; unreadable folders are logged and left alone (never deleted blindly)."""
-        out = []
+        out: list[Allocation] = []
         if not self.root.is_dir():
             return out
         self.remove_spares()  # an earlier run's spares: never handed to any container
@@ -423,7 +424,7 @@ class Workspace:
 
     @staticmethod
     def _rmtree(top: Path) -> None:
-        def retry(func, path, exc):  # type: ignore[no-untyped-def]
+        def retry(func: Callable[[str], object], path: str, exc: object) -> None:
             parent = os.path.dirname(path)
             with contextlib.suppress(OSError):
                 os.chmod(parent, 0o700)

@@ -29,8 +29,10 @@ from alnair_agent.profiler.pidmap import PidMapper, ProcReader, SlotPid
 from alnair_agent.profiler.usage import ContainerUsage, parse_usage, render_usage
 
 if TYPE_CHECKING:
-    from alnair_agent.node.allocator import Allocator
-    from alnair_agent.node.reconcile import AnnotationSink, PodStates
+    from alnair_agent.kube.pod_source import PodSource
+    from alnair_agent.kube.pods import PodInfo
+    from alnair_agent.node.ledger import Ledger
+    from alnair_agent.node.reconcile import AnnotationSink
     from alnair_agent.node.workspace import Allocation, Workspace
 
 log = structlog.get_logger(__name__)
@@ -43,7 +45,7 @@ PODS_PER_STEP = 8
 
 @dataclass(frozen=True)
 class _Snapshot:
-    """What a tick's worker thread needs, taken on the event loop (the allocator is not thread-safe)."""
+    """What a tick's worker thread needs, taken on the event loop (the ledger is not thread-safe)."""
 
     alloc_ids: tuple[str, ...]
     containers: dict[tuple[str, str], str]  # (pod UID, container ID) -> allocation id
@@ -63,11 +65,11 @@ class _Collected:
 
 
 class Profiler:
-    def __init__(self, backend: GpuBackend, allocator: "Allocator", workspace: "Workspace",
-                 pods: "PodStates | None", annotations: "AnnotationSink | None", interval_s: float = 1.0,
+    def __init__(self, backend: GpuBackend, ledger: "Ledger", workspace: "Workspace",
+                 pods: "PodSource | None", annotations: "AnnotationSink | None", interval_s: float = 1.0,
                  annotate_interval_s: float = 30.0, proc_root: Path = Path("/proc")) -> None:
         self.backend = backend
-        self.allocator = allocator
+        self.ledger = ledger
         self.workspace = workspace
         self.pods = pods
         self.annotations = annotations
@@ -101,7 +103,7 @@ class Profiler:
         by_pod: dict[PodKey, list[Allocation]] | None = None
         published = 0
         for alloc in allocs:
-            if alloc.id not in self.allocator.allocations:
+            if alloc.id not in self.ledger.allocations:
                 continue  # retired while the pass gave the loop back
             if by_pod is None and self._due(alloc):
                 by_pod = self._pod_keys()
@@ -164,7 +166,7 @@ class Profiler:
                     if str(e) != failing:
                         log.warning("profiler_sampling_failed", error=str(e))
                         failing = str(e)
-                except Exception:  # noqa: BLE001 - a profiler fault must not stop the device plugin
+                except Exception:
                     log.exception("profiler_tick_failed")
                 await self._until_next(started)
         finally:
@@ -191,13 +193,13 @@ class Profiler:
                 per_alloc.setdefault(alloc_id, []).append(p)
         copied: dict[str, int] = {}
         for alloc_id in snap.alloc_ids:
-            alloc = self.allocator.allocations.get(alloc_id)
+            alloc = self.ledger.allocations.get(alloc_id)
             if alloc is not None:
                 copied[alloc_id] = self._entry(alloc).add_copies(collected.copies.get(alloc_id, []))
         dma = self._copy_shares(collected.samples, copied)
         metered = self._metered_utils(collected, snap)
         for alloc_id in snap.alloc_ids:
-            alloc = self.allocator.allocations.get(alloc_id)
+            alloc = self.ledger.allocations.get(alloc_id)
             if alloc is None:
                 continue
             u = self._entry(alloc)
@@ -233,7 +235,7 @@ class Profiler:
         last, self._regions_at = self._regions_at, collected.at
         raw: dict[str, float] = {}
         for alloc_id in snap.alloc_ids:
-            alloc = self.allocator.allocations.get(alloc_id)
+            alloc = self.ledger.allocations.get(alloc_id)
             if alloc is None or not 0 < alloc.compute_limit < 100:
                 continue
             counter = self._entry(alloc).gpu_time
@@ -248,11 +250,11 @@ class Profiler:
                 room[proc.gpu_uuid] -= proc.sm_util or 0.0
         claimed: dict[str, float] = {}
         for alloc_id, util in raw.items():
-            gpu = self.allocator.allocations[alloc_id].gpu_uuid
+            gpu = self.ledger.allocations[alloc_id].gpu_uuid
             claimed[gpu] = claimed.get(gpu, 0.0) + util
         out = {}
         for alloc_id, util in raw.items():
-            gpu = self.allocator.allocations[alloc_id].gpu_uuid
+            gpu = self.ledger.allocations[alloc_id].gpu_uuid
             if gpu in room and claimed[gpu] > max(room[gpu], 0.0):
                 util *= max(room[gpu], 0.0) / claimed[gpu]  # (claimed > 0 here)
             out[alloc_id] = util
@@ -267,7 +269,7 @@ class Profiler:
             explained[p.gpu_uuid] = explained.get(p.gpu_uuid, 0.0) + (p.mem_util or 0.0)
         by_gpu: dict[str, list[tuple[str, int]]] = {}
         for alloc_id, n in copied.items():
-            alloc = self.allocator.allocations.get(alloc_id)
+            alloc = self.ledger.allocations.get(alloc_id)
             if alloc is not None and n > 0:
                 by_gpu.setdefault(alloc.gpu_uuid, []).append((alloc_id, n))
         out: dict[str, float] = {}
@@ -297,7 +299,7 @@ class Profiler:
     def _synced(self) -> bool:
         return self.pods is None or self.pods.synced
 
-    def _pod(self, alloc: "Allocation"):  # type: ignore[no-untyped-def]
+    def _pod(self, alloc: "Allocation") -> "PodInfo | None":
         if self.pods is None or not alloc.identified:
             return None
         return self.pods.get(alloc.pod_uid) if alloc.pod_uid else self.pods.find(alloc.namespace, alloc.pod_name)
@@ -305,7 +307,7 @@ class Profiler:
     def _snapshot(self) -> _Snapshot:
         containers: dict[tuple[str, str], str] = {}
         pod_uids: dict[str, str] = {}
-        for alloc in self.allocator.allocations.values():
+        for alloc in self.ledger.allocations.values():
             pod = self._pod(alloc)
             if pod is None:
                 if alloc.pod_uid:
@@ -315,9 +317,9 @@ class Profiler:
             for name, cid in pod.container_ids:
                 if alloc.serves(name):  # a DRA claim's slice may serve several containers
                     containers[(pod.uid, cid)] = alloc.id
-        for alloc_id in [i for i in self._regions if i not in self.allocator.allocations]:
+        for alloc_id in [i for i in self._regions if i not in self.ledger.allocations]:
             self._regions.pop(alloc_id).close()
-        return _Snapshot(tuple(self.allocator.allocations), containers, pod_uids)
+        return _Snapshot(tuple(self.ledger.allocations), containers, pod_uids)
 
     def _region(self, alloc_id: str) -> Region | None:
         region = self._regions.get(alloc_id)
@@ -375,7 +377,7 @@ class Profiler:
 
     def _pod_keys(self) -> dict[PodKey, list["Allocation"]]:
         out: dict[PodKey, list[Allocation]] = {}
-        for alloc in self.allocator.allocations.values():
+        for alloc in self.ledger.allocations.values():
             if alloc.identified and alloc.container:
                 out.setdefault((alloc.namespace, alloc.pod_name), []).append(alloc)
         return out
@@ -405,9 +407,9 @@ class Profiler:
         if pod is None or not uid or pod.uid == uid:
             entries.update(self._ended.get(key, {}))
         if allocs is None:
-            allocs = [a for a in self.allocator.allocations.values()
+            allocs = [a for a in self.ledger.allocations.values()
                       if a.identified and a.container and (a.namespace, a.pod_name) == key]
-        held = self.allocator.allocations
+        held = self.ledger.allocations
         for alloc in allocs:
             if alloc.id not in held:
                 continue

@@ -178,8 +178,9 @@ class ContainerUsage:
 
         def num(name: str, top: float = 1e12) -> float:
             v = entry.get(name)
-            ok = isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v <= top
-            return float(v) if ok else 0.0
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v <= top:
+                return float(v)
+            return 0.0
 
         observed = num("observed_seconds")
         self.observed_s += observed

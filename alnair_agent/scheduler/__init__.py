@@ -4,6 +4,6 @@
 """
 
 # The scheduler's modules import kubernetes_asyncio before alnair_agent.kube: install the lazy packages first.
-from alnair_agent.kube import lazy_client  # noqa: E402
+from alnair_agent.kube import lazy_client
 
 lazy_client.install()

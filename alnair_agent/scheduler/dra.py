@@ -80,7 +80,7 @@ class DraView:
             return
         results = ((((obj.get("status") or {}).get("allocation") or {}).get("devices") or {}).get("results")) \
             if isinstance(obj.get("status"), Mapping) else None
-        held = {}
+        held: dict[tuple[str, str], tuple[Fraction, Fraction]] = {}
         for r in results or []:
             if isinstance(r, Mapping) and r.get("driver") == DRA_DRIVER and isinstance(r.get("consumedCapacity"), Mapping):
                 c = r["consumedCapacity"]

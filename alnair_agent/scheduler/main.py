@@ -201,7 +201,8 @@ def webhook_services(args: argparse.Namespace, api: Any) -> tuple[list[tuple[str
 
     folder = Path(args.tls_dir) if args.tls_dir else None
     given = folder is not None and (folder / "tls.crt").is_file() and (folder / "tls.key").is_file()
-    ctx, pem = tls_context(folder / "tls.crt" if given else None, folder / "tls.key" if given else None,
+    crt, key = (folder / "tls.crt", folder / "tls.key") if given and folder is not None else (None, None)
+    ctx, pem = tls_context(crt, key,
                            [args.webhook_dns, args.webhook_dns.split(".svc")[0]])
     out: list[tuple[str, Any]] = [("webhook", serve_webhook("0.0.0.0", args.webhook_port, ctx, args.default_profile))]
     if not given and api is not None:

@@ -103,7 +103,7 @@ async def _read(request: web.Request) -> bytes | str:
         return await request.read()
     except web.HTTPRequestEntityTooLarge:
         return f"request body larger than {MAX_BODY_BYTES} bytes"
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 - any unreadable body is an Error answer, never a crash or a non-200
         return f"request body could not be read: {type(e).__name__}: {e}"
 
 

@@ -155,7 +155,7 @@ class ClusterView:
         if old == pod:
             return
         self.pods[pod.uid] = pod
-        for node in {self._placed_node(pod), old and self._placed_node(old)} - {"", None}:
+        for node in {self._placed_node(pod), self._placed_node(old) if old else ""} - {""}:
             self._index(pod.uid, node)
         reservation = self.reservations.get(pod.uid)
         if reservation is not None and (self._placed_node(pod) == reservation.decision.node or not pod.live):
@@ -166,7 +166,7 @@ class ClusterView:
     def delete_pod(self, uid: str) -> None:
         old = self.pods.pop(uid, None)
         reservation = self.reservations.pop(uid, None)
-        for node in {old and self._placed_node(old), reservation and reservation.decision.node} - {"", None}:
+        for node in {self._placed_node(old) if old else "", reservation.decision.node if reservation else ""} - {""}:
             self._index(uid, node)
         self._notify()
 
@@ -284,7 +284,7 @@ class ClusterView:
         """(node, summary or None when cached, why not) for each name; `why not` None = fits. A node that takes no
         pods comes with its summary (its error says why)."""
         answers = self._answers_for(("fits", shape.key))
-        out = []
+        out: list[tuple[str, Summary | None, fit.NoFit | None]] = []
         for name in names:
             hit = answers.get(name)
             if hit is not None and now_ts < hit[1]:

@@ -215,7 +215,7 @@ def build_webhook_app(default_profile: str) -> Any:
     async def mutate(request: web.Request) -> web.Response:
         try:
             body = json.loads(await request.read())
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - any unreadable review is refused with a message, not a 500
             body = None
             log.warning("webhook_bad_request", error=f"{type(e).__name__}: {e}")
         return web.json_response(review(body, default_profile))
@@ -254,7 +254,7 @@ async def keep_ca_bundle_published(api: Any, pem: bytes, name: str = WEBHOOK_CON
         try:
             await publish_ca_bundle(api, pem, name)
             break
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - retried with backoff whatever failed; the webhook serves meanwhile
             log.warning("webhook_ca_bundle_failed", configuration=name, error=f"{type(e).__name__}: {e}",
                         retry_in_s=delay)
             await asyncio.sleep(delay)

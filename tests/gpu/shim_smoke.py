@@ -12,9 +12,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-from alnair_agent.node.region import Region  # noqa: E402
+from alnair_agent.node.region import Region
 
 CHILD = str(Path(__file__).with_name("shim_torch_child.py"))
 

@@ -43,7 +43,6 @@ def region_slots() -> list[dict]:
     path = os.environ.get("ALNAIR_REGION")
     if not path or not os.path.exists(path):
         return []
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
     from pathlib import Path
 
     from alnair_agent.node.region import Region

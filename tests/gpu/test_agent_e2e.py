@@ -24,11 +24,15 @@ pytest.importorskip("torch")
 pytest.importorskip("structlog")
 pytest.importorskip("kubernetes_asyncio")
 
-from workloads import gpu_agent, skip_without_gpu_or_shim, tenant_env  # noqa: E402
-
-from alnair_agent.config import Settings  # noqa: E402
-from alnair_agent.constants import ENV_COMPUTE_LIMIT, ENV_MEMORY_LIMIT, RESOURCE_COMPUTE, RESOURCE_MEMORY  # noqa: E402
-from alnair_agent.node.region import Region  # noqa: E402
+from alnair_agent.config import Settings
+from alnair_agent.constants import (
+    ENV_COMPUTE_LIMIT,
+    ENV_MEMORY_LIMIT,
+    RESOURCE_COMPUTE,
+    RESOURCE_MEMORY,
+)
+from alnair_agent.node.region import Region
+from alnair_standins.workloads import gpu_agent, skip_without_gpu_or_shim, tenant_env
 
 GIB = 1 << 30
 SHIM = Path(os.environ.get("ALNAIR_SHIM") or Path(__file__).resolve().parents[2] / "alnair_agent/lib/libalnair.so")

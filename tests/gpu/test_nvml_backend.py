@@ -8,7 +8,7 @@ import pytest
 
 pynvml = pytest.importorskip("pynvml")
 
-from alnair_agent.gpu.nvml import NvmlBackend  # noqa: E402
+from alnair_agent.gpu.nvml import NvmlBackend
 
 pytestmark = pytest.mark.gpu
 

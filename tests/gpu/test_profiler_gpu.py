@@ -21,7 +21,6 @@ import asyncio
 import json
 import os
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -35,15 +34,19 @@ pytest.importorskip("torch")
 pytest.importorskip("structlog")
 pytest.importorskip("kubernetes_asyncio")
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the API stand-in and the harness
 
-from agent_harness import NODE, kubernetes_for  # noqa: E402
-from fakes.apiserver import FakeApiServer, make_pod  # noqa: E402
-
-from workloads import CALIBRATE, gpu_agent, plain_env, run_py, skip_without_gpu_or_shim, tenant_env  # noqa: E402
-
-from alnair_agent.config import Settings  # noqa: E402
-from alnair_agent.constants import RESOURCE_COMPUTE, RESOURCE_MEMORY, USAGE_ANNOTATION  # noqa: E402
+from alnair_agent.config import Settings
+from alnair_agent.constants import RESOURCE_COMPUTE, RESOURCE_MEMORY, USAGE_ANNOTATION
+from alnair_standins.apiserver import FakeApiServer, make_pod
+from alnair_standins.node import NODE, kubernetes_for
+from alnair_standins.workloads import (
+    CALIBRATE,
+    gpu_agent,
+    plain_env,
+    run_py,
+    skip_without_gpu_or_shim,
+    tenant_env,
+)
 
 SHIM = Path(os.environ.get("ALNAIR_SHIM") or Path(__file__).resolve().parents[2] / "alnair_agent/lib/libalnair.so")
 WORK_S = 30.0
@@ -135,13 +138,13 @@ async def scenario(root: Path) -> dict:
                 api.set_container_terminated("default", name, "main")
                 kubelet.remove_pod("default", name)  # kubelet's pod-resources lists active pods only
             deadline = time.monotonic() + 30
-            while agent.allocator.allocations and time.monotonic() < deadline:
+            while agent.ledger.allocations and time.monotonic() < deadline:
                 await asyncio.sleep(0.2)
             for name in tenants:
                 api.set_phase("default", name, "Succeeded")
             await asyncio.sleep(1.0)
             ended = {name: usage(api, name).get("main") for name in tenants}
-            left = len(agent.allocator.allocations)
+            left = len(agent.ledger.allocations)
     solo = {name: 100.0 * r["matmuls"] * calib["matmul_s"] / r["life_s"] for name, r in (("mm30", mm30),
                                                                                            ("mm60", mm60))}
     # `solo`: the share of the program's alone throughput each got (the truth asserted). `did`, for the record: the

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import sys
 from pathlib import Path
 
 import pytest
@@ -25,11 +24,11 @@ pytest.importorskip("torch")
 structlog = pytest.importorskip("structlog")
 pytest.importorskip("kubernetes_asyncio")
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "bench"))
+import shares_gpu as sg
 
-import shares_gpu as sg  # noqa: E402
-from workloads import skip_without_gpu_or_shim  # noqa: E402 - shares_gpu put tests/gpu on the path
+from alnair_standins.workloads import skip_without_gpu_or_shim
+
+ROOT = Path(__file__).resolve().parents[2]
 
 SHIM = Path(os.environ.get("ALNAIR_SHIM") or ROOT / "alnair_agent/lib/libalnair.so")
 SECONDS = 2.5  # the measured window (settle 0.83 s before it); the benchmark's default is 3

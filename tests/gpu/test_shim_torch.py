@@ -18,10 +18,10 @@ from pathlib import Path
 
 import pytest
 
+from alnair_agent.node.region import Region
+from alnair_standins.workloads import NvmlUtilization
+
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-from alnair_agent.node.region import Region  # noqa: E402
-from workloads import NvmlUtilization  # noqa: E402
 
 CHILD = Path(__file__).with_name("shim_torch_child.py")
 GiB = 1 << 30

@@ -8,10 +8,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from shimkit import Build, Runner
 
 from alnair_agent.node.region import Region
-from shimkit import Build, Runner
-from simbuild import build_shim_and_driver
+from alnair_standins.simbuild import build_shim_and_driver
 
 
 @pytest.fixture(scope="session")

@@ -13,7 +13,7 @@ import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from simbuild import ROOT, SIM_SRC, Build  # noqa: F401 - the shim tests' names for them
+from alnair_standins.simbuild import ROOT, SIM_SRC, Build  # noqa: F401 - the shim tests' names for them
 
 GiB = 1 << 30
 MiB = 1 << 20

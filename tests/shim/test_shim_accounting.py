@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from shimkit import MiB
 
 from alnair_agent.node.region import Region
-from shimkit import MiB
 
 LIMIT = 256 * MiB
 KINDS = ["alloc", "managed", "async", "pool", "vmm"]
@@ -39,7 +39,7 @@ def test_free_memory_is_always_limit_minus_what_is_held(runner, make_region, tmp
         infos = [ln for ln in lines if ln.startswith("info ")]
         results = [ln for ln in lines[1:] if not ln.startswith("info ") and ln != "holding"]
         assert len(infos) == len(script) == len(results)
-        for (kind, size), res, info in zip(script, results, infos):
+        for (kind, size), res, info in zip(script, results, infos, strict=True):
             if kind == "free":
                 if held:
                     held.pop()

@@ -8,9 +8,9 @@ import shutil
 import subprocess
 
 import pytest
+from shimkit import ROOT
 
 from alnair_agent.node import region_layout
-from shimkit import ROOT
 
 
 def test_checked_in_region_header_is_the_generated_one():

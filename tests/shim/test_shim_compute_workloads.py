@@ -10,10 +10,10 @@ import struct
 import time
 
 import pytest
+from shimkit import one_gpu, release, shares_together, wait_holding
 
 from alnair_agent.node import region_layout as L
 from alnair_agent.node.region import Region, Turn, monotonic_ns
-from shimkit import one_gpu, release, shares_together, wait_holding
 
 
 def share(res, nth: int = 0) -> float:

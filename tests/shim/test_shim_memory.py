@@ -7,10 +7,10 @@ import struct
 import subprocess
 
 import pytest
+from shimkit import GiB, MiB, kill9, release, wait_holding
 
 from alnair_agent.node import region_layout as L
 from alnair_agent.node.region import Region
-from shimkit import GiB, MiB, kill9, release, wait_holding
 
 # op that allocates, the bytes the shim must count for it, the same op past a 1 GiB limit, the driver entry point
 APIS = [
@@ -213,6 +213,7 @@ def test_the_agent_reads_what_the_shim_writes(runner, make_region):
 def test_only_the_shim_reads_the_environment_once(build):
     """Hot path hygiene: no getenv outside init/region setup, no locks in launch.c."""
     import re
+
     from shimkit import ROOT
 
     for src in (ROOT / "shim").glob("*.c"):

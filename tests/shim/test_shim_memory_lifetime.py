@@ -10,10 +10,10 @@ import struct
 from pathlib import Path
 
 import pytest
+from shimkit import ROOT, GiB, MiB
 
 from alnair_agent.node import region_layout as L
 from alnair_agent.node.region import Region
-from shimkit import GiB, MiB, ROOT
 
 HALF = 512 * MiB
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import os
 
 import pytest
+from shimkit import GiB
 
 from alnair_agent.node.region import Region
-from shimkit import GiB
 
 ROUTES = [("route=direct",), ("route=dlsym",), ("route=gpa",), ("route=dlvsym",),
           ("route=direct", "pt=1"), ("route=dlsym", "pt=1"), ("route=gpa", "pt=1"), ("route=dlvsym", "pt=1")]

@@ -5,8 +5,8 @@ The agent runs with ALNAIR_FRONTEND=dra against the API server stand-in (resourc
 kubernetes-asyncio client) and the DRA kubelet emulator (plugin-watcher registration, NodePrepareResources over
 unix-socket gRPC). Each workload is a claim for memory and compute of the DeviceClass gpu.alnair.centaurus.io; the
 allocator stand-in allocates it from the agent's ResourceSlice as kube-scheduler does (consumable capacity), kubelet
-prepares it, and the container is started with what its CDI spec says. Both stand-ins come from the checkout's
-tests/fakes, as the simulated driver comes from tests/shim/simcuda.
+prepares it, and the container is started with what its CDI spec says. The stand-ins are alnair_standins', shipped
+in the package, so the installed `alnair-agent demo` runs this from any folder.
 """
 
 from __future__ import annotations
@@ -30,43 +30,28 @@ from alnair_agent.constants import (
     ENV_MEMORY_LIMIT,
     ENV_VISIBLE_DEVICES,
 )
-from alnair_agent.demo import (
+from alnair_agent.demo.common import (
     DEMO_WORKLOADS,
     DemoResult,
     DemoUnavailable,
     Row,
-    _source_root,
     container_env,
     failure,
     start_workload,
     watch_workloads,
 )
 from alnair_agent.dra.capacity import device_class_json
-from alnair_agent.gpu.simulated import SimulatedBackend
 from alnair_agent.kube.annotations import AnnotationWriter
 from alnair_agent.kube.podwatch import PodWatch
 from alnair_agent.kube.resourceapi import ResourceApi
 from alnair_agent.kube.wiring import pod_resources_client
-from alnair_agent.kubelet.dra_emulator import Claim, DraKubeletEmulator
+from alnair_agent.shim_install import install_shim
+from alnair_standins.apiserver import FakeApiServer
+from alnair_standins.dra_allocator import AllocationFailed, Allocator
+from alnair_standins.gpu import SimulatedBackend
+from alnair_standins.kubelet_dra import Claim, DraKubeletEmulator
 
 NODE = "demo-node"
-
-
-def _stand_ins() -> tuple[Any, Any]:
-    """(FakeApiServer, the allocator stand-in) from the checkout's tests/fakes."""
-    source = _source_root()
-    if source is None:
-        raise DemoUnavailable("the DRA run needs the Kubernetes API server and kube-scheduler stand-ins of a checkout "
-                              "(tests/fakes), which an installed package does not carry")
-    tests = source / "tests"
-    if str(tests) not in sys.path:
-        sys.path.insert(0, str(tests))
-    try:
-        from fakes.apiserver import FakeApiServer
-        from fakes.dra_allocator import Allocator
-    except ImportError as e:
-        raise DemoUnavailable(f"the DRA run needs the API server and scheduler stand-ins of tests/fakes: {e}") from None
-    return FakeApiServer, Allocator
 
 
 def _claim(name: str, memory_gib: int, compute: int) -> dict[str, Any]:
@@ -86,8 +71,7 @@ def _pod(name: str, claim: str) -> dict[str, Any]:
 
 
 async def demo_dra(root: Path, sim: Path, seconds: float = 15.0, out: TextIO = sys.stdout) -> DemoResult:
-    """The DRA run in `root` with the simulated driver built in `sim` (demo.build_simulated_driver)."""
-    FakeApiServer, Allocator = _stand_ins()
+    """The DRA run in `root` with the simulated driver in `sim` (alnair_standins.simdriver)."""
     timelines = root / "timelines"
     settings = Settings(
         node_name=NODE, device_plugin_dir=root / "device-plugins", pod_resources_socket=root / "pr" / "kubelet.sock",
@@ -95,8 +79,6 @@ async def demo_dra(root: Path, sim: Path, seconds: float = 15.0, out: TextIO = s
         sim_gpus=parse_sim_gpus("2x16GiB"), metrics_port=0, profile_interval_s=0.5, sim_timeline_dir=timelines,
         frontend="dra", dra_plugin_dir=root / "dra-plugin", plugins_registry_dir=root / "reg",
         cdi_dir=root / "cdi", resync_interval_s=1.0)
-    from alnair_agent.shim_install import install_shim
-
     settings.shim_dir.mkdir(parents=True)
     with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):
         if install_shim(settings.shim_dir) != 0:
@@ -109,7 +91,7 @@ async def demo_dra(root: Path, sim: Path, seconds: float = 15.0, out: TextIO = s
         client = api.api_client()
         watch = PodWatch(client, NODE)
         writer = AnnotationWriter(client, NODE)
-        kubernetes = Kubernetes(pod_source=watch, pod_states=watch, annotations=writer, resources=ResourceApi(client),
+        kubernetes = Kubernetes(pods=watch, annotations=writer, resources=ResourceApi(client),
                                 services=[("pod-watch", watch.run), ("annotations", writer.run)])
         try:
             async with (DraKubeletEmulator(settings.plugins_registry_dir, settings.cdi_dir,
@@ -119,7 +101,7 @@ async def demo_dra(root: Path, sim: Path, seconds: float = 15.0, out: TextIO = s
                               list_held=pod_resources.list, list_claims=pod_resources.list_claims)
                 task = asyncio.create_task(agent.run(stop), name="agent")
                 try:
-                    await _run(agent, api, Allocator, kubelet, rows, sim, timelines, seconds, out)
+                    await _run(agent, api, kubelet, rows, sim, timelines, seconds, out)
                 finally:
                     stop.set()
                     await task
@@ -128,7 +110,7 @@ async def demo_dra(root: Path, sim: Path, seconds: float = 15.0, out: TextIO = s
     return DemoResult(rows, seconds)
 
 
-async def _run(agent: Agent, api: Any, allocator_type: Any, kubelet: DraKubeletEmulator, rows: list[Row], sim: Path,
+async def _run(agent: Agent, api: FakeApiServer, kubelet: DraKubeletEmulator, rows: list[Row], sim: Path,
                timelines: Path, seconds: float, out: TextIO) -> None:
     await kubelet.wait_registered(DRA_DRIVER, timeout=10)
     assert agent.dra is not None
@@ -139,7 +121,7 @@ async def _run(agent: Agent, api: Any, allocator_type: Any, kubelet: DraKubeletE
               f"({len(published['spec']['devices'])} GPUs, consumable memory and compute); kube-scheduler's allocator "
               f"books each claim's share; kubelet prepares it over {kubelet.registrations[-1][1]}.\n\n"
               "Claims allocated and prepared:\n")
-    scheduler = allocator_type({DRA_DEVICE_CLASS: device_class_json()})
+    scheduler = Allocator({DRA_DEVICE_CLASS: device_class_json()})
     procs = []
     for r in rows:
         w = r.workload
@@ -147,7 +129,7 @@ async def _run(agent: Agent, api: Any, allocator_type: Any, kubelet: DraKubeletE
         pod = api.add_pod(_pod(w.pod, claim["metadata"]["name"]))
         try:
             allocation = scheduler.allocate(claim, NODE, api.resource_slices())
-        except Exception as e:  # noqa: BLE001 - the stand-in's AllocationFailed: shown as the pod would stay
+        except AllocationFailed as e:  # no GPU has room: the pod stays Pending, as it would on a cluster
             r.refused = f"kube-scheduler: {e}"
             out.write(f"  {w.pod + '/main':16} {w.memory:>3} GiB {w.compute:>3} %  stays Pending: no GPU has "
                       f"{w.memory} GiB left\n")
@@ -177,7 +159,7 @@ async def _run(agent: Agent, api: Any, allocator_type: Any, kubelet: DraKubeletE
             claim = api.claim("default", f"{r.workload.pod}-gpu")
             kubelet.stop_pod("default", r.workload.pod)
             await kubelet.unprepare(DRA_DRIVER, [Claim("default", claim["metadata"]["uid"], claim["metadata"]["name"])])
-    left = sum(a.claim is not None for a in agent.allocator.allocations.values()) if agent.allocator else 0
+    left = sum(a.claim is not None for a in agent.ledger.allocations.values()) if agent.ledger else 0
     out.write(f"Claims unprepared: {left} DRA slices left on the node, "
               f"{len(list(Path(agent.settings.cdi_dir).glob('*.json')))} CDI specs.\n")
     summary_dra(rows, out)
@@ -199,17 +181,3 @@ def summary_dra(rows: list[Row], out: TextIO) -> None:
         out.write(failure(r))
     out.write("The same limits, the same enforcement: only who placed the slice changed (kube-scheduler, from the "
               "claims).\n")
-
-
-async def demo_all(root: Path, seconds: float = 15.0,
-                   out: TextIO = sys.stdout) -> tuple[DemoResult, DemoResult | None]:
-    """`alnair-agent demo`: the device plugin run, then the DRA run on the same simulated driver (None, said in one
-    line, where the DRA run's stand-ins are not here: an installed package without a checkout)."""
-    from alnair_agent.demo import demo
-
-    first = await demo(root / "device-plugin", seconds, out)
-    try:
-        return first, await demo_dra(root / "dra", root / "device-plugin" / "sim", seconds, out)
-    except DemoUnavailable as e:
-        out.write(f"\nThe DRA run is skipped: {e}. Run `alnair-agent demo` from a checkout to see it.\n")
-        return first, None

@@ -32,17 +32,17 @@ from kubernetes_asyncio.client import ApiClient, CoreV1Api
 from alnair_agent import http_stop
 from alnair_agent.app import Agent, Kubernetes
 from alnair_agent.config import Settings
-from alnair_agent.gpu.simulated import SimulatedBackend
 from alnair_agent.kube.annotations import AnnotationWriter, WriterTiming
 from alnair_agent.kube.podwatch import PodWatch, WatchTiming
 from alnair_agent.kube.wiring import pod_resources_lister
-from alnair_agent.kubelet.emulator import AdmissionError, KubeletEmulator
 from alnair_agent.scheduler.bind import Binder
 from alnair_agent.scheduler.extender import PROFILES
 from alnair_agent.scheduler.main import reflectors
 from alnair_agent.scheduler.server import SHUTDOWN_TIMEOUT_S, build_app
 from alnair_agent.scheduler.view import ClusterView
-from fakes.apiserver import FakeApiServer, make_pod
+from alnair_standins.apiserver import FakeApiServer, make_pod
+from alnair_standins.gpu import SimulatedBackend
+from alnair_standins.kubelet import AdmissionError, KubeletEmulator
 
 MEM = "alnair/vgpu-memory"
 SM = "alnair/vgpu-compute"
@@ -258,7 +258,7 @@ def _kubernetes(client: ApiClient, node: str) -> Kubernetes:
     watch = PodWatch(client, node, WatchTiming(backoff_initial_s=0.05, backoff_max_s=0.5))
     writer = AnnotationWriter(client, node, WriterTiming(min_interval_s=0.5, backoff_initial_s=0.05,
                                                          backoff_max_s=0.5))
-    return Kubernetes(pod_source=watch, pod_states=watch, annotations=writer,
+    return Kubernetes(pods=watch, annotations=writer,
                       services=[("pod-watch", watch.run), ("annotations", writer.run)])
 
 

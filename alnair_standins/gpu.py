@@ -12,8 +12,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from alnair_agent.config import SimGpu
-from alnair_agent.gpu import simtimeline as TL
-from alnair_agent.gpu.backend import GpuBackendError, GpuInfo, GpuSample, HealthEvent, ProcessSample, Samples
+from alnair_agent.gpu.backend import (
+    GpuBackendError,
+    GpuInfo,
+    GpuSample,
+    HealthEvent,
+    ProcessSample,
+    Samples,
+)
+from alnair_standins import simtimeline as TL
 
 
 def sim_uuid(index: int, node_name: str = "") -> str:

@@ -26,7 +26,6 @@ from pathlib import Path
 import grpc
 
 from alnair_agent.constants import DRA_PLUGIN_TYPE, DRA_SERVICES
-from alnair_agent.kubelet.emulator import serve_pod_resources
 from alnair_agent.proto import dra_v1_pb2 as v1
 from alnair_agent.proto import dra_v1_pb2_grpc as v1_grpc
 from alnair_agent.proto import dra_v1beta1_pb2_grpc as v1beta1_grpc
@@ -34,6 +33,7 @@ from alnair_agent.proto import pluginregistration_pb2 as reg
 from alnair_agent.proto import pluginregistration_pb2_grpc as reg_grpc
 from alnair_agent.proto import podresources_pb2 as prpb
 from alnair_agent.proto import podresources_pb2_grpc as prpb_grpc
+from alnair_standins.kubelet import serve_pod_resources
 
 SCAN_S = 0.02
 # kubelet's reconciler: GetInfo gets one second, and a registration that failed is tried again while the socket is

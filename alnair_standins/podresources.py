@@ -22,6 +22,7 @@ from pathlib import Path
 import grpc
 import grpc.aio
 
+from alnair_agent.grpc_unix import serve_unix
 from alnair_agent.proto import podresources_pb2 as pb
 from alnair_agent.proto import podresources_pb2_grpc as pb_grpc
 
@@ -80,10 +81,8 @@ class FakePodResources:
 
     # -- lifetime --------------------------------------------------------------------------------------------
     async def start(self) -> FakePodResources:
-        self._server = grpc.aio.server()
-        pb_grpc.add_PodResourcesListerServicer_to_server(_Servicer(self), self._server)
-        self._server.add_insecure_port("unix://" + str(self.socket_path))
-        await self._server.start()
+        self._server = await serve_unix(self.socket_path,
+                                        lambda s: pb_grpc.add_PodResourcesListerServicer_to_server(_Servicer(self), s))
         return self
 
     async def stop(self) -> None:

@@ -17,20 +17,17 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import os
 import socket
 import subprocess
 import sys
 from multiprocessing.connection import Connection
-from pathlib import Path
 from typing import Any
 
 from kubernetes_asyncio.client import ApiClient, Configuration
 
-from fakes.apiserver import FakeApiServer
+from alnair_standins.apiserver import FakeApiServer
 
 START_TIMEOUT_S = 60.0  # a fresh interpreter imports aiohttp, kubernetes-asyncio and the schema validator
-TESTS = Path(__file__).resolve().parents[1]  # the folder `fakes` is imported from
 
 
 class ApiServerProcess:
@@ -41,10 +38,8 @@ class ApiServerProcess:
 
     async def __aenter__(self) -> ApiServerProcess:
         ours, theirs = socket.socketpair()
-        env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")]))}
-        code = "import sys; from fakes.apiserver_process import serve; serve(int(sys.argv[1]))"
-        self._proc = subprocess.Popen([sys.executable, "-c", code, str(theirs.fileno())], pass_fds=[theirs.fileno()],
-                                      env=env)
+        code = "import sys; from alnair_standins.apiserver_process import serve; serve(int(sys.argv[1]))"
+        self._proc = subprocess.Popen([sys.executable, "-c", code, str(theirs.fileno())], pass_fds=[theirs.fileno()])
         theirs.close()
         conn = Connection(ours.detach())
         try:

@@ -1,5 +1,7 @@
-"""A node for the tests: the real agent (in-process or as a subprocess) beside the kubelet emulator and,
-optionally, the API server stand-in. Sockets live under a short /tmp folder (unix socket paths are limited)."""
+"""A node: the real agent (in-process or as a subprocess) beside the kubelet emulator and, optionally, the API
+server stand-in, for the tests and benchmarks. Sockets live under a short /tmp folder (unix socket paths are
+limited). The pytest fixtures built on it (`root`, `api`) are in tests/conftest.py: this package does not need
+pytest."""
 
 from __future__ import annotations
 
@@ -10,23 +12,21 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-import pytest
-from fakes.apiserver import FakeApiServer
 from kubernetes_asyncio.client import ApiClient
 
-from alnair_agent.kube.annotations import AnnotationWriter, WriterTiming
 from alnair_agent.app import Agent, Kubernetes
-from alnair_agent.kube.podwatch import PodWatch
-from alnair_agent.kube.resourceapi import ResourceApi
 from alnair_agent.config import Settings, parse_sim_gpus
 from alnair_agent.constants import RESOURCE_COMPUTE, RESOURCE_MEMORY, RESOURCES
-from alnair_agent.gpu.simulated import SimulatedBackend
+from alnair_agent.kube.annotations import AnnotationWriter, WriterTiming
+from alnair_agent.kube.podwatch import PodWatch
+from alnair_agent.kube.resourceapi import ResourceApi
 from alnair_agent.kube.wiring import pod_resources_client
-from alnair_agent.kubelet.emulator import KubeletEmulator
+from alnair_standins.gpu import SimulatedBackend
+from alnair_standins.kubelet import KubeletEmulator
 
 NODE = "node-1"
 
@@ -37,20 +37,6 @@ def short_tmp() -> Path:
 
 def remove_tree(root: Path) -> None:
     shutil.rmtree(root, ignore_errors=True)
-
-
-@pytest.fixture
-def root() -> Iterator[Path]:
-    """A short folder for the node's sockets and workspace, removed after the test."""
-    path = short_tmp()
-    yield path
-    remove_tree(path)
-
-
-@pytest.fixture
-async def api() -> AsyncIterator[FakeApiServer]:
-    async with FakeApiServer() as server:
-        yield server
 
 
 def node_settings(root: Path, **overrides: object) -> Settings:
@@ -106,7 +92,7 @@ def kubernetes_for(client: ApiClient, dra: bool = False, node: str = NODE) -> Ku
     adds resource.k8s.io/v1 (as production wiring does), so the agent may choose the DRA front-end."""
     watch = PodWatch(client, node)
     writer = AnnotationWriter(client, node, WriterTiming(min_interval_s=0.05))
-    return Kubernetes(pod_source=watch, pod_states=watch, annotations=writer,
+    return Kubernetes(pods=watch, annotations=writer,
                       services=[("pod-watch", watch.run), ("annotations", writer.run)],
                       resources=ResourceApi(client) if dra else None)
 

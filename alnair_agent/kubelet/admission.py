@@ -1,4 +1,5 @@
-"""Allocation behind the device plugin: which container kubelet is admitting, which GPU, which device IDs.
+"""The device plugin's admission: which container kubelet is admitting, which GPU, which device IDs. What is held
+is the node's one ledger (alnair_agent/node/ledger.py), shared with the DRA front-end; this file books into it.
 
 kubelet's GetPreferredAllocation and Allocate carry no pod identity. kubelet admits one pod at a time, each
 container in pod order (init containers first), each resource of a container in random order. With an API server
@@ -33,16 +34,17 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
 
 import grpc
 import structlog
 
 from alnair_agent.constants import DEVICE_ID_SEPARATOR, RESOURCE_COMPUTE, RESOURCE_MEMORY, RESOURCES
+from alnair_agent.kube.pod_source import PodSource
 from alnair_agent.kube.pods import ContainerRequest, PodInfo
 from alnair_agent.node import edits, fit
 from alnair_agent.node.decision import Granted
-from alnair_agent.node.inventory import Gpu, Inventory, UnknownDevice
+from alnair_agent.node.inventory import UnknownDevice
+from alnair_agent.node.ledger import Ledger
 from alnair_agent.node.region import RegionError
 from alnair_agent.node.workspace import Allocation, Workspace, new_allocation_id
 
@@ -68,24 +70,6 @@ class AllocationError(Exception):
         self.pod = pod  # the pod refused, when known (an Event goes on it)
 
 
-class PodSource(Protocol):
-    """What the allocator needs of the pod watch (alnair_agent.kube.podwatch.PodWatch)."""
-
-    @property
-    def synced(self) -> bool: ...
-
-    @property
-    def generation(self) -> int: ...
-
-    def pods(self) -> list[PodInfo]: ...
-
-    def get(self, uid: str) -> PodInfo | None: ...
-
-    def bound_order(self, uid: str) -> int: ...
-
-    async def changed(self, since: int, timeout: float | None = None) -> bool: ...
-
-
 @dataclass
 class ContainerAnswer:
     """What Allocate returns for one container."""
@@ -108,7 +92,7 @@ class _Target:
 class Allocator:
     def __init__(
         self,
-        inventory: Inventory,
+        ledger: Ledger,
         workspace: Workspace,
         policy: str,
         shim_dir: str,
@@ -117,7 +101,8 @@ class Allocator:
         place_unscheduled: bool = False,
         node_name: str = "",
     ) -> None:
-        self.inventory = inventory
+        self.ledger = ledger
+        self.inventory = ledger.inventory
         self.workspace = workspace
         self.policy = GPU_POLICY.get(policy, policy)
         if self.policy not in fit.POLICIES:
@@ -127,108 +112,25 @@ class Allocator:
         self.pod_wait_s = pod_wait_s
         self.place_unscheduled = place_unscheduled
         self.node_name = node_name
-        self.allocations: dict[str, Allocation] = {}
-        # Device IDs kubelet reports held (pod-resources) that no record of ours covers: never offered again.
-        self.external_held: set[str] = set()
-        # Records whose devices kubelet offered as available again: it freed them (the container is gone).
-        self.freed_by_kubelet: set[str] = set()
         # Called (pod, {container: Granted}) once every Alnair container of a pod is allocated.
         self.on_pod_allocated: Callable[[PodInfo, dict[str, Granted]], None] | None = None
         self._lock = asyncio.Lock()
         self._made_here: set[str] = set()  # records created by this process (unidentified pairing: _open_for)
 
-    # -- state -----------------------------------------------------------------------------------------------
-    @property
-    def external_held(self) -> set[str]:
-        return self._external_held
-
-    @external_held.setter
-    def external_held(self, ids: set[str]) -> None:
-        self._external_held = set(ids)
-        self._external_used = Counter(filter(None, map(Inventory.owner, self._external_held)))
-
-    def restore(self, allocations: list[Allocation]) -> None:
-        for alloc in allocations:
-            self.allocations[alloc.id] = alloc
-
-    def recorded_ids(self) -> set[str]:
-        """Device IDs our allocation records hold (live or not)."""
-        return {i for alloc in self.allocations.values() for i in alloc.all_ids()}
-
-    def live(self, alloc: Allocation) -> bool:
-        """Whether the record's container may still run: kubelet has not freed its devices, and (with an API
-        server) its pod exists, is not finished or being deleted, and the container has not ended. A DRA claim's
-        slice is live until the DRA front-end retires it (kubelet unprepares the claim)."""
-        if alloc.claim is not None:
-            return True
-        if alloc.id in self.freed_by_kubelet:
-            return False
-        if self.pods is None or not self.pods.synced or not alloc.pod_uid:
-            return True
-        pod = self.pods.get(alloc.pod_uid)
-        return pod is not None and pod.live and not pod.container_ended(alloc.container)
-
-    def held_ids(self) -> set[str]:
-        """Device IDs not to hand out: those of live records, and those kubelet reports that no record covers."""
-        return {i for a in self.allocations.values() if self.live(a) for i in a.all_ids()} | self.external_held
-
-    def _owner_of(self) -> dict[str, Allocation]:
-        return {i: a for a in self.allocations.values() if self.live(a) for i in a.all_ids()}
-
-    def rooms(self, ignore: frozenset[str] | set[str] = frozenset()) -> list[fit.Room]:
-        """Free units per healthy GPU: offered minus held (minus `ignore`: devices being handed on within a pod).
-        A record's devices are all on its GPU (checked at Allocate), so units are counted per record; a DRA claim's
-        slice holds the units it consumed (one ledger for both front-ends)."""
-        used = self._used(None, ignore)
-        return [self._room(gpu, used) for gpu in self.inventory.gpus.values() if gpu.healthy]
-
-    def room(self, gpu_uuid: str) -> fit.Room | None:
-        """`rooms()`'s entry for one GPU (None when it is unknown or unhealthy), counting only that GPU's records:
-        the DRA prepare asks for one GPU per claim result. Counted from the records every time, never kept as a
-        running total that a record changed elsewhere could leave wrong (a wrong total double-books)."""
-        gpu = self.inventory.gpus.get(gpu_uuid)
-        if gpu is None or not gpu.healthy:
-            return None
-        return self._room(gpu, self._used(gpu_uuid))
-
-    def _used(self, gpu_uuid: str | None, ignore: frozenset[str] | set[str] = frozenset()) -> Counter[tuple[str, str]]:
-        """(GPU, resource) -> units held, over every GPU or only `gpu_uuid`'s records."""
-        used = Counter(self._external_used)
-        for a in self.allocations.values():
-            if gpu_uuid is not None and a.gpu_uuid != gpu_uuid:
-                continue
-            if a.claim is not None:
-                for r, n in a.wanted.items():
-                    used[(a.gpu_uuid, r)] += n
-            elif self.live(a):
-                for r, ids in a.device_ids.items():
-                    used[(a.gpu_uuid, r)] += len(ids) - (len(ignore.intersection(ids)) if ignore else 0)
-        return used
-
-    @staticmethod
-    def _room(gpu: Gpu, used: Counter[tuple[str, str]]) -> fit.Room:
-        return fit.Room(gpu.uuid, gpu.info.index,
-                        gpu.units[RESOURCE_MEMORY] - used[(gpu.uuid, RESOURCE_MEMORY)],
-                        gpu.units[RESOURCE_COMPUTE] - used[(gpu.uuid, RESOURCE_COMPUTE)],
-                        gpu.units[RESOURCE_MEMORY], gpu.units[RESOURCE_COMPUTE])
-
-    def pods_held(self) -> set[str]:
-        """UIDs of the pods whose units the free counts subtract (for the node annotation)."""
-        return {a.pod_uid for a in self.allocations.values() if a.pod_uid and a.claim is None and self.live(a)}
-
+    # -- the node report -------------------------------------------------------------------------------------
     def report(self) -> tuple[list[fit.Room], set[str]]:
         """For the node annotation: free units per healthy GPU, and the pods they subtract, each pod whole. A pod
         kubelet is still admitting (one Allocate per container and resource; the report may be set between two)
         also holds what it has yet to be allocated: the extender counts a pod the report names by the report alone,
         and the pod's confirmation, written at once, releases the node lock before the next report (rate-limited)
         shows the rest, so the extender would bind the next pod onto those units and the agent would refuse it."""
-        rooms = self.rooms()
+        rooms = self.ledger.rooms()
         waiting = self._not_yet_allocated()
         if waiting:  # never below 0: a report with a negative count is unreadable, the node then gets no pods
             rooms = [r._replace(memory_free=max(0, r.memory_free - waiting[(r.uuid, RESOURCE_MEMORY)]),
                                 compute_free=max(0, r.compute_free - waiting[(r.uuid, RESOURCE_COMPUTE)]))
                      for r in rooms]
-        return rooms, self.pods_held()
+        return rooms, self.ledger.pods_held()
 
     def _not_yet_allocated(self) -> Counter[tuple[str, str]]:
         """(GPU, resource) -> units that the pods holding some units here are still to be allocated: each missing
@@ -238,7 +140,7 @@ class Allocator:
             return out
         for uid, records in self._records_by_pod().items():
             pod = self.pods.get(uid)
-            if pod is None or not any(self.live(a) for a in records.values()):
+            if pod is None or not any(self.ledger.live(a) for a in records.values()):
                 continue
             decided = pod.decision.gpus if pod.decision is not None else {}
             for c in pod.containers:
@@ -249,28 +151,23 @@ class Allocator:
                         out[(gpu, resource)] += c.units(resource)
         return out
 
-    def remove(self, alloc_id: str) -> Allocation | None:
-        self.freed_by_kubelet.discard(alloc_id)
-        self._made_here.discard(alloc_id)
-        return self.allocations.pop(alloc_id, None)
-
     def _release_freed(self, available: list[str]) -> None:
         """IDs kubelet offers as available are free in kubelet's record: any record still holding one is of a
         container that kubelet no longer has (kubelet's record wins); its units come back now."""
-        owners = self._owner_of()
+        owners = self.ledger.owner_of()
         for device_id in available:
             alloc = owners.get(device_id)
-            if alloc is not None and alloc.id not in self.freed_by_kubelet:
-                self.freed_by_kubelet.add(alloc.id)
+            if alloc is not None and alloc.id not in self.ledger.freed_by_kubelet:
+                self.ledger.freed_by_kubelet.add(alloc.id)
                 log.info("allocation_freed_by_kubelet", allocation=alloc.id, pod=alloc.ref(), device=device_id)
 
     # -- who is being admitted -------------------------------------------------------------------------------
     def _records_of(self, pod_uid: str) -> dict[str, Allocation]:
-        return {a.container: a for a in self.allocations.values() if a.pod_uid == pod_uid and a.claim is None}
+        return {a.container: a for a in self.ledger.allocations.values() if a.pod_uid == pod_uid and a.claim is None}
 
     def _records_by_pod(self) -> dict[str, dict[str, Allocation]]:
         out: dict[str, dict[str, Allocation]] = {}
-        for a in self.allocations.values():
+        for a in self.ledger.allocations.values():
             if a.pod_uid and a.claim is None:  # DRA slices are no device plugin admission's
                 out.setdefault(a.pod_uid, {})[a.container] = a
         return out
@@ -293,7 +190,8 @@ class Allocator:
             if all(not self._missing(c, records.get(c.container)) for c in pod.containers):
                 continue
             out.append(pod)
-        return sorted(out, key=lambda p: (self.pods.bound_order(p.uid), p.created_at, p.namespace, p.name))
+        pods = self.pods
+        return sorted(out, key=lambda p: (pods.bound_order(p.uid), p.created_at, p.namespace, p.name))
 
     def _next_container(self, pod: PodInfo, resource: str,
                         records: dict[str, Allocation] | None = None) -> ContainerRequest | None:
@@ -377,14 +275,14 @@ class Allocator:
         records = self._records_of(pod.uid)
         if any(n.kind == fit.KIND_INIT for n in pod.needs()) and records:
             return next(iter(records.values())).gpu_uuid  # kubelet reuses init devices: one GPU per such pod
-        placed = fit.place([c.need()], self.rooms(), self.policy)
+        placed = fit.place([c.need()], self.ledger.rooms(), self.policy)
         if not isinstance(placed, fit.Placement):
             raise AllocationError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{ref}: {placed.reason}")
         return placed.gpus[c.container]
 
     def _same_pod(self, device_ids: list[str], pod_uid: str) -> set[str]:
         """Of `device_ids`, those a live record of the same pod holds (kubelet reusing init containers' devices)."""
-        owners = self._owner_of()
+        owners = self.ledger.owner_of()
         return {i for i in device_ids if i in owners and owners[i].pod_uid == pod_uid}
 
     def _check_room(self, target: _Target, resource: str, handed_on: set[str]) -> None:
@@ -392,7 +290,7 @@ class Allocator:
         c = target.request
         memory = c.memory_units if target.existing is None or resource == RESOURCE_MEMORY else 0
         compute = c.compute_units if target.existing is None or resource == RESOURCE_COMPUTE else 0
-        room = next((r for r in self.rooms(handed_on) if r.uuid == target.gpu_uuid), None)
+        room = next((r for r in self.ledger.rooms(handed_on) if r.uuid == target.gpu_uuid), None)
         if room is None or not room.fits(memory, compute):
             have = room.describe() if room is not None else f"GPU {target.gpu_uuid} is not available"
             raise AllocationError(grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -443,7 +341,7 @@ class Allocator:
     def _pick(self, resource: str, available: list[str], must_include: list[str], size: int, gpu_uuid: str) -> list[str]:
         """must_include first (the v1beta1 contract: kubelet has already given them to the container), then free
         devices of the container's GPU."""
-        held = self.held_ids()
+        held = self.ledger.held_ids()
         prefix = gpu_uuid + DEVICE_ID_SEPARATOR
         must = list(dict.fromkeys(must_include))
         off_gpu = [i for i in must if not i.startswith(prefix)]
@@ -464,10 +362,11 @@ class Allocator:
     def _abandon(self, alloc: Allocation, why: str) -> None:
         log.warning("allocation_abandoned", allocation=alloc.id, reason=why)
         self.workspace.remove(alloc.id)
-        self.remove(alloc.id)
+        self.ledger.remove(alloc.id)
+        self._made_here.discard(alloc.id)
 
     def _choose_unidentified(self, resource: str, size: int) -> str:
-        rooms = self.rooms()
+        rooms = self.ledger.rooms()
         placed = fit.place([fit.Need("container", size if resource == RESOURCE_MEMORY else 0,
                                      size if resource == RESOURCE_COMPUTE else 0)], rooms, self.policy)
         if not isinstance(placed, fit.Placement):
@@ -488,7 +387,7 @@ class Allocator:
         """One Allocate call's container requests, all or nothing: when one is refused, what the earlier ones
         took is given back (kubelet admits none of them), records and folders as they were before the call."""
         # Only a call of several containers can need undoing (kubelet sends one per call in practice).
-        before = {i: copy.deepcopy(a) for i, a in self.allocations.items()} if len(requests) > 1 else {}
+        before = {i: copy.deepcopy(a) for i, a in self.ledger.allocations.items()} if len(requests) > 1 else {}
         answers: list[ContainerAnswer] = []
         try:
             try:
@@ -509,7 +408,7 @@ class Allocator:
         """Undo what this call did to the records it answered with (and only those: another call may be under
         way): a record it created is abandoned, one it completed gets its earlier state back."""
         for alloc_id in dict.fromkeys(touched):
-            alloc = self.allocations.get(alloc_id)
+            alloc = self.ledger.allocations.get(alloc_id)
             if alloc is None:
                 continue
             old = before.get(alloc_id)
@@ -569,9 +468,9 @@ class Allocator:
     def _take_devices(self, device_ids: list[str], pod_uid: str) -> list[str]:
         """Check that no live container of another pod holds the devices; return those an ended container of the
         same pod holds (kubelet hands an init container's devices to the next container of the pod)."""
-        owners = self._owner_of()
+        owners = self.ledger.owner_of()
         reused = [i for i in device_ids if i in owners and pod_uid and owners[i].pod_uid == pod_uid]
-        busy = sorted(i for i in device_ids if (i in owners and i not in reused) or i in self.external_held)
+        busy = sorted(i for i in device_ids if (i in owners and i not in reused) or i in self.ledger.external_held)
         if busy:
             holder = owners[busy[0]].describe() if busy[0] in owners else "a container kubelet reports"
             raise AllocationError(grpc.StatusCode.FAILED_PRECONDITION,
@@ -606,7 +505,7 @@ class Allocator:
     def _open_for(self, resource: str, count: int) -> Allocation | None:
         """Without pod identity: the newest unfinished allocation of the last PAIR_WINDOW_S lacking `resource`."""
         now = time.time()
-        for alloc in sorted(self.allocations.values(), key=lambda a: a.created_at, reverse=True):
+        for alloc in sorted(self.ledger.allocations.values(), key=lambda a: a.created_at, reverse=True):
             if (not alloc.identified and alloc.claim is None and not alloc.device_ids.get(resource)
                     and now - alloc.created_at <= PAIR_WINDOW_S and alloc.id in self._made_here):
                 return alloc
@@ -614,7 +513,7 @@ class Allocator:
 
     def _release(self, device_ids: list[str], keep: str) -> None:
         """Take `device_ids` out of every record but `keep` (they were handed on within the pod)."""
-        owners = {i: a for a in self.allocations.values() if a.id != keep for i in a.all_ids()}
+        owners = {i: a for a in self.ledger.allocations.values() if a.id != keep for i in a.all_ids()}
         for alloc in {owners[i].id: owners[i] for i in device_ids if i in owners}.values():
             for resource, ids in alloc.device_ids.items():
                 alloc.device_ids[resource] = [i for i in ids if i not in device_ids]
@@ -646,7 +545,8 @@ class Allocator:
             raise AllocationError(code, f"cannot create workspace for {alloc.describe()} under "
                                         f"{self.workspace.root}: {e}") from e
         region.close()
-        self.allocations[alloc.id] = alloc
+        self.ledger.add(alloc)
+        self._made_here.intersection_update(self.ledger.allocations)  # forget records retired elsewhere meanwhile
         self._made_here.add(alloc.id)
         return alloc
 

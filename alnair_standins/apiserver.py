@@ -50,7 +50,7 @@ from aiohttp.test_utils import TestServer
 from kubernetes_asyncio.client import ApiClient, Configuration
 
 from alnair_agent import http_stop
-from fakes.resourceapi import ResourceApiMixin
+from alnair_standins.apiserver_resource import ResourceApiMixin
 
 MERGE_PATCH = "application/merge-patch+json"
 
@@ -226,7 +226,7 @@ def _precondition(old: Mapping[str, Any], body: Any, plural: str, name: str) -> 
 
 class FakeApiServer(ResourceApiMixin):
     """The stand-in API server; see the module docstring. All test hooks are plain (synchronous) methods.
-    resource.k8s.io/v1 (ResourceSlices, ResourceClaims, DeviceClasses) is served by fakes.resourceapi."""
+    resource.k8s.io/v1 (ResourceSlices, ResourceClaims, DeviceClasses) is served by alnair_standins.apiserver_resource."""
 
     def __init__(self) -> None:
         self._init_resources()

@@ -93,7 +93,7 @@ class ResourceApiMixin:
 
     def _publish(self, kind: str, old: dict[str, Any] | None, new: dict[str, Any] | None) -> None:
         """A change of a slice or claim, for watches (the same event log as pods and nodes)."""
-        from fakes.apiserver import _Event
+        from alnair_standins.apiserver import _Event
 
         if new is None:
             assert old is not None

@@ -26,17 +26,24 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from agent_harness import NODE, AgentProcess, RunningAgent, kubernetes_for, node_settings, running_agent
-from fakes.apiserver import FakeApiServer, make_pod
-from fakes.apiserver_process import ApiServerProcess
-from fakes.dra_allocator import Allocator, reserved_for
 
 from alnair_agent.config import Settings
 from alnair_agent.constants import DRA_DEVICE_CLASS, DRA_DRIVER
 from alnair_agent.dra.capacity import slice_name
-from alnair_agent.kubelet.dra_emulator import Claim, ContainerView, DraKubeletEmulator
+from alnair_standins.apiserver import FakeApiServer, make_pod
+from alnair_standins.apiserver_process import ApiServerProcess
+from alnair_standins.dra_allocator import Allocator, reserved_for
+from alnair_standins.kubelet_dra import Claim, ContainerView, DraKubeletEmulator
+from alnair_standins.node import (
+    NODE,
+    AgentProcess,
+    RunningAgent,
+    kubernetes_for,
+    node_settings,
+    running_agent,
+)
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]  # a checkout: the manifests are read from it
 
 
 def device_class() -> dict[str, Any]:
@@ -73,7 +80,7 @@ def make_claim_pod(name: str, claims: Mapping[str, str], containers: list[tuple[
     each container names entries, each with a request or None for the whole claim."""
     pod = make_pod(name, namespace=namespace, node=node, containers=[{"name": c} for c, _ in containers])
     pod["spec"]["resourceClaims"] = [{"name": k, "resourceClaimName": v} for k, v in claims.items()]
-    for spec, (_, refs) in zip(pod["spec"]["containers"], containers):
+    for spec, (_, refs) in zip(pod["spec"]["containers"], containers, strict=True):
         spec["resources"] = {"claims": [{"name": k, **({"request": r} if r else {})} for k, r in refs]}
     return pod
 

@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 
 from alnair_agent.constants import RESOURCES
-from alnair_agent.kubelet.emulator import KubeletEmulator
+from alnair_standins.kubelet import KubeletEmulator
 
 REFUSE_ALL = 1 << 30
 

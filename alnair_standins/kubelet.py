@@ -21,7 +21,12 @@ from pathlib import Path
 
 import grpc
 
-from alnair_agent.constants import DEVICE_PLUGIN_API_VERSION, HEALTHY, KUBELET_SOCKET_NAME
+from alnair_agent.constants import (
+    DEVICE_PLUGIN_API_VERSION,
+    HEALTHY,
+    KUBELET_SOCKET_NAME,
+)
+from alnair_agent.grpc_unix import serve_unix
 from alnair_agent.proto import deviceplugin_pb2 as pb
 from alnair_agent.proto import deviceplugin_pb2_grpc as pb_grpc
 from alnair_agent.proto import podresources_pb2 as prpb
@@ -62,13 +67,7 @@ class ContainerKey:
 async def serve_pod_resources(socket: Path, servicer: prpb_grpc.PodResourcesListerServicer) -> grpc.aio.Server:
     """kubelet's pod-resources API on `socket` (a fresh socket file), served by `servicer`."""
     socket.parent.mkdir(parents=True, exist_ok=True)
-    with contextlib.suppress(FileNotFoundError):
-        socket.unlink()
-    server = grpc.aio.server()
-    prpb_grpc.add_PodResourcesListerServicer_to_server(servicer, server)
-    server.add_insecure_port(f"unix://{socket}")
-    await server.start()
-    return server
+    return await serve_unix(socket, lambda s: prpb_grpc.add_PodResourcesListerServicer_to_server(servicer, s))
 
 
 class KubeletEmulator:
@@ -97,13 +96,8 @@ class KubeletEmulator:
             self._pr_server = await serve_pod_resources(self.pod_resources_socket, _PodResources(self))
 
     async def _start_registration(self) -> None:
-        sock = self.plugin_dir / KUBELET_SOCKET_NAME
-        with contextlib.suppress(FileNotFoundError):
-            sock.unlink()
-        self._server = grpc.aio.server()
-        pb_grpc.add_RegistrationServicer_to_server(_Registration(self), self._server)
-        self._server.add_insecure_port(f"unix://{sock}")
-        await self._server.start()
+        self._server = await serve_unix(self.plugin_dir / KUBELET_SOCKET_NAME,
+                                        lambda s: pb_grpc.add_RegistrationServicer_to_server(_Registration(self), s))
 
     async def _drop_plugins(self) -> None:
         plugins, self.plugins = self.plugins, {}
