@@ -23,19 +23,17 @@ import asyncio
 import json
 import os
 import statistics
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
+from benchstats import write_json
+from shares_gpu import SHAPES
+
+from alnair_agent.node.region import Region
+from alnair_standins.workloads import plain_env, run_py
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "bench"), str(ROOT / "tests" / "gpu")]
-
-from benchstats import machine, write_json  # noqa: E402
-from shares_gpu import SHAPES  # noqa: E402
-from workloads import plain_env, run_py  # noqa: E402
-
-from alnair_agent.node.region import Region  # noqa: E402
 
 PERIOD_NS = 100_000_000
 CAP = 30
@@ -54,6 +52,7 @@ torch.manual_seed(0)
 
 TAIL = """
 from alnair_agent.node.region import Region, Turn, monotonic_ns
+
 path = os.environ.get("ALNAIR_REGION")
 reg = Region.open(Path(path)) if path and os.environ.get("LD_PRELOAD") else None
 PERIOD, CAP, MEM = %(period)d, %(cap)d, %(memory)d
@@ -166,7 +165,7 @@ def summarise(shape: str, build: str, res: dict[str, Any]) -> dict[str, Any]:
     ph = res["phases"]
     ref = [p["rate"] for p in ph if p["phase"] in ("u", "p")]
     base = statistics.mean(ref)
-    steps = [100 * abs(b - a) / statistics.mean((a, b)) for a, b in zip(ref, ref[1:])]
+    steps = [100 * abs(b - a) / statistics.mean((a, b)) for a, b in zip(ref, ref[1:], strict=False)]
     row: dict[str, Any] = {"shape": shape, "build": build, "ref_rate": round(base, 1),
                            "ref_step_spread_pct": round(statistics.median(steps), 1) if steps else None,
                            "ref_range_pct": round(100 * (max(ref) - min(ref)) / base, 1)}

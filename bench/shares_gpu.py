@@ -59,6 +59,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import bisect
+import functools
 import json
 import math
 import os
@@ -73,14 +74,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "bench"), str(ROOT / "tests" / "gpu")]
+from benchstats import write_json
+from cpus import APPLY as APPLY_CPUS
+from cpus import CpuPlan
 
-from benchstats import write_json  # noqa: E402
-from cpus import APPLY as APPLY_CPUS, CpuPlan  # noqa: E402
-from workloads import Node, NvmlUtilization, plain_env, run_py  # noqa: E402 - light: heavy imports happen when used
-
-from alnair_agent.constants import ENV_ALLOCATION_ID  # noqa: E402
+from alnair_agent.constants import ENV_ALLOCATION_ID
+from alnair_standins.workloads import Node, NvmlUtilization, plain_env, run_py  # light: heavy imports happen when used
 
 # -- goals (issue 18) ----------------------------------------------------------------------------------------------
 CAP_TOL = 3.0  # points: a share, NVML, a scaled cap, a usage figure
@@ -249,7 +248,7 @@ class Progress:
     def first_after(self, t: float) -> float | None:
         """When the first unit after `t` completed (the first mark above the units done at `t`)."""
         base = self.at(t)
-        return next((tt for tt, k in zip(self.times, self.units) if tt >= t and k > base), None)
+        return next((tt for tt, k in zip(self.times, self.units, strict=False) if tt >= t and k > base), None)
 
 
 def share(p: Progress, alone_rate: float, t0: float, t1: float) -> float:
@@ -288,7 +287,7 @@ class Scaled:
 def scaled_caps(caps: Sequence[float], shares: Sequence[float], tol: float = CAP_TOL, min_f: float = MIN_F) -> Scaled:
     f = sum(shares) / sum(caps)
     targets = [c * min(f, 1.0) for c in caps]
-    errors = [s - t for s, t in zip(shares, targets)]
+    errors = [s - t for s, t in zip(shares, targets, strict=False)]
     return Scaled(f, targets, errors, f >= min_f and all(abs(e) <= tol for e in errors))
 
 
@@ -559,7 +558,7 @@ def table(rows: Sequence[Row]) -> str:
     head = ("shape", "scenario", "figure", "goal", "result")
     cells = [head] + [(r.shape, r.scenario, r.figure, r.goal, r.verdict) for r in rows]
     widths = [max(len(c[i]) for c in cells) for i in range(len(head))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(cell, widths)).rstrip() for cell in cells]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(cell, widths, strict=False)).rstrip() for cell in cells]
     lines.insert(1, "  ".join("-" * w for w in widths))
     npass, nfail = sum(r.ok is True for r in rows), sum(r.ok is False for r in rows)
     return "\n".join(lines + [f"{npass} passed, {nfail} failed"])
@@ -819,7 +818,7 @@ class Bench:
             return out
         async with self.node("strict") as node, Tenants(self.cpus) as ts:
             envs = [await node.admit(step.cap, self.memory_gib) for _ in shapes]
-            tenants = [ts.start(s, s, e, w.run_s) for s, e in zip(shapes, envs)]
+            tenants = [ts.start(s, s, e, w.run_s) for s, e in zip(shapes, envs, strict=False)]
             dead = await ts.settle_ready()
             with self.sampler(envs[0]) as nv:
                 for t in tenants:  # one at a time: each alone on the GPU, the others idle at their barriers
@@ -837,7 +836,7 @@ class Bench:
         rate = self.rate(shape)
         async with self.node("strict") as node, Tenants(self.cpus) as ts:
             envs = [await node.admit(c, self.memory_gib) for c in caps]
-            tenants = [ts.start(f"{shape}-{c}", shape, e, w.run_s) for c, e in zip(caps, envs)]
+            tenants = [ts.start(f"{shape}-{c}", shape, e, w.run_s) for c, e in zip(caps, envs, strict=False)]
             await ts.ready()
             ids = [t.alloc for t in tenants]
             async with UsageProbe(node.agent, ids) as probe:
@@ -885,31 +884,31 @@ def rows_of(shapes: Sequence[str], alone: dict[str, dict], results: dict[str, di
         else:
             by[(names, scenario)] = r
     rows: list[Row] = []
+
+    def add(s: str, scenario: str, make: Callable[[dict], list[Row]], label: str | None = None) -> None:
+        """The scenario's rows, or one error row (`label` None: its error is another row's already)."""
+        r = by.get((s, scenario))
+        if r is not None and "error" in r:
+            rows.extend([error_row(s, label or scenario, r["error"])] if label != "" else [])
+        elif r is not None:
+            rows.extend(make(r))
+
     for s in shapes:
         a = alone.get(s)
         if a is not None:
-            rows += alone_rows(s, a) if "error" not in a else [error_row(s, "alone, no shim", a["error"])]
-
-        def add(scenario: str, make: Callable[[dict], list[Row]], label: str | None = None) -> None:
-            """The scenario's rows, or one error row (`label` None: its error is another row's already)."""
-            r = by.get((s, scenario))
-            if r is not None and "error" in r:
-                rows.extend([error_row(s, label or scenario, r["error"])] if label != "" else [])
-            elif r is not None:
-                rows.extend(make(r))
-
+            rows.extend(alone_rows(s, a) if "error" not in a else [error_row(s, "alone, no shim", a["error"])])
         if "caps" in only:
             for cap in caps:
-                add(f"caps {cap}", lambda r: cap_rows(s, r))
+                add(s, f"caps {cap}", functools.partial(cap_rows, s))
         if "pair" in only:
-            add("pair", lambda r: together_rows(s, "pair 30+70", r))
+            add(s, "pair", functools.partial(together_rows, s, "pair 30+70"))
         if "three" in only:
-            add("three", lambda r: together_rows(s, "three 20+30+50", r))
+            add(s, "three", functools.partial(together_rows, s, "three 20+30+50"))
         if "usage" in only:
-            add("pair", lambda r: usage_rows(s, "pair", r), "" if "pair" in only else "usage (pair)")
-            add("three", lambda r: usage_rows(s, "three", r), "" if "three" in only else "usage (three)")
+            add(s, "pair", functools.partial(usage_rows, s, "pair"), "" if "pair" in only else "usage (pair)")
+            add(s, "three", functools.partial(usage_rows, s, "three"), "" if "three" in only else "usage (three)")
         if "elastic" in only:
-            add("elastic", lambda r: elastic_rows(s, r))
+            add(s, "elastic", functools.partial(elastic_rows, s))
     return rows
 
 

@@ -17,17 +17,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "bench"), str(ROOT / "tests" / "gpu")]
+from benchstats import machine, write_json
+from cpus import CpuPlan
+from shares_gpu import SHAPES, TENANT_HEAD, parse_setting
 
-from benchstats import machine, write_json  # noqa: E402
-from cpus import CpuPlan  # noqa: E402
-from shares_gpu import SHAPES, TENANT_HEAD, parse_setting  # noqa: E402
-from workloads import Node, plain_env, run_py  # noqa: E402
+from alnair_standins.workloads import Node, plain_env, run_py
 
 TAIL = """
 import os
@@ -128,9 +125,9 @@ async def one(shim: Path, shape: str, caps: list[int], seconds: float, settings:
             cpus.reset()
             envs = [cpus.env(e) for e in envs]
         if trace_dir is not None:
-            envs = [{**e, "ALNAIR_TRACE_FILE": str(trace_dir / f"{n.name}.trace")} for e, n in zip(envs, names)]
+            envs = [{**e, "ALNAIR_TRACE_FILE": str(trace_dir / f"{n.name}.trace")} for e, n in zip(envs, names, strict=False)]
         tasks = [asyncio.create_task(run_py(code(shape), e, f"{seconds}", str(go), str(n) + ".ready"))
-                 for e, n in zip(envs, names)]
+                 for e, n in zip(envs, names, strict=False)]
         while not all(Path(str(n) + ".ready").exists() for n in names):
             if any(t.done() for t in tasks):
                 break
@@ -164,7 +161,7 @@ async def run(a: argparse.Namespace) -> dict:
             sums = [summarise(o, ref) for o in outs]
             if caps == [0]:
                 ref = sums[0]
-            for c, s in zip(caps, sums):
+            for c, s in zip(caps, sums, strict=False):
                 print(f"{shape:8} cap {c:3} of {caps}: {json.dumps(s)}", flush=True)
             out["runs"].append({"shape": shape, "caps": caps, "summary": sums,
                                 "raw": [{k: v for k, v in o.items() if k != "top_gaps"} for o in outs]})

@@ -88,8 +88,8 @@ def test_forged_counters_count_only_as_activity():
     assert x.last_active == 0.1 and x.gpu_rate <= 64e9 and x.wait_frac <= 64
 
 
-def gpu_with(active: set[str], util: float | None = None, now: float = 10.0) -> C.Gpu:
-    g = C.Gpu(epoch_ns=0)
+def gpu_with(active: set[str], util: float | None = None, now: float = 10.0) -> C.GpuTurns:
+    g = C.GpuTurns(epoch_ns=0)
     C.note_active(g, frozenset(active), now - C.ARRIVAL_HOLD_S - 1.0)
     if util is not None:
         C.note_device_util(g, util, now - 0.5)
@@ -146,7 +146,7 @@ def test_a_change_in_who_is_active_ends_every_lease_at_once():
 def test_no_trial_until_the_newcomer_has_held_its_windows_for_the_arrival_hold():
     cs = elastic_pair()
     t = ran(cs, {"a": 1000, "b": 1000}, 0.0, 10.0)
-    g = C.Gpu(epoch_ns=0)
+    g = C.GpuTurns(epoch_ns=0)
     C.note_active(g, frozenset({"a", "b"}), t)
     while t < 10.0 + C.ARRIVAL_HOLD_S - 0.05:
         t = ran(cs, {"a": 1000, "b": 1000}, t, t + 0.05)
@@ -157,7 +157,7 @@ def test_no_trial_until_the_newcomer_has_held_its_windows_for_the_arrival_hold()
     assert C.update_lending(g, cs, False, t) == "trial"
 
 
-def trial(cs: list[C.Container], g: C.Gpu, t: float, lent_rates: dict[str, float]) -> tuple[str | None, float]:
+def trial(cs: list[C.Container], g: C.GpuTurns, t: float, lent_rates: dict[str, float]) -> tuple[str | None, float]:
     """Tick through one trial with these launch rates while lent; what ended it and when."""
     assert g.lending and g.trial_end is not None
     while True:

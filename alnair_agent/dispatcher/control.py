@@ -114,7 +114,7 @@ def observe_counters(c: Container, now: float, dt: float, launches: int, wait: i
 
 
 @dataclass
-class Gpu:
+class GpuTurns:
     """The dispatcher's state of one GPU."""
 
     epoch_ns: int  # period 0 of its turns starts here
@@ -132,7 +132,7 @@ class Gpu:
     slowed: list[str] = field(default_factory=list)  # who the last trial that ended "slowed" slowed (for the log)
 
 
-def note_active(gpu: Gpu, active: frozenset[str], now: float) -> bool:
+def note_active(gpu: GpuTurns, active: frozenset[str], now: float) -> bool:
     """Who is active on the GPU this tick; True when that changed (then every lease ends: a newcomer has its
     window at once, and a utilization read before the change says nothing about the new mix)."""
     if active == gpu.active:
@@ -143,7 +143,7 @@ def note_active(gpu: Gpu, active: frozenset[str], now: float) -> bool:
     return True
 
 
-def end_lending(gpu: Gpu, now: float, hold: bool) -> None:
+def end_lending(gpu: GpuTurns, now: float, hold: bool) -> None:
     """Back to windows; with `hold`, no new trial for the hold time, which doubles."""
     gpu.lending, gpu.windows_since, gpu.trial_end = False, now, None
     gpu.baseline, gpu.trial_from = {}, {}
@@ -152,7 +152,7 @@ def end_lending(gpu: Gpu, now: float, hold: bool) -> None:
         gpu.hold_s = min(gpu.hold_s * 2, HOLD_MAX_S)
 
 
-def slowed(gpu: Gpu, active: list[Container], now: float) -> list[str]:
+def slowed(gpu: GpuTurns, active: list[Container], now: float) -> list[str]:
     """The containers whose launch rate since the trial began is under KEEP_FRAC of their baseline."""
     out = []
     for c in active:
@@ -163,13 +163,13 @@ def slowed(gpu: Gpu, active: list[Container], now: float) -> list[str]:
     return out
 
 
-def note_device_util(gpu: Gpu, util: float, sampled_at: float) -> None:
+def note_device_util(gpu: GpuTurns, util: float, sampled_at: float) -> None:
     """A device utilization sample; ignored when taken within SETTLE_S of the last change."""
     if sampled_at >= gpu.changed_at + SETTLE_S:
         gpu.device_util = util
 
 
-def update_lending(gpu: Gpu, containers: list[Container], uncapped_active: bool, now: float) -> str | None:
+def update_lending(gpu: GpuTurns, containers: list[Container], uncapped_active: bool, now: float) -> str | None:
     """Whether the GPU's active containers, all elastic, are lent the GPU together (see the module docstring).
     Returns what changed, for the log: "trial", "kept", "slowed", "recheck" (None: nothing)."""
     active = [c for c in containers if c.key in gpu.active]
@@ -210,7 +210,7 @@ def update_lending(gpu: Gpu, containers: list[Container], uncapped_active: bool,
     return "trial"
 
 
-def lent(gpu: Gpu, containers: list[Container], uncapped_active: bool) -> set[str]:
+def lent(gpu: GpuTurns, containers: list[Container], uncapped_active: bool) -> set[str]:
     """The containers lent the whole GPU this tick."""
     out = set()
     for c in containers:

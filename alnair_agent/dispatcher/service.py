@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import operator
 import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, TypeVar
@@ -21,8 +22,8 @@ from alnair_agent.dispatcher import control as C
 from alnair_agent.node.region import Region, RegionError, Turn, monotonic_ns
 
 if TYPE_CHECKING:
-    from alnair_agent.node.allocator import Allocator
-    from alnair_agent.node.reconcile import PodStates
+    from alnair_agent.kube.pod_source import PodSource
+    from alnair_agent.node.ledger import Ledger
     from alnair_agent.node.workspace import Allocation, Workspace
     from alnair_agent.profiler.service import Profiler
 
@@ -44,10 +45,10 @@ def parse_policy(value: str | None, default: str) -> tuple[str, bool]:
 
 
 class Dispatcher:
-    def __init__(self, allocator: "Allocator", workspace: "Workspace", profiler: "Profiler | None",
-                 pods: "PodStates | None", interval_s: float = 0.05, policy: str = C.STRICT,
+    def __init__(self, ledger: "Ledger", workspace: "Workspace", profiler: "Profiler | None",
+                 pods: "PodSource | None", interval_s: float = 0.05, policy: str = C.STRICT,
                  period_s: float = 0.05, idle_s: float = 0.15) -> None:
-        self.allocator = allocator
+        self.ledger = ledger
         self.workspace = workspace
         self.profiler = profiler
         self.pods = pods
@@ -56,7 +57,7 @@ class Dispatcher:
         self.period_ns = int(period_s * 1e9)
         self.idle_s = idle_s
         self.state: dict[str, C.Container] = {}  # allocation id -> control state
-        self.gpus: dict[str, C.Gpu] = {}
+        self.gpus: dict[str, C.GpuTurns] = {}
         self.lent: set[str] = set()  # allocations lent their GPU at the last tick
         self.turns: dict[str, float] = {}  # allocation -> its window as a part of the period, at the last tick
         self._regions: dict[str, Region] = {}
@@ -76,7 +77,7 @@ class Dispatcher:
                 try:
                     for _ in self._steps(started):
                         await asyncio.sleep(0)
-                except Exception:  # noqa: BLE001 - a dispatcher fault must not stop the agent; turns stay in force
+                except Exception:  # a dispatcher fault must not stop the agent; turns stay in force
                     log.exception("dispatcher_tick_failed")
                 await asyncio.sleep(max(0.0, self.interval_s - (time.monotonic() - started)))
         finally:
@@ -96,10 +97,10 @@ class Dispatcher:
         by_gpu: dict[str, list[C.Container]] = {}
         uncapped: dict[str, set[str]] = {}  # GPU -> containers without a cap that launched there lately
         live = set()
-        for n, alloc in enumerate(list(self.allocator.allocations.values())):
+        for n, alloc in enumerate(list(self.ledger.allocations.values())):
             if n and n % READS_PER_STEP == 0:
                 yield
-            if alloc.id not in self.allocator.allocations:
+            if alloc.id not in self.ledger.allocations:
                 continue  # retired during a step: its folder is gone
             if not 0 < alloc.compute_limit < 100:  # no cap: the shim stays out of the launch path
                 if self._uncapped_active(alloc, now):
@@ -111,7 +112,7 @@ class Dispatcher:
                 by_gpu.setdefault(alloc.gpu_uuid, []).append(c)
         for alloc_id in [i for i in self.state if i not in live]:
             self._forget(alloc_id)
-        for alloc_id in [i for i in self._uncapped if i not in self.allocator.allocations]:
+        for alloc_id in [i for i in self._uncapped if i not in self.ledger.allocations]:
             self._forget(alloc_id)
         utils = self._device_utils()
         now_ns = monotonic_ns()
@@ -122,7 +123,7 @@ class Dispatcher:
                 yield
             gpu = self.gpus.get(gpu_uuid)
             if gpu is None:
-                gpu = self.gpus[gpu_uuid] = C.Gpu(epoch_ns=now_ns)
+                gpu = self.gpus[gpu_uuid] = C.GpuTurns(epoch_ns=now_ns)
             others = uncapped.get(gpu_uuid, set())
             active = frozenset(c.key for c in containers if c.active(now, self.idle_s)) | others
             C.note_active(gpu, active, now)
@@ -143,7 +144,7 @@ class Dispatcher:
                 turns[c.key] = length / self.period_ns
                 turn = Turn(gpu.epoch_ns, self.period_ns, offset, length, lease_end if c.key in lent else 0,
                             spare[c.key])
-                self._put(c.key, lambda r, t=turn: r.set_turn(t))
+                self._put(c.key, operator.methodcaller("set_turn", turn))
         self.lent, self.turns = all_lent, turns
         for gpu_uuid in [g for g in self.gpus if g not in by_gpu]:
             del self.gpus[gpu_uuid]
