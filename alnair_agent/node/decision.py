@@ -33,7 +33,7 @@ ALLOCATED_ANNOTATION = ANNOTATION_PREFIX + "allocated"
 # bound pod within a second or two; a node whose kubelet is down is NotReady and gets no pods anyway).
 LOCK_TTL_S = 30.0
 _MAX_CONTAINERS = 1024  # far above what a pod can have; bounds what a hostile annotation makes us parse
-_MAX_GPUS = 64  # GPUs of one container (fit.MAX_GPUS_PER_CONTAINER)
+_MAX_GPUS = 16  # GPUs of one container (fit.MAX_GPUS_PER_CONTAINER)
 
 
 class DecisionError(ValueError):

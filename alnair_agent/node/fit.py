@@ -40,7 +40,7 @@ KIND_REGULAR = "regular"
 MAX_SCORE = 10  # kube-scheduler's MaxExtenderPriority
 
 
-MAX_GPUS_PER_CONTAINER = 64  # a bound on alnair/vgpu-count (the simulated and real backends have at most 64 GPUs)
+MAX_GPUS_PER_CONTAINER = 16  # a bound on alnair/vgpu-count: the shim keeps per-device state for 16 (ALNAIR_MAX_DEVICES)
 
 
 @dataclass(frozen=True)
