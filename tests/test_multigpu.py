@@ -233,3 +233,35 @@ async def test_a_request_no_node_can_meet_stays_pending_with_the_reason(root: Pa
         assert not c.api.pod("default", "wide")["spec"].get("nodeName")
         agent = c.nodes["node-a"].agent
         assert agent is not None and agent.allocator is not None and not agent.allocator.allocations
+
+
+def _slow_place(needs: list[fit.Need], r: list[fit.Room], policy: str) -> fit.Placement | fit.NoFit:
+    """`fit.place` without its one-container shortcut (what it did before it)."""
+    result = fit._place(needs, r, policy)
+    if isinstance(result, fit.NoFit) and not isinstance(fit._place(needs, [x.empty() for x in r], policy),
+                                                        fit.Placement):
+        if not result.resolvable:
+            return result
+        if any(n.count > 1 for n in needs):
+            return fit.NoFit("the request is larger than this node's GPUs can hold even when empty: " + result.reason,
+                             resolvable=False)
+        mem, comp = max(x.memory_total for x in r), max(x.compute_total for x in r)
+        return fit.NoFit(f"the request is larger than any single GPU on this node can hold (largest offers {mem} "
+                         f"memory + {comp} compute units; memory and compute of a container come from one GPU): "
+                         + result.reason, resolvable=False)
+    return result
+
+
+@pytest.mark.parametrize("seed", range(200))
+def test_one_container_shortcut_gives_what_placing_gives(seed: int) -> None:
+    """Filter answers a one-container pod that does not fit without placing it twice; the answer (reason and
+    resolvability) is the one placing gives."""
+    rng = random.Random(seed)
+    total = rng.choice((16, 80))
+    r = [fit.Room(f"GPU-{i}", i, rng.randint(0, total), rng.choice((0, 10, 30, 60, 100)), total, 100)
+         for i in range(rng.randint(1, 8))]
+    n = fit.Need("main", rng.randint(0, total + 4), rng.choice((0, 10, 40, 100)), count=rng.randint(1, len(r)))
+    if not (n.memory or n.compute):
+        return
+    policy = rng.choice(fit.POLICIES)
+    assert fit.place([n], r, policy) == _slow_place([n], r, policy)
