@@ -10,6 +10,11 @@ RESOURCE_MEMORY = "alnair/vgpu-memory"  # 1 unit = ALNAIR_MEMORY_UNIT_MIB MiB of
 RESOURCE_COMPUTE = "alnair/vgpu-compute"  # 1 unit = 1 % of one GPU
 RESOURCES = (RESOURCE_MEMORY, RESOURCE_COMPUTE)
 COMPUTE_UNITS_PER_GPU = 100
+# How many GPUs a container's units are spread over, evenly (default 1). Not a device plugin resource: no plugin
+# registers it, so kubelet leaves it out of admission (it ignores extended resources its node does not offer), and
+# alnair-scheduler's extender manages it (ignoredByScheduler). alnair/vgpu-memory and alnair/vgpu-compute stay the
+# container's totals (what kubelet allocates and counts), each GPU getting 1/N of each.
+RESOURCE_COUNT = "alnair/vgpu-count"
 
 # Device IDs name their GPU so any ID maps back to it: "<GPU-UUID>::mem::<k>" / "<GPU-UUID>::sm::<k>".
 DEVICE_ID_SEPARATOR = "::"
@@ -29,6 +34,11 @@ ENV_MEMORY_LIMIT = "ALNAIR_MEMORY_LIMIT"  # bytes
 ENV_COMPUTE_LIMIT = "ALNAIR_COMPUTE_LIMIT"  # percent
 ENV_REGION = "ALNAIR_REGION"
 ENV_ALLOCATION_ID = "ALNAIR_ALLOCATION_ID"
+# A container of several GPUs: the region of each, comma-separated, in the order of NVIDIA_VISIBLE_DEVICES (GPU index
+# order = PCI bus order); the shim charges device ordinal k to the k-th. CUDA_DEVICE_ORDER=PCI_BUS_ID makes CUDA's
+# ordinals follow that order (its default, fastest first, may not).
+ENV_REGIONS = "ALNAIR_REGIONS"
+ENV_CUDA_DEVICE_ORDER = "CUDA_DEVICE_ORDER"
 CONTAINER_RUN_DIR = "/run/alnair"
 CONTAINER_REGION_PATH = "/run/alnair/region"
 CONTAINER_SHIM_DIR = "/opt/alnair/lib"

@@ -71,8 +71,8 @@ def make_pod(
     uid: str | None = None,
     requests_only: bool = False,
 ) -> dict[str, Any]:
-    """A realistic pod dict. Each container is {"name": str, "memory": units, "compute": units} where units may
-    be an int or any raw string (e.g. "1.5", to test validation) and either key may be left out. `node=None`
+    """A realistic pod dict. Each container is {"name": str, "memory": units, "compute": units, "gpus": count}
+    where units may be an int or any raw string (e.g. "1.5", to test validation) and either key may be left out. `node=None`
     makes an unbound pod (no nodeName, PodScheduled False). `requests_only` puts the quantities in
     resources.requests only (the API server would copy them to limits; the parser must cope with both)."""
     scheduled_at = scheduled_at or datetime.now(timezone.utc)
@@ -84,6 +84,8 @@ def make_pod(
             quantities["alnair/vgpu-memory"] = str(c["memory"])
         if "compute" in c:
             quantities["alnair/vgpu-compute"] = str(c["compute"])
+        if "gpus" in c:  # alnair/vgpu-count: memory and compute above are the container's totals over its GPUs
+            quantities["alnair/vgpu-count"] = str(c["gpus"])
         resources: dict[str, Any] = {"requests": dict(quantities)}
         if not requests_only:
             resources["limits"] = dict(quantities)

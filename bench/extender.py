@@ -147,6 +147,9 @@ async def measure(n_nodes: int, n_pods: int, seed: int, workdir: Path) -> dict:
                 for n in range(n_pods):
                     shape = rng.choice(((4, 10), (8, 20), (16, 30), (40, 50), (2, 5)))
                     containers = [{"name": "main", "memory": shape[0], "compute": shape[1]}]
+                    if MULTI_EVERY and n % MULTI_EVERY == 1:  # a container over 2-4 GPUs (issue 27)
+                        k = rng.choice((2, 4))
+                        containers[0].update(memory=shape[0] * k, compute=shape[1] * k, gpus=k)
                     if n % 4 == 0:
                         containers.append({"name": "side", "memory": 1, "compute": 5})
                     pod = api.add_pod(alnair_pod(f"p{n}", containers, profile=rng.choice(
@@ -187,13 +190,20 @@ async def measure(n_nodes: int, n_pods: int, seed: int, workdir: Path) -> dict:
                       for verb, v in times.items() if v}}
 
 
+MULTI_EVERY = 0  # --multi-every
+
+
 def main() -> int:
+    global MULTI_EVERY
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--multi-every", type=int, default=0,
+                        help="every Nth pod's main container asks for 2 or 4 GPUs (alnair/vgpu-count); 0: none")
     parser.add_argument("--nodes", type=int, nargs="+", default=[500, 5000])
     parser.add_argument("--pods", type=int, default=200)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--out", default="bench/out/extender.json")
     args = parser.parse_args()
+    MULTI_EVERY = args.multi_every
     logs.configure("console", "error")
     with tempfile.TemporaryDirectory() as workdir:
         results = [asyncio.run(measure(n, args.pods, args.seed, Path(workdir))) for n in args.nodes]

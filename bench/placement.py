@@ -27,7 +27,7 @@ from alnair_standins.cluster import alnair_pod, cluster
 from alnair_standins.node import remove_tree, short_tmp
 
 
-async def run(pods: int, nodes: int, seed: int) -> dict:
+async def run(pods: int, nodes: int, seed: int, multi_every: int = 0) -> dict:
     root = short_tmp()
     rng = random.Random(seed)
     try:
@@ -36,6 +36,10 @@ async def run(pods: int, nodes: int, seed: int) -> dict:
             specs = []
             for n in range(pods):
                 containers = [{"name": "main", "memory": rng.choice((2, 4, 8)), "compute": rng.choice((5, 10, 20))}]
+                if multi_every and n % multi_every == 1:  # a container over 2-4 GPUs (issue 27)
+                    k = rng.choice((2, 4))
+                    containers[0].update(memory=containers[0]["memory"] * k, compute=containers[0]["compute"] * k,
+                                         gpus=k)
                 if n % 5 == 0:
                     containers.append({"name": "side", "memory": 1})
                 specs.append(alnair_pod(f"job-{n:03d}", containers,
@@ -44,6 +48,8 @@ async def run(pods: int, nodes: int, seed: int) -> dict:
             for spec in specs:
                 c.api.add_pod(spec)
             await c.settle(pods, timeout=300)
+            from test_placement import check_cluster, gpu_units  # every container on its decided GPU(s), own limits
+            check_cluster(c, gpu_units(c))  # raises on a cross-wired container or a double-booked GPU
             admitted = c.admitted()
             last = max(a.at for _, a in admitted.values())
             latencies = []
@@ -70,9 +76,11 @@ def main() -> int:
     parser.add_argument("--nodes", type=int, default=5)
     parser.add_argument("--seed", type=int, nargs="+", default=[1, 2, 3])
     parser.add_argument("--out", default="bench/out/placement.json")
+    parser.add_argument("--multi-every", type=int, default=0,
+                        help="every Nth pod's main container asks for 2 or 4 GPUs (alnair/vgpu-count); 0: none")
     args = parser.parse_args()
     logs.configure("console", "error")
-    results = [asyncio.run(run(args.pods, args.nodes, seed)) for seed in args.seed]
+    results = [asyncio.run(run(args.pods, args.nodes, seed, args.multi_every)) for seed in args.seed]
     print(f"placement: {args.pods} pods onto {args.nodes} nodes ({os.cpu_count()} CPUs, Python "
           f"{platform.python_version()})")
     print(f"{'seed':>4} {'admitted':>8} {'refused':>7} {'bind err':>8} {'pods/s':>7} {'p50 ms':>7} {'p99 ms':>7}"

@@ -42,7 +42,8 @@ static inline void *alnair_real(int id)
 #define REAL_OR_FAIL(fn, name)                   \
     __typeof__(&name) fn = REAL(name);           \
     if (UNLIKELY(fn == NULL))                    \
-        return CUDA_ERROR_NOT_FOUND;
+        return CUDA_ERROR_NOT_FOUND;             \
+    alnair_select()
 
 /* Unhooked driver functions the shim itself calls (events, capture state), resolved with the real table. */
 struct alnair_aux {
@@ -72,22 +73,55 @@ extern _Atomic unsigned alnair_fork_gen; /* bumped in a forked child: thread-loc
 
 /* ---- region.c --------------------------------------------------------------------------------------------- */
 /* NULL: no limits at all, every call passes straight through. Otherwise the container's shared region, or a
- * private in-process one built from ALNAIR_MEMORY_LIMIT / ALNAIR_COMPUTE_LIMIT when the shared one is refused. */
+ * private in-process one built from ALNAIR_MEMORY_LIMIT / ALNAIR_COMPUTE_LIMIT when the shared one is refused.
+ * A container of several GPUs (ALNAIR_REGIONS) has one region per device, all with the same limits: this is the
+ * first device's, and every per-device figure (slots, turns) is read from alnair_cur_region(). */
 extern struct alnair_region *alnair_region;
 extern int alnair_region_shared; /* 1: the container's file; 0: private (env limits, this process alone) */
 void alnair_region_setup(void);  /* called by alnair_init */
+
+/* ---- devices (region.c) -------------------------------------------------------------------------------------
+ * One entry per GPU of the container, in the order of its ALNAIR_REGIONS (NVIDIA_VISIBLE_DEVICES order); a
+ * one-GPU container has one. Every hook selects the calling thread's device first (REAL_OR_FAIL): the device of
+ * its current context (cuCtxGetDevice, cached per thread while the context stays current), mapped through
+ * CUDA_VISIBLE_DEVICES when the process set one; a hook naming a device (cuCtxCreate, cuDevicePrimaryCtxRetain,
+ * cuDeviceTotalMem) and a free (the device its allocation was charged on) set alnair_cur themselves. */
+#define ALNAIR_MAX_DEVICES 16
+struct alnair_device {
+    struct alnair_region *region;
+    int shared;
+    int overflow_warned;
+    struct alnair_region_slot *_Atomic slot; /* this process's slot in the device's region */
+    struct alnair_region_slot overflow;      /* when every slot is held: this process is refused (region.c) */
+};
+extern struct alnair_device alnair_devices[ALNAIR_MAX_DEVICES];
+extern int alnair_device_count;
+extern __thread int alnair_cur __attribute__((tls_model("initial-exec"))); /* the device index this call works on */
+void alnair_select_slow(void);
+static inline void alnair_select(void)
+{
+    if (UNLIKELY(alnair_device_count > 1))
+        alnair_select_slow();
+}
+int alnair_device_index(CUdevice ordinal); /* the region index of a device ordinal as this process sees it */
+void alnair_contexts_changed(void);        /* a context died: selections cached per thread are re-made */
+void alnair_use_device(int index);         /* this call works on device `index` (the next hook selects again) */
+static inline struct alnair_region *alnair_cur_region(void)
+{
+    return alnair_devices[alnair_cur].region;
+}
+
 struct alnair_region_slot *alnair_slot_slow(void);
-extern struct alnair_region_slot *_Atomic alnair_my_slot;
 static inline struct alnair_region_slot *alnair_slot(void)
 {
-    struct alnair_region_slot *s = atomic_load_explicit(&alnair_my_slot, memory_order_relaxed);
+    struct alnair_region_slot *s = atomic_load_explicit(&alnair_devices[alnair_cur].slot, memory_order_relaxed);
     return LIKELY(s != NULL) ? s : alnair_slot_slow();
 }
 /* All slots held by live processes: this process got none and is refused memory, contexts and metered launches. */
-extern struct alnair_region_slot alnair_overflow_slot;
 static inline int alnair_slotless(void)
 {
-    return atomic_load_explicit(&alnair_my_slot, memory_order_relaxed) == &alnair_overflow_slot;
+    struct alnair_device *d = &alnair_devices[alnair_cur];
+    return atomic_load_explicit(&d->slot, memory_order_relaxed) == &d->overflow;
 }
 struct alnair_region_slot *alnair_slot_retry(void); /* alnair_slot(), claiming a slot if one has freed up */
 void alnair_region_after_fork_child(void);

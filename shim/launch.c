@@ -113,12 +113,22 @@
 #define CAPTURE_MODE_RELAXED 2
 #define CAPTURE_STATUS_ACTIVE 1
 
-static _Atomic int64_t g_credit;         /* GPU ns charged that true-ups found the GPU did not run: off later charges */
-static _Atomic uint64_t g_debt;          /* ns of overrun past window ends not yet paid back by skipping */
-static _Atomic uint64_t g_paid_window;   /* the window (its start, ns) whose beginning the debt was paid from */
-static _Atomic uint64_t g_paid_shift;    /* ... and how much of it was skipped */
-static _Atomic uint64_t g_procs_window;  /* the window whose live processes were last counted */
-static _Atomic uint32_t g_procs = 1;     /* ... how many processes of the container live (they share its window) */
+/* Per device (a container of several GPUs, issue 27): each GPU has its own windows, so what is owed, credited and
+ * counted against them is kept per device; the names below are the calling thread's device's (alnair_cur). */
+static struct {
+    _Atomic int64_t credit;         /* GPU ns charged that true-ups found the GPU did not run: off later charges */
+    _Atomic uint64_t debt;          /* ns of overrun past window ends not yet paid back by skipping */
+    _Atomic uint64_t paid_window;   /* the window (its start, ns) whose beginning the debt was paid from */
+    _Atomic uint64_t paid_shift;    /* ... and how much of it was skipped */
+    _Atomic uint64_t procs_window;  /* the window whose live processes were last counted */
+    _Atomic uint32_t procs;         /* ... how many processes of the container live (they share its window) */
+} g_dev[ALNAIR_MAX_DEVICES];
+#define g_credit (g_dev[alnair_cur].credit)
+#define g_debt (g_dev[alnair_cur].debt)
+#define g_paid_window (g_dev[alnair_cur].paid_window)
+#define g_paid_shift (g_dev[alnair_cur].paid_shift)
+#define g_procs_window (g_dev[alnair_cur].procs_window)
+#define g_procs (g_dev[alnair_cur].procs)
 static _Atomic int g_captures;           /* stream captures under way in this process */
 static _Atomic int g_global_captures;    /* of them in global mode: no thread may query an event meanwhile */
 static _Atomic uint64_t g_guess_ns = DEFAULT_COST_NS; /* a launch nothing is known about: recent samples' mean */
@@ -287,7 +297,8 @@ struct tstate {
     int strict_captures; /* this thread's non-relaxed captures under way */
     int exit_hook;       /* the thread-exit destructor is armed */
 };
-static __thread struct tstate T __attribute__((tls_model("initial-exec")));
+static __thread struct tstate T_dev[ALNAIR_MAX_DEVICES] __attribute__((tls_model("initial-exec")));
+#define T (T_dev[alnair_cur]) /* per device: its events, fences and queued work are its context's */
 
 /* This thread's last yes of the gate, for as long as the turns it read stay (same turn_seq): the window it was in
  * (its start after any debt) or the lease, so a launch inside them needs no division nor a re-read of the turns. */
@@ -296,7 +307,8 @@ static __thread struct {
     uint32_t seq, procs;
     uint64_t start, end, free_until; /* end: UINT64_MAX when every moment is its turn */
     uint64_t room; /* how far past `end` a launch's work may run: the slack, or the spare time after the window */
-} G __attribute__((tls_model("initial-exec")));
+} G_dev[ALNAIR_MAX_DEVICES] __attribute__((tls_model("initial-exec")));
+#define G (G_dev[alnair_cur]) /* per device: each GPU's windows */
 
 /* Per-thread events are destroyed when the thread exits (a pthread key destructor, armed at the first event). */
 static pthread_key_t exit_key;
@@ -326,12 +338,7 @@ static void make_exit_key(void)
 
 void alnair_launch_after_fork_child(void)
 {
-    atomic_store(&g_credit, 0);
-    atomic_store(&g_debt, 0);
-    atomic_store(&g_paid_window, 0);
-    atomic_store(&g_paid_shift, 0);
-    atomic_store(&g_procs_window, 0);
-    atomic_store(&g_procs, 1);
+    memset(g_dev, 0, sizeof g_dev); /* every device's */
     atomic_store(&g_captures, 0);
     atomic_store(&g_global_captures, 0);
     memset(g_caps, 0, sizeof g_caps);
@@ -367,7 +374,8 @@ static inline int queries_ok(void)
 
 /* ---- GPU time counted, turns waited for ------------------------------------------------------------------ */
 #define ACCOUNT_FLUSH_NS 1000000ull /* a thread's counted GPU time reaches its slot in steps of at most this */
-static __thread uint64_t T_unflushed __attribute__((tls_model("initial-exec")));
+static __thread uint64_t T_unflushed_dev[ALNAIR_MAX_DEVICES] __attribute__((tls_model("initial-exec")));
+#define T_unflushed (T_unflushed_dev[alnair_cur])
 
 /* Add `ns` of GPU time to this process's slot, less any credit true-ups found (the counter only grows). Kept in the
  * thread until a millisecond has gathered: one shared-memory atomic per launch less on the metered path (the
@@ -466,8 +474,8 @@ static uint32_t window_procs(uint64_t ws)
     if (atomic_load_explicit(&g_procs_window, memory_order_relaxed) != ws) {
         atomic_store_explicit(&g_procs_window, ws, memory_order_relaxed);
         uint32_t n = 0;
-        struct alnair_region *r = alnair_region;
-        for (unsigned i = 0; r != NULL && alnair_region_shared && i < ALNAIR_REGION_MAX_SLOTS; i++)
+        struct alnair_region *r = alnair_cur_region();
+        for (unsigned i = 0; r != NULL && alnair_devices[alnair_cur].shared && i < ALNAIR_REGION_MAX_SLOTS; i++)
             n += RLOAD(r->slots[i].pid) > 0;
         atomic_store_explicit(&g_procs, n ? n : 1, memory_order_relaxed);
     }
@@ -499,7 +507,7 @@ static inline void owe_past(uint64_t backlog, uint64_t cost, uint64_t left)
 static uint64_t turn_gate(uint64_t cost, struct stream_ctr *sc, CUstream stream, int pt)
 {
     uint64_t t0 = 0, now = alnair_now_ns();
-    uint32_t seq = RLOAD(alnair_region->agent.turn_seq);
+    uint32_t seq = RLOAD(alnair_cur_region()->agent.turn_seq);
     if (LIKELY(G.valid && seq == G.seq)) {
         if (now < G.free_until) {
             clear_debt();
@@ -516,7 +524,7 @@ static uint64_t turn_gate(uint64_t cost, struct stream_ctr *sc, CUstream stream,
     }
     G.valid = 0;
     PROBE(P_GATE_SLOW, 0);
-    for (int polled = 0;; now = alnair_now_ns(), seq = RLOAD(alnair_region->agent.turn_seq)) {
+    for (int polled = 0;; now = alnair_now_ns(), seq = RLOAD(alnair_cur_region()->agent.turn_seq)) {
         struct alnair_turn t;
         alnair_turn_read(&t);
         if (now < t.free_until || t.length >= t.period) {

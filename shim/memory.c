@@ -28,6 +28,7 @@ struct entry {
                       allocations, 0: none known); K_POOL: the release threshold */
     uint32_t kind; /* 0: empty, UINT32_MAX: deleted */
     uint32_t refs; /* K_PCTX: retains; K_HANDLE: 1 until cuMemRelease, then 0 (kept while mapped) */
+    uint32_t dev;  /* the device (alnair_cur) it is charged on: its free gives the bytes back there */
 };
 
 static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
@@ -96,26 +97,26 @@ static struct entry *insert(uint64_t key, uint32_t kind, uint64_t size)
         tomb--;
     if (table[i].kind == 0 || table[i].kind == UINT32_MAX)
         live++;
-    table[i] = (struct entry){.key = key, .size = size, .kind = kind, .refs = 1};
+    table[i] = (struct entry){.key = key, .size = size, .kind = kind, .refs = 1, .dev = (uint32_t)alnair_cur};
     if (kind == K_DEV || kind == K_ARRAY || kind == K_MIPMAP)
         table[i].ctx = current_ctx();
     return &table[i];
 }
 
-/* Remove every entry of `ctx` (its allocations died with it); returns the bytes they were charged. mu held. */
-static uint64_t erase_ctx(uint64_t ctx)
+/* Remove every entry of `ctx` (its allocations died with it); adds the bytes they were charged to `give`, per
+ * device (a context is on one device, but an entry says where it was charged). mu held. */
+static void erase_ctx(uint64_t ctx, uint64_t give[ALNAIR_MAX_DEVICES])
 {
-    uint64_t give = 0;
     for (size_t i = 0; ctx != 0 && i < cap; i++) {
         struct entry *e = &table[i];
         if (e->kind != 0 && e->kind != UINT32_MAX && e->kind != K_PCTX && e->kind != K_CTX && e->ctx == ctx) {
-            give = give + e->size < give ? UINT64_MAX : give + e->size;
+            uint64_t *g = &give[e->dev < ALNAIR_MAX_DEVICES ? e->dev : 0];
+            *g = *g + e->size < *g ? UINT64_MAX : *g + e->size;
             e->kind = UINT32_MAX;
             live--;
             tomb++;
         }
     }
-    return give;
 }
 
 static void erase(struct entry *e)
@@ -146,6 +147,23 @@ static void unreserve(uint64_t size)
     do
         nv = old > size ? old - size : 0;
     while (!__atomic_compare_exchange_n(&s->memory_used, &old, nv, 1, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE));
+}
+
+/* Give back bytes charged on each device. */
+static void unreserve_each(const uint64_t give[ALNAIR_MAX_DEVICES])
+{
+    for (int i = 0; i < alnair_device_count; i++)
+        if (give[i] != 0) {
+            alnair_use_device(i);
+            unreserve(give[i]);
+        }
+}
+
+static void unreserve_on(uint32_t dev, uint64_t size)
+{
+    if (alnair_device_count > 1)
+        alnair_use_device((int)dev);
+    unreserve(size);
 }
 
 /* Count bytes the driver already holds (no limit check: they exist whatever we say). */
@@ -195,12 +213,15 @@ static void track(uint32_t kind, uint64_t key, uint64_t size)
     struct entry *e = find(key, kind);
     if (e != NULL) { /* the driver handed out a key we still hold: the old one was freed behind our back */
         uint64_t stale = e->size;
+        uint32_t stale_dev = e->dev, dev = (uint32_t)alnair_cur;
         e->size = size;
         e->ctx = (kind == K_DEV || kind == K_ARRAY || kind == K_MIPMAP) ? current_ctx() : 0;
         e->aux = 0;
         e->refs = 1;
+        e->dev = dev;
         pthread_mutex_unlock(&mu);
-        unreserve(stale);
+        unreserve_on(stale_dev, stale);
+        unreserve_on(dev, 0); /* back on the allocation's device */
         return;
     }
     if (insert(key, kind, size) == NULL) {
@@ -231,7 +252,7 @@ static void settle(int had, const struct entry *saved, CUresult rc)
     if (!had)
         return;
     if (rc == CUDA_SUCCESS) {
-        unreserve(saved->size);
+        unreserve_on(saved->dev, saved->size);
         return;
     }
     pthread_mutex_lock(&mu);
@@ -240,7 +261,7 @@ static void settle(int had, const struct entry *saved, CUresult rc)
         *e = *saved;
     pthread_mutex_unlock(&mu);
     if (e == NULL)
-        unreserve(saved->size);
+        unreserve_on(saved->dev, saved->size);
 }
 
 static inline uint64_t mul_sat(uint64_t a, uint64_t b)
@@ -560,6 +581,7 @@ void alnair_graph_mem_sync(void)
 
 int alnair_graph_mem_over(void)
 {
+    alnair_select();
     struct alnair_region *r = alnair_region;
     if (LIKELY(!atomic_load_explicit(&g_graph_mem, memory_order_relaxed)) || r == NULL)
         return 0;
@@ -659,7 +681,7 @@ ALNAIR_API CUresult cuMemUnmap(CUdeviceptr ptr, size_t size)
     CUresult rc = fn(ptr, size);
     if (rc != CUDA_SUCCESS || alnair_region == NULL)
         return rc;
-    uint64_t give = 0, end = (uint64_t)ptr + size < (uint64_t)ptr ? UINT64_MAX : (uint64_t)ptr + size;
+    uint64_t give[ALNAIR_MAX_DEVICES] = {0}, end = (uint64_t)ptr + size < (uint64_t)ptr ? UINT64_MAX : (uint64_t)ptr + size;
     pthread_mutex_lock(&mu);
     for (size_t i = 0; i < cap; i++) { /* every mapping in [ptr, ptr + size): an unmap may span several */
         struct entry *m = &table[i];
@@ -669,12 +691,12 @@ ALNAIR_API CUresult cuMemUnmap(CUdeviceptr ptr, size_t size)
         erase(m);
         struct entry *h = find(handle, K_HANDLE);
         if (h != NULL && h->aux > 0 && --h->aux == 0 && h->refs == 0) {
-            give += h->size; /* released earlier, and this was its last mapping: the driver frees it now */
+            give[h->dev < ALNAIR_MAX_DEVICES ? h->dev : 0] += h->size; /* released, last mapping: freed now */
             erase(h);
         }
     }
     pthread_mutex_unlock(&mu);
-    unreserve(give);
+    unreserve_each(give);
     return rc;
 }
 
@@ -752,6 +774,7 @@ ALNAIR_API CUresult cuMipmappedArrayDestroy(CUmipmappedArray hMipmappedArray)
 ALNAIR_API CUresult cuCtxCreate_v2(CUcontext *pctx, unsigned int flags, CUdevice dev)
 {
     REAL_OR_FAIL(fn, cuCtxCreate_v2);
+    alnair_use_device(alnair_device_index(dev)); /* a context is charged on its device */
     ALLOC_BODY(K_CTX, alnair_context_bytes, fn(pctx, flags, dev), (uintptr_t)*pctx);
 }
 
@@ -759,6 +782,7 @@ ALNAIR_API CUresult cuCtxCreate_v3(CUcontext *pctx, CUexecAffinityParam *paramsA
                                    unsigned int flags, CUdevice dev)
 {
     REAL_OR_FAIL(fn, cuCtxCreate_v3);
+    alnair_use_device(alnair_device_index(dev));
     ALLOC_BODY(K_CTX, alnair_context_bytes, fn(pctx, paramsArray, numParams, flags, dev), (uintptr_t)*pctx);
 }
 
@@ -766,6 +790,7 @@ ALNAIR_API CUresult cuCtxCreate_v4(CUcontext *pctx, CUctxCreateParams *ctxCreate
                                    CUdevice dev)
 {
     REAL_OR_FAIL(fn, cuCtxCreate_v4);
+    alnair_use_device(alnair_device_index(dev));
     ALLOC_BODY(K_CTX, alnair_context_bytes, fn(pctx, ctxCreateParams, flags, dev), (uintptr_t)*pctx);
 }
 
@@ -780,10 +805,12 @@ ALNAIR_API CUresult cuCtxDestroy_v2(CUcontext ctx)
     CUresult rc = fn(ctx);
     settle(had, &saved, rc);
     if (rc == CUDA_SUCCESS) {
+        uint64_t give[ALNAIR_MAX_DEVICES] = {0};
         pthread_mutex_lock(&mu);
-        uint64_t give = erase_ctx((uintptr_t)ctx);
+        erase_ctx((uintptr_t)ctx, give);
         pthread_mutex_unlock(&mu);
-        unreserve(give);
+        unreserve_each(give);
+        alnair_contexts_changed();
     }
     return rc;
 }
@@ -795,6 +822,7 @@ ALNAIR_API CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev)
     REAL_OR_FAIL(fn, cuDevicePrimaryCtxRetain);
     if (alnair_region == NULL)
         return fn(pctx, dev);
+    alnair_use_device(alnair_device_index(dev)); /* the primary context is charged on its device */
     pthread_mutex_lock(&mu);
     struct entry *e = find((uint64_t)(uint32_t)dev, K_PCTX);
     int first = e == NULL;
@@ -822,19 +850,22 @@ ALNAIR_API CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev)
 
 static void primary_drop(CUdevice dev, int all)
 {
+    uint64_t give[ALNAIR_MAX_DEVICES] = {0};
+    int dropped = 0;
     pthread_mutex_lock(&mu);
     struct entry *e = find((uint64_t)(uint32_t)dev, K_PCTX);
-    uint64_t give = 0;
     if (e != NULL && (all || --e->refs == 0)) {
         /* reset, or the last release: the driver destroys the primary context and everything allocated in it */
         uint64_t ctx = e->ctx;
-        give = e->size;
+        give[e->dev < ALNAIR_MAX_DEVICES ? e->dev : 0] = e->size;
         erase(e);
-        uint64_t more = erase_ctx(ctx);
-        give = give + more < give ? UINT64_MAX : give + more;
+        erase_ctx(ctx, give);
+        dropped = 1;
     }
     pthread_mutex_unlock(&mu);
-    unreserve(give);
+    unreserve_each(give);
+    if (dropped)
+        alnair_contexts_changed();
 }
 
 ALNAIR_API CUresult cuDevicePrimaryCtxRelease_v2(CUdevice dev)
@@ -892,6 +923,7 @@ ALNAIR_API CUresult cuDeviceTotalMem_v2(size_t *bytes, CUdevice dev)
 {
     REAL_OR_FAIL(fn, cuDeviceTotalMem_v2);
     CUresult rc = fn(bytes, dev);
+    alnair_use_device(alnair_device_index(dev));
     struct alnair_region *r = alnair_region;
     uint64_t limit = r ? RLOAD(r->agent.memory_limit) : 0;
     if (rc == CUDA_SUCCESS && bytes != NULL && limit != 0 && limit < *bytes)

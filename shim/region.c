@@ -26,10 +26,10 @@
 struct alnair_region *alnair_region;
 int alnair_region_shared;
 uint64_t alnair_context_bytes = ALNAIR_DEFAULT_CONTEXT_BYTES;
-struct alnair_region_slot *_Atomic alnair_my_slot;
+struct alnair_device alnair_devices[ALNAIR_MAX_DEVICES];
+int alnair_device_count = 1;
+__thread int alnair_cur __attribute__((tls_model("initial-exec")));
 static pthread_mutex_t claim_mu = PTHREAD_MUTEX_INITIALIZER;
-struct alnair_region_slot alnair_overflow_slot; /* when every slot is held: this process is refused (see below) */
-static int overflow_warned;
 
 /* ---- environment ----------------------------------------------------------------------------------------- */
 /* 1: set and well-formed; 0: unset; -1: malformed (a warning names the variable and value). */
@@ -129,6 +129,9 @@ static struct alnair_region *private_region(uint64_t memory_limit, uint32_t comp
     return r;
 }
 
+static void device_setup(struct alnair_device *d, const char *path, const char *explicit_path);
+static void devices_map_setup(void);
+
 void alnair_region_setup(void)
 {
     uint64_t ctx = 0;
@@ -137,12 +140,41 @@ void alnair_region_setup(void)
 
     const char *explicit_path = getenv("ALNAIR_REGION");
     const char *path = explicit_path && *explicit_path ? explicit_path : "/run/alnair/region";
+    const char *list = getenv("ALNAIR_REGIONS");
+    if (list != NULL && *list != '\0') { /* a container of several GPUs: one region per device, in order */
+        char buf[4096];
+        snprintf(buf, sizeof buf, "%s", list);
+        int n = 0;
+        char *save = NULL;
+        for (char *tok = strtok_r(buf, ",", &save); tok != NULL && n < ALNAIR_MAX_DEVICES;
+             tok = strtok_r(NULL, ",", &save))
+            device_setup(&alnair_devices[n++], tok, tok);
+        if (n == 0)
+            device_setup(&alnair_devices[n++], path, explicit_path);
+        alnair_device_count = n;
+        devices_map_setup();
+        struct alnair_region *any = NULL;
+        for (int i = 0; i < n && any == NULL; i++)
+            any = alnair_devices[i].region;
+        for (int i = 0; i < n && any != NULL; i++) /* a device whose region is gone keeps the others' limits */
+            if (alnair_devices[i].region == NULL)
+                alnair_devices[i].region = private_region(RLOAD(any->agent.memory_limit),
+                                                          RLOAD(any->agent.compute_limit));
+    } else {
+        device_setup(&alnair_devices[0], path, explicit_path);
+    }
+    alnair_region = alnair_devices[0].region;
+    alnair_region_shared = alnair_devices[0].shared;
+}
+
+static void device_setup(struct alnair_device *d, const char *path, const char *explicit_path)
+{
     char why[256];
     int missing = 0;
     struct alnair_region *r = open_shared(path, why, sizeof why, &missing);
     if (r != NULL) {
-        alnair_region = r;
-        alnair_region_shared = 1;
+        d->region = r;
+        d->shared = 1;
         return;
     }
     int mem_set = getenv("ALNAIR_MEMORY_LIMIT") != NULL, comp_set = getenv("ALNAIR_COMPUTE_LIMIT") != NULL;
@@ -161,11 +193,106 @@ void alnair_region_setup(void)
                     "enforced", path, why);
         return;
     }
-    alnair_region = private_region(mem, (uint32_t)comp);
-    alnair_region_shared = 0;
+    d->region = private_region(mem, (uint32_t)comp);
+    d->shared = 0;
     alnair_warn("alnair: region %s refused (%s); enforcing ALNAIR_MEMORY_LIMIT=%llu bytes and "
                 "ALNAIR_COMPUTE_LIMIT=%llu%% for this process alone",
                 path, why, (unsigned long long)mem, (unsigned long long)comp);
+}
+
+/* ---- devices ---------------------------------------------------------------------------------------------
+ * A process's device ordinal k is the container's GPU cvd[k] when the process set CUDA_VISIBLE_DEVICES (indices,
+ * or GPU UUIDs or their prefixes, which are looked up in NVIDIA_VISIBLE_DEVICES), else GPU k: the agent lists the
+ * GPUs in PCI bus order and sets CUDA_DEVICE_ORDER=PCI_BUS_ID, so CUDA's ordinals are that order. */
+static int g_cvd[ALNAIR_MAX_DEVICES], g_cvd_n = -1; /* -1: no CUDA_VISIBLE_DEVICES, ordinals are indices */
+static _Atomic unsigned g_ctx_gen;                  /* bumped when a context dies: cached selections are void */
+static __thread void *sel_ctx __attribute__((tls_model("initial-exec")));
+static __thread unsigned sel_gen __attribute__((tls_model("initial-exec")));
+static int warned_ordinal;
+
+static void devices_map_setup(void)
+{
+    const char *cvd = getenv("CUDA_VISIBLE_DEVICES"), *nvd = getenv("NVIDIA_VISIBLE_DEVICES");
+    if (cvd == NULL)
+        return;
+    char uuids[ALNAIR_MAX_DEVICES][96];
+    int nu = 0;
+    if (nvd != NULL) {
+        char buf[2048];
+        snprintf(buf, sizeof buf, "%s", nvd);
+        char *save = NULL;
+        for (char *t = strtok_r(buf, ",", &save); t != NULL && nu < ALNAIR_MAX_DEVICES; t = strtok_r(NULL, ",", &save))
+            snprintf(uuids[nu++], sizeof uuids[0], "%s", t);
+    }
+    char buf[2048];
+    snprintf(buf, sizeof buf, "%s", cvd);
+    g_cvd_n = 0;
+    char *save = NULL;
+    for (char *t = strtok_r(buf, ",", &save); t != NULL && g_cvd_n < ALNAIR_MAX_DEVICES; t = strtok_r(NULL, ",", &save)) {
+        while (*t == ' ')
+            t++;
+        char *end = NULL;
+        long v = strtol(t, &end, 10);
+        int idx = -1;
+        if (end != t && *end == '\0' && v >= 0 && v < alnair_device_count) {
+            idx = (int)v;
+        } else if (*t != '\0') {
+            for (int i = 0; i < nu && idx < 0; i++)
+                if (strncmp(uuids[i], t, strlen(t)) == 0)
+                    idx = i;
+        }
+        if (idx < 0)
+            break; /* CUDA stops at the first entry it cannot use */
+        g_cvd[g_cvd_n++] = idx;
+    }
+}
+
+int alnair_device_index(CUdevice ordinal)
+{
+    int k = (int)ordinal;
+    if (alnair_device_count <= 1)
+        return 0;
+    if (g_cvd_n >= 0)
+        k = k >= 0 && k < g_cvd_n ? g_cvd[k] : -1;
+    if (k < 0 || k >= alnair_device_count) {
+        /* a device the container was not given cannot be opened; charge its first GPU rather than nothing */
+        if (!warned_ordinal)
+            alnair_warn("alnair: device ordinal %d is none of this container's %d GPUs; charging GPU 0", (int)ordinal,
+                        alnair_device_count);
+        warned_ordinal = 1;
+        return 0;
+    }
+    return k;
+}
+
+void alnair_select_slow(void)
+{
+    CUcontext c = NULL;
+    if (alnair_aux.cuCtxGetCurrent == NULL || alnair_aux.cuCtxGetCurrent(&c) != CUDA_SUCCESS || c == NULL) {
+        sel_ctx = NULL;
+        alnair_cur = 0;
+        return;
+    }
+    unsigned gen = atomic_load_explicit(&g_ctx_gen, memory_order_relaxed);
+    if ((void *)c == sel_ctx && gen == sel_gen)
+        return; /* alnair_cur is still this context's device */
+    CUdevice dev = 0;
+    if (alnair_aux.cuCtxGetDevice == NULL || alnair_aux.cuCtxGetDevice(&dev) != CUDA_SUCCESS)
+        dev = 0;
+    alnair_cur = alnair_device_index(dev);
+    sel_ctx = (void *)c;
+    sel_gen = gen;
+}
+
+void alnair_use_device(int index)
+{
+    alnair_cur = index >= 0 && index < alnair_device_count ? index : 0;
+    sel_ctx = NULL; /* the next hook selects its device again */
+}
+
+void alnair_contexts_changed(void)
+{
+    atomic_fetch_add_explicit(&g_ctx_gen, 1, memory_order_relaxed);
 }
 
 /* ---- slots ------------------------------------------------------------------------------------------------ */
@@ -196,8 +323,8 @@ static int reclaim(struct alnair_region_slot *s, int32_t seen)
 
 int alnair_reclaim_dead_slots(void)
 {
-    struct alnair_region *r = alnair_region;
-    if (r == NULL || !alnair_region_shared)
+    struct alnair_region *r = alnair_cur_region();
+    if (r == NULL || !alnair_devices[alnair_cur].shared)
         return 0;
     int32_t me = (int32_t)getpid(), n = 0;
     for (unsigned i = 0; i < ALNAIR_REGION_MAX_SLOTS; i++) {
@@ -230,15 +357,16 @@ static struct alnair_region_slot *claim_free_slot(struct alnair_region *r, int32
 
 struct alnair_region_slot *alnair_slot_slow(void)
 {
-    struct alnair_region *r = alnair_region;
+    struct alnair_device *d = &alnair_devices[alnair_cur];
+    struct alnair_region *r = d->region;
     if (r == NULL)
         return NULL;
     pthread_mutex_lock(&claim_mu);
-    struct alnair_region_slot *mine = atomic_load(&alnair_my_slot);
+    struct alnair_region_slot *mine = atomic_load(&d->slot);
     if (mine == NULL) {
         int32_t me = (int32_t)getpid();
         uint64_t start = read_start_time(me, NULL);
-        if (!alnair_region_shared) {
+        if (!d->shared) {
             mine = &r->slots[0];
             mine->pid = me;
             mine->start_time = start;
@@ -254,15 +382,15 @@ struct alnair_region_slot *alnair_slot_slow(void)
                  * or launch metered kernels (that would be a hole in the container's limits): it is refused both (no
                  * context, no allocation, no metered launch) until a slot frees up; alnair_slot_retry claims it
                  * then. One warning says so. */
-                if (!overflow_warned)
+                if (!d->overflow_warned)
                     alnair_warn("alnair: all %u region slots of this container are held by live processes; process "
                                 "%d is refused GPU memory and contexts until one exits",
                                 ALNAIR_REGION_MAX_SLOTS, (int)me);
-                overflow_warned = 1;
-                mine = &alnair_overflow_slot;
+                d->overflow_warned = 1;
+                mine = &d->overflow;
             }
         }
-        atomic_store(&alnair_my_slot, mine);
+        atomic_store(&d->slot, mine);
     }
     pthread_mutex_unlock(&claim_mu);
     return mine;
@@ -270,16 +398,17 @@ struct alnair_region_slot *alnair_slot_slow(void)
 
 struct alnair_region_slot *alnair_slot_retry(void)
 {
+    struct alnair_device *d = &alnair_devices[alnair_cur];
     struct alnair_region_slot *s = alnair_slot();
-    if (s != &alnair_overflow_slot)
+    if (s != &d->overflow)
         return s;
     pthread_mutex_lock(&claim_mu);
-    s = atomic_load(&alnair_my_slot);
-    if (s == &alnair_overflow_slot) {
+    s = atomic_load(&d->slot);
+    if (s == &d->overflow) {
         int32_t me = (int32_t)getpid();
-        struct alnair_region_slot *got = claim_free_slot(alnair_region, me, read_start_time(me, NULL));
+        struct alnair_region_slot *got = claim_free_slot(d->region, me, read_start_time(me, NULL));
         if (got != NULL) {
-            atomic_store(&alnair_my_slot, got);
+            atomic_store(&d->slot, got);
             s = got;
         }
     }
@@ -290,12 +419,15 @@ struct alnair_region_slot *alnair_slot_retry(void)
 void alnair_region_after_fork_child(void)
 {
     pthread_mutex_init(&claim_mu, NULL);
-    struct alnair_region_slot *old = atomic_load(&alnair_my_slot);
-    atomic_store(&alnair_my_slot, NULL); /* the child claims its own slot on first use */
-    if (alnair_region != NULL && !alnair_region_shared && old != NULL) {
-        old->memory_used = 0; /* private copy: the parent's device memory is not the child's */
+    for (int i = 0; i < alnair_device_count; i++) {
+        struct alnair_device *d = &alnair_devices[i];
+        struct alnair_region_slot *old = atomic_load(&d->slot);
+        atomic_store(&d->slot, NULL); /* the child claims its own slot on first use */
+        if (d->region != NULL && !d->shared && old != NULL) {
+            old->memory_used = 0; /* private copy: the parent's device memory is not the child's */
+        }
+        memset(&d->overflow, 0, sizeof d->overflow);
     }
-    memset(&alnair_overflow_slot, 0, sizeof alnair_overflow_slot);
 }
 
 /* ---- sums ------------------------------------------------------------------------------ */
@@ -307,7 +439,7 @@ static inline uint64_t sat_add(uint64_t a, uint64_t b)
 
 uint64_t alnair_memory_used_all(void)
 {
-    struct alnair_region *r = alnair_region;
+    struct alnair_region *r = alnair_cur_region();
     uint64_t sum = 0;
     if (r == NULL)
         return 0;
@@ -324,8 +456,10 @@ uint64_t alnair_memory_used_all(void)
  * consistent, even reading and never waits longer: a word left odd (an agent that died mid-write, or the container
  * itself scribbling over its region) only leaves this thread on the last schedule it read. A schedule no agent
  * writes (a window outside its period, a period past 10 s) counts as none: the cap's part of the default period. */
-static __thread struct alnair_turn last_turn __attribute__((tls_model("initial-exec")));
-static __thread int last_turn_valid __attribute__((tls_model("initial-exec")));
+static __thread struct alnair_turn last_turns[ALNAIR_MAX_DEVICES] __attribute__((tls_model("initial-exec")));
+static __thread int last_turns_valid[ALNAIR_MAX_DEVICES] __attribute__((tls_model("initial-exec")));
+#define last_turn last_turns[alnair_cur]
+#define last_turn_valid last_turns_valid[alnair_cur]
 
 static void default_turn(struct alnair_region *r, struct alnair_turn *t)
 {
@@ -343,7 +477,9 @@ static void default_turn(struct alnair_region *r, struct alnair_turn *t)
 
 void alnair_turn_read(struct alnair_turn *t)
 {
-    struct alnair_region *r = alnair_region;
+    struct alnair_region *r = alnair_cur_region();
+    if (r == NULL)
+        r = alnair_region;
     for (unsigned tries = 0; tries < 4; tries++) {
         uint32_t s1 = RLOAD(r->agent.turn_seq);
         struct alnair_turn x = {RLOAD(r->agent.turn_epoch_ns), RLOAD(r->agent.turn_period_ns),

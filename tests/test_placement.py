@@ -70,8 +70,12 @@ def random_pods(rng: random.Random, count: int, budget_memory: int, budget_compu
 
 
 def check_cluster(c: Cluster, gpu_memory_units: dict[str, int]) -> None:
-    """Every admitted container: one allocation and one folder for both resources, its own limits, on the GPU the
-    extender decided; and no GPU holds more units than it has."""
+    """Every admitted container: one allocation and one folder per GPU for both resources, its own limits, on the
+    GPU(s) the extender decided (a multi-GPU container: distinct GPUs of its node, its units split evenly over
+    them, each GPU's region with the per-GPU limits); and no GPU holds more units than it has."""
+    from alnair_agent.node.edits import part_run_dir
+    from alnair_standins.kubelet import ContainerKey
+
     held: Counter[tuple[str, str]] = Counter()
     for uid, (node_name, adm) in c.admitted().items():
         try:
@@ -83,34 +87,43 @@ def check_cluster(c: Cluster, gpu_memory_units: dict[str, int]) -> None:
         decision = parse_decision(pod["metadata"]["annotations"][PLACEMENT_ANNOTATION])
         assert decision.node == node_name
         node = c.nodes[node_name]
+        on_node = set(node.agent.inventory.gpus) if node.agent and node.agent.inventory else set()
         for spec in pod["spec"]["containers"]:
             limits = spec["resources"]["limits"]
             answers = adm.answers.get(spec["name"], {})
             wanted = {r: int(limits.get(r, 0)) for r in (MEM, SM)}
+            count = int(limits.get("alnair/vgpu-count", 1))
+            each = {r: n // count for r, n in wanted.items()}
             assert set(answers) == {r for r, n in wanted.items() if n}, spec["name"]
-            gpu = decision.gpus[spec["name"]]
+            gpus = decision.gpus[spec["name"]]
+            assert len(gpus) == len(set(gpus)) == count, (spec["name"], gpus)
+            assert set(gpus) <= on_node, "a container's GPUs are all on its node"
             envs = [dict(a.envs) for a in answers.values()]
             mounts = [{m.container_path: m.host_path for m in a.mounts} for a in answers.values()]
             assert len({e[ENV_ALLOCATION_ID] for e in envs}) == 1, "one container, one allocation"
-            assert len({m["/run/alnair"] for m in mounts}) == 1, "one container, one folder"
-            assert {e[ENV_VISIBLE_DEVICES] for e in envs} == {gpu}
+            for k in range(count):
+                assert len({m[part_run_dir(k)] for m in mounts}) == 1, "one container, one folder per GPU"
+            assert len({m[part_run_dir(k)] for m in mounts[:1] for k in range(count)}) == count
+            assert {e[ENV_VISIBLE_DEVICES] for e in envs} == {",".join(gpus)}
             for e in envs:  # both answers name the same limits (kubelet merges them first-wins)
                 if wanted[MEM]:
-                    assert e[ENV_MEMORY_LIMIT] == str(wanted[MEM] * GIB)
+                    assert e[ENV_MEMORY_LIMIT] == str(each[MEM] * GIB)
                 if wanted[SM]:
-                    assert e[ENV_COMPUTE_LIMIT] == str(wanted[SM] if wanted[SM] < 100 else 0)
-            region = Region.open(Path(mounts[0]["/run/alnair"]) / "region")
-            try:
-                assert (region.memory_limit, region.compute_limit) == (
-                    wanted[MEM] * GIB, wanted[SM] if 0 < wanted[SM] < 100 else 0)
-            finally:
-                region.close()
-            from alnair_standins.kubelet import ContainerKey
+                    assert e[ENV_COMPUTE_LIMIT] == str(each[SM] if each[SM] < 100 else 0)
+            for k in range(count):
+                region = Region.open(Path(mounts[0][part_run_dir(k)]) / "region")
+                try:
+                    assert (region.memory_limit, region.compute_limit) == (
+                        each[MEM] * GIB, each[SM] if 0 < each[SM] < 100 else 0)
+                finally:
+                    region.close()
             assigned = node.kubelet.assigned[ContainerKey(adm.namespace, adm.pod, spec["name"])]
             for resource, ids in assigned.items():
                 assert len(ids) == wanted[resource]
-                assert {i.split("::")[0] for i in ids} == {gpu}
-                held[(gpu, resource)] += len(ids)
+                per_gpu = Counter(i.split("::")[0] for i in ids)
+                assert set(per_gpu) == set(gpus) and set(per_gpu.values()) == {each[resource]}, per_gpu
+                for gpu, n in per_gpu.items():
+                    held[(gpu, resource)] += n
     for (gpu, resource), units in held.items():
         assert units <= (gpu_memory_units[gpu] if resource == MEM else 100), (gpu, resource, units)
 
@@ -160,7 +173,7 @@ async def test_every_container_gets_its_own_limits_on_the_decided_gpu(root: Path
             granted = parse_allocated(pod["metadata"]["annotations"][ALLOCATED_ANNOTATION])
             for name, answers in adm.answers.items():
                 env = dict(next(iter(answers.values())).envs)
-                assert granted[name].gpu == env[ENV_VISIBLE_DEVICES]
+                assert ",".join(granted[name].gpus or (granted[name].gpu,)) == env[ENV_VISIBLE_DEVICES]
                 assert granted[name].allocation == env[ENV_ALLOCATION_ID]
         await wait_for(lambda: no_locks(c), what="no node lock left")
 
@@ -253,7 +266,7 @@ async def test_node_report_set_between_a_pods_allocate_calls_counts_all_of_it(ro
         assert c.view.summary("node-a").rooms == tuple(sorted(agent.ledger.rooms(), key=lambda r: r.index))
 
         # The next pod takes what the extender sees free on the first pod's GPU, and gets it.
-        gpu = parse_decision(c.api.pod_annotations("default", "first")[PLACEMENT_ANNOTATION]).gpus["main"]
+        [gpu] = parse_decision(c.api.pod_annotations("default", "first")[PLACEMENT_ANNOTATION]).gpus["main"]
         room = next(r for r in c.view.summary("node-a").rooms or () if r.uuid == gpu)
         rest = {k: n for k, n in (("memory", room.memory_free), ("compute", room.compute_free)) if n}
         c.api.add_pod(alnair_pod("second", [{"name": "main", **rest}]))

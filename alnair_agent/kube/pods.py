@@ -10,6 +10,7 @@ pod (`log_invalid`) rather than on every watch event.
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ import structlog
 from alnair_agent.constants import (
     COMPUTE_POLICY_ANNOTATION,
     RESOURCE_COMPUTE,
+    RESOURCE_COUNT,
     RESOURCE_MEMORY,
     RESOURCES,
     USAGE_ANNOTATION,
@@ -32,7 +34,7 @@ from alnair_agent.node.decision import (
     DecisionError,
     parse_decision,
 )
-from alnair_agent.node.fit import KIND_INIT, KIND_REGULAR, KIND_SIDECAR, Need
+from alnair_agent.node.fit import KIND_INIT, KIND_REGULAR, KIND_SIDECAR, MAX_GPUS_PER_CONTAINER, Need
 
 log = structlog.get_logger(__name__)
 
@@ -55,11 +57,16 @@ class PodError(ValueError):
 
 @dataclass(frozen=True)
 class InvalidQuantity:
-    """A container's Alnair quantity that is not a non-negative integer; the container is left out."""
+    """A container's Alnair quantity that is not a non-negative integer (or does not go with its others, `why`);
+    the container is left out."""
 
     container: str
     resource: str
     value: str
+    why: str = "is not a non-negative integer"
+
+    def describe(self) -> str:
+        return f"container {self.container!r}: {self.resource} = {json.dumps(self.value)} {self.why}"
 
 
 @dataclass(frozen=True)
@@ -70,12 +77,13 @@ class ContainerRequest:
     namespace: str
     pod_name: str
     container: str
-    memory_units: int
+    memory_units: int  # all its GPUs together (what kubelet allocates): `gpus` x the slice of each
     compute_units: int
     scheduled_at: datetime = EPOCH  # of its pod; orders ties when matching kubelet's Allocate to a container
     index: int = 0  # position in the pod: init containers first (kubelet admits them first), then containers
     init: bool = False
     kind: str = KIND_REGULAR  # fit.KIND_INIT (run-once init), KIND_SIDECAR or KIND_REGULAR
+    gpus: int = 1  # alnair/vgpu-count: GPUs its units are spread over evenly
 
     def units(self, resource: str) -> int:
         """Units requested of `resource` (one of constants.RESOURCES); 0 for anything else."""
@@ -94,7 +102,8 @@ class ContainerRequest:
         return (self.scheduled_at, self.namespace, self.pod_name, self.index)
 
     def need(self) -> Need:
-        return Need(self.container, self.memory_units, self.compute_units, self.kind)
+        return Need(self.container, self.memory_units // self.gpus, self.compute_units // self.gpus, self.kind,
+                    self.gpus)
 
 
 @dataclass(frozen=True)
@@ -240,15 +249,44 @@ def _container_requests(
             except ValueError:
                 invalid.append(InvalidQuantity(cname, resource, str(raw)))
                 bad = True
-        if bad or not any(units.values()):
+        count = _gpu_count(cname, limits.get(RESOURCE_COUNT, requests.get(RESOURCE_COUNT)), units, invalid)
+        if bad or count is None or not any(units.values()):
             continue
         out.append(ContainerRequest(
             pod_uid=uid, namespace=namespace, pod_name=name, container=cname,
             memory_units=units[RESOURCE_MEMORY], compute_units=units[RESOURCE_COMPUTE],
             scheduled_at=scheduled_at, index=start + offset, init=init,
             kind=(KIND_SIDECAR if spec.get("restartPolicy") == "Always" else KIND_INIT) if init else KIND_REGULAR,
+            gpus=count,
         ))
     return out
+
+
+def _gpu_count(cname: str, raw: Any, units: Mapping[str, int], invalid: list[InvalidQuantity]) -> int | None:
+    """A container's alnair/vgpu-count (1 when absent); None, with the reason in `invalid`, when it is not a whole
+    number 1..MAX_GPUS_PER_CONTAINER or does not divide its memory and compute evenly."""
+    if raw is None:
+        return 1
+    try:
+        count = parse_quantity(raw)
+    except ValueError:
+        invalid.append(InvalidQuantity(cname, RESOURCE_COUNT, str(raw)))
+        return None
+    if not 1 <= count <= MAX_GPUS_PER_CONTAINER:
+        invalid.append(InvalidQuantity(cname, RESOURCE_COUNT, str(raw), f"is not a GPU count in "
+                                                                        f"1..{MAX_GPUS_PER_CONTAINER}"))
+        return None
+    if not any(units.values()):
+        invalid.append(InvalidQuantity(cname, RESOURCE_COUNT, str(raw), f"asks for GPUs but the container asks for "
+                                       f"no {RESOURCE_MEMORY} or {RESOURCE_COMPUTE} to put on them"))
+        return None
+    for resource in RESOURCES:
+        if units.get(resource, 0) % count:
+            invalid.append(InvalidQuantity(cname, resource, str(units[resource]), f"is not a multiple of "
+                                           f"{RESOURCE_COUNT} = {count} (it is the container's total, split evenly "
+                                           "over its GPUs)"))
+            return None
+    return count
 
 
 def _ended_containers(spec: Mapping[str, Any], status: Mapping[str, Any], deleting: bool) -> frozenset[str]:

@@ -41,6 +41,8 @@ import structlog
 from alnair_agent.constants import DEVICE_ID_SEPARATOR, RESOURCE_COMPUTE, RESOURCE_MEMORY, RESOURCES
 from alnair_agent.kube.pod_source import PodSource
 from alnair_agent.kube.pods import ContainerRequest, PodInfo
+from alnair_agent.kubelet import multigpu
+from alnair_agent.kubelet.errors import AllocationError
 from alnair_agent.node import edits, fit
 from alnair_agent.node.decision import Granted
 from alnair_agent.node.inventory import UnknownDevice
@@ -60,16 +62,6 @@ SCHEDULER_HINT = ("set spec.schedulerName to alnair-cost-saving or alnair-high-p
                   "decides each container's GPU), or set ALNAIR_PLACE_UNSCHEDULED=true on the agent")
 
 
-class AllocationError(Exception):
-    """Refusal to kubelet: a gRPC status code and a message naming what was wrong."""
-
-    def __init__(self, code: grpc.StatusCode, message: str, pod: "PodInfo | None" = None) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
-        self.pod = pod  # the pod refused, when known (an Event goes on it)
-
-
 @dataclass
 class ContainerAnswer:
     """What Allocate returns for one container."""
@@ -81,12 +73,16 @@ class ContainerAnswer:
 
 @dataclass(frozen=True)
 class _Target:
-    """The container kubelet is admitting and the GPU it goes on."""
+    """The container kubelet is admitting and the GPU(s) it goes on."""
 
     pod: PodInfo
     request: ContainerRequest
-    gpu_uuid: str
-    existing: Allocation | None  # its record, when its other resource came first
+    gpus: tuple[str, ...]  # one, or alnair/vgpu-count of them in the order the container sees them
+    existing: Allocation | None  # its record (its first GPU's), when its other resource came first
+
+    @property
+    def gpu_uuid(self) -> str:
+        return self.gpus[0]
 
 
 class Allocator:
@@ -145,11 +141,23 @@ class Allocator:
             decided = pod.decision.gpus if pod.decision is not None else {}
             for c in pod.containers:
                 record = records.get(c.container)
-                gpu = record.gpu_uuid if record is not None else decided.get(c.container)
-                if gpu:
+                gpus = self._gpus_of(record) if record is not None else decided.get(c.container, ())
+                for gpu in gpus:
                     for resource in self._missing(c, record):
-                        out[(gpu, resource)] += c.units(resource)
+                        out[(gpu, resource)] += c.units(resource) // max(1, len(gpus))
         return out
+
+    @staticmethod
+    def _gpus_of(record: Allocation) -> tuple[str, ...]:
+        return tuple(record.gpus) or (record.gpu_uuid,)
+
+    def _parts(self, lead: Allocation) -> list[Allocation]:
+        """The allocations of `lead`'s container, one per GPU in `part` order (`lead` alone for a one-GPU one)."""
+        if not lead.gpus:
+            return [lead]
+        parts = [a for a in self.ledger.allocations.values() if a.claim is None and a.pod_uid == lead.pod_uid
+                 and a.container == lead.container and a.gpus == lead.gpus]
+        return sorted(parts, key=lambda a: a.part)
 
     def _release_freed(self, available: list[str]) -> None:
         """IDs kubelet offers as available are free in kubelet's record: any record still holding one is of a
@@ -163,12 +171,14 @@ class Allocator:
 
     # -- who is being admitted -------------------------------------------------------------------------------
     def _records_of(self, pod_uid: str) -> dict[str, Allocation]:
-        return {a.container: a for a in self.ledger.allocations.values() if a.pod_uid == pod_uid and a.claim is None}
+        """container -> its record (a multi-GPU container's first GPU's: its parts are made and completed together)."""
+        return {a.container: a for a in self.ledger.allocations.values()
+                if a.pod_uid == pod_uid and a.claim is None and a.part == 0}
 
     def _records_by_pod(self) -> dict[str, dict[str, Allocation]]:
         out: dict[str, dict[str, Allocation]] = {}
         for a in self.ledger.allocations.values():
-            if a.pod_uid and a.claim is None:  # DRA slices are no device plugin admission's
+            if a.pod_uid and a.claim is None and a.part == 0:  # DRA slices are no device plugin admission's
                 out.setdefault(a.pod_uid, {})[a.container] = a
         return out
 
@@ -241,10 +251,12 @@ class Allocator:
                                        "cannot tell which pod kubelet is admitting: "
                                        + self._describe_pending(resource, count))
 
-    def _gpu_for(self, pod: PodInfo, c: ContainerRequest, resource: str, existing: Allocation | None) -> str:
-        """The container's GPU: its record's, else the extender's decision, else (if allowed) the agent's choice."""
+    def _gpu_for(self, pod: PodInfo, c: ContainerRequest, resource: str,
+                 existing: Allocation | None) -> tuple[str, ...]:
+        """The container's GPU(s): its record's, else the extender's decision, else (if allowed) the agent's
+        choice."""
         if existing is not None:
-            return existing.gpu_uuid
+            return self._gpus_of(existing)
         ref = f"pod {pod.namespace}/{pod.name} container {c.container!r}"
         if pod.decision_error:
             raise AllocationError(grpc.StatusCode.FAILED_PRECONDITION,
@@ -255,18 +267,24 @@ class Allocator:
                 raise AllocationError(grpc.StatusCode.FAILED_PRECONDITION,
                                       f"{ref}: alnair-scheduler placed it on node {decision.node!r}, not this node "
                                       f"{self.node_name!r}")
-            gpu_uuid = decision.gpus.get(c.container)
-            if gpu_uuid is None:
+            gpus = decision.gpus.get(c.container)
+            if gpus is None:
                 raise AllocationError(grpc.StatusCode.FAILED_PRECONDITION,
                                       f"{ref}: alnair-scheduler's placement names no GPU for this container")
-            gpu = self.inventory.gpus.get(gpu_uuid)
-            if gpu is None:
+            if len(gpus) != c.gpus:
                 raise AllocationError(grpc.StatusCode.FAILED_PRECONDITION,
-                                      f"{ref}: alnair-scheduler placed it on GPU {gpu_uuid}, which is not on this node")
-            if not gpu.healthy:
-                raise AllocationError(grpc.StatusCode.UNAVAILABLE,
-                                      f"{ref}: alnair-scheduler placed it on GPU {gpu_uuid}, which is unhealthy")
-            return gpu_uuid
+                                      f"{ref}: alnair-scheduler's placement names {len(gpus)} GPU(s); the container "
+                                      f"asks for {c.gpus}")
+            for gpu_uuid in gpus:
+                gpu = self.inventory.gpus.get(gpu_uuid)
+                if gpu is None:
+                    raise AllocationError(grpc.StatusCode.FAILED_PRECONDITION,
+                                          f"{ref}: alnair-scheduler placed it on GPU {gpu_uuid}, which is not on this "
+                                          "node")
+                if not gpu.healthy:
+                    raise AllocationError(grpc.StatusCode.UNAVAILABLE,
+                                          f"{ref}: alnair-scheduler placed it on GPU {gpu_uuid}, which is unhealthy")
+            return gpus
         if not self.place_unscheduled:
             raise AllocationError(grpc.StatusCode.FAILED_PRECONDITION,
                                   f"{ref} asks for Alnair resources but was not placed by alnair-scheduler "
@@ -274,11 +292,11 @@ class Allocator:
                                   + SCHEDULER_HINT)
         records = self._records_of(pod.uid)
         if any(n.kind == fit.KIND_INIT for n in pod.needs()) and records:
-            return next(iter(records.values())).gpu_uuid  # kubelet reuses init devices: one GPU per such pod
+            return (next(iter(records.values())).gpu_uuid,)  # kubelet reuses init devices: one GPU per such pod
         placed = fit.place([c.need()], self.ledger.rooms(), self.policy)
         if not isinstance(placed, fit.Placement):
             raise AllocationError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{ref}: {placed.reason}")
-        return placed.gpus[c.container]
+        return tuple(placed.gpus[c.container])
 
     def _same_pod(self, device_ids: list[str], pod_uid: str) -> set[str]:
         """Of `device_ids`, those a live record of the same pod holds (kubelet reusing init containers' devices)."""
@@ -288,15 +306,17 @@ class Allocator:
     def _check_room(self, target: _Target, resource: str, handed_on: set[str]) -> None:
         """The shared fit rule against this agent's ledger: the GPU must have room for what is not held yet."""
         c = target.request
-        memory = c.memory_units if target.existing is None or resource == RESOURCE_MEMORY else 0
-        compute = c.compute_units if target.existing is None or resource == RESOURCE_COMPUTE else 0
-        room = next((r for r in self.ledger.rooms(handed_on) if r.uuid == target.gpu_uuid), None)
-        if room is None or not room.fits(memory, compute):
-            have = room.describe() if room is not None else f"GPU {target.gpu_uuid} is not available"
-            raise AllocationError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                  f"pod {target.pod.namespace}/{target.pod.name} container {c.container!r} needs "
-                                  f"{memory} memory + {compute} compute units on GPU {target.gpu_uuid}; {have}",
-                                  pod=target.pod)
+        memory = c.memory_units // c.gpus if target.existing is None or resource == RESOURCE_MEMORY else 0
+        compute = c.compute_units // c.gpus if target.existing is None or resource == RESOURCE_COMPUTE else 0
+        rooms = {r.uuid: r for r in self.ledger.rooms(handed_on)}
+        for gpu_uuid in target.gpus:  # a multi-GPU container: its slice on each of its GPUs
+            room = rooms.get(gpu_uuid)
+            if room is None or not room.fits(memory, compute):
+                have = room.describe() if room is not None else f"GPU {gpu_uuid} is not available"
+                raise AllocationError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                      f"pod {target.pod.namespace}/{target.pod.name} container {c.container!r} needs "
+                                      f"{memory} memory + {compute} compute units on GPU {gpu_uuid}; {have}",
+                                      pod=target.pod)
 
     async def _target(self, resource: str, count: int) -> _Target:
         found = await self._identify(resource, count)
@@ -336,6 +356,8 @@ class Allocator:
         async with self._lock:
             self._release_freed(available)
             self._check_room(target, resource, self._same_pod(must_include, target.pod.uid))
+            if len(target.gpus) > 1:
+                return multigpu.pick_on_each(self._pick, resource, available, must_include, size, target.gpus)
             return self._pick(resource, available, must_include, size, target.gpu_uuid)
 
     def _pick(self, resource: str, available: list[str], must_include: list[str], size: int, gpu_uuid: str) -> list[str]:
@@ -360,10 +382,11 @@ class Allocator:
         return chosen
 
     def _abandon(self, alloc: Allocation, why: str) -> None:
-        log.warning("allocation_abandoned", allocation=alloc.id, reason=why)
-        self.workspace.remove(alloc.id)
-        self.ledger.remove(alloc.id)
-        self._made_here.discard(alloc.id)
+        for part in self._parts(alloc) if alloc.part == 0 else [alloc]:  # a container's GPUs go together
+            log.warning("allocation_abandoned", allocation=part.id, reason=why)
+            self.workspace.remove(part.id)
+            self.ledger.remove(part.id)
+            self._made_here.discard(part.id)
 
     def _choose_unidentified(self, resource: str, size: int) -> str:
         rooms = self.ledger.rooms()
@@ -374,7 +397,7 @@ class Allocator:
             raise AllocationError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                   f"no healthy GPU has {size} {resource} units free for this container "
                                   f"(largest GPU offers {max((g.units[resource] for g in self.inventory.gpus.values()), default=0)}); {free}")
-        return placed.gpus["container"]
+        return placed.gpus["container"][0]
 
     def _check(self, device_ids: list[str], resource: str) -> None:
         try:
@@ -399,7 +422,7 @@ class Allocator:
         except BaseException:
             if answers:
                 async with self._lock:
-                    self._roll_back(before, [a.allocation.id for a in answers],
+                    self._roll_back(before, [p.id for a in answers for p in self._parts(a.allocation)],
                                     f"a container of the same Allocate call for {resource} was refused")
             raise
         return answers
@@ -436,15 +459,22 @@ class Allocator:
             raise AllocationError(grpc.StatusCode.INVALID_ARGUMENT, f"Allocate for {resource} repeats a device ID")
         self._check(device_ids, resource)
         gpus = {i.split(DEVICE_ID_SEPARATOR, 1)[0] for i in device_ids}
+        if len(gpus) != 1 and self.pods is None:
+            raise AllocationError(grpc.StatusCode.INVALID_ARGUMENT,
+                                  f"Allocate for {resource} spans GPUs {sorted(gpus)}; a container's units must "
+                                  "come from one GPU (use GetPreferredAllocation)")
+        if self.pods is None:
+            async with self._lock:
+                return self._allocate_unidentified(resource, device_ids, gpus.pop())
+        target = await self._target(resource, len(device_ids))
+        if len(target.gpus) > 1:
+            async with self._lock:
+                return self._allocate_parts(target, resource, device_ids)
         if len(gpus) != 1:
             raise AllocationError(grpc.StatusCode.INVALID_ARGUMENT,
                                   f"Allocate for {resource} spans GPUs {sorted(gpus)}; a container's units must "
                                   "come from one GPU (use GetPreferredAllocation)")
         gpu_uuid = gpus.pop()
-        if self.pods is None:
-            async with self._lock:
-                return self._allocate_unidentified(resource, device_ids, gpu_uuid)
-        target = await self._target(resource, len(device_ids))
         async with self._lock:
             if target.gpu_uuid != gpu_uuid:
                 raise AllocationError(grpc.StatusCode.FAILED_PRECONDITION,
@@ -465,6 +495,44 @@ class Allocator:
             self._maybe_confirm(target.pod)
             return answer
 
+    def _allocate_parts(self, target: _Target, resource: str, device_ids: list[str]) -> ContainerAnswer:
+        """A container of several GPUs: kubelet's IDs split evenly over its GPUs, one allocation per GPU, created
+        (its first resource) or completed (its second) together; all of them or none."""
+        split = multigpu.split_ids(device_ids, target.gpus, resource, target.pod, target.request)
+        self._take_devices(device_ids, target.pod.uid)
+        self._check_room(target, resource, set())
+        if target.existing is not None:
+            parts = self._parts(target.existing)
+            if tuple(p.gpu_uuid for p in parts) != target.gpus:
+                raise AllocationError(grpc.StatusCode.INTERNAL,
+                                      f"{target.existing.describe()}: its records name GPUs "
+                                      f"{[p.gpu_uuid for p in parts]}, not {list(target.gpus)}")
+            done: list[Allocation] = []
+            try:
+                for p in parts:
+                    done.append(self._complete(p, resource, split[p.part]))
+            except AllocationError:
+                for p in done:  # the parts completed before the one that failed go back to one resource
+                    p.device_ids.pop(resource, None)
+                    self.workspace.save(p)
+                raise
+        else:
+            parts = []
+            try:
+                for k, gpu_uuid in enumerate(target.gpus):
+                    parts.append(self._create(gpu_uuid, resource, split[k], target.pod, target.request, k,
+                                              list(target.gpus)))
+            except AllocationError:
+                for p in parts:
+                    self._abandon(p, "another GPU of its container could not be set up")
+                raise
+        lead = parts[0]
+        answer = ContainerAnswer(self._envs(lead), self._mounts(lead), lead)
+        log.info("allocated", allocation=lead.id, resource=resource, units=len(device_ids), gpus=list(target.gpus),
+                 allocations=[p.id for p in parts], pod=lead.ref(), container=lead.container)
+        self._maybe_confirm(target.pod)
+        return answer
+
     def _take_devices(self, device_ids: list[str], pod_uid: str) -> list[str]:
         """Check that no live container of another pod holds the devices; return those an ended container of the
         same pod holds (kubelet hands an init container's devices to the next container of the pod)."""
@@ -481,8 +549,9 @@ class Allocator:
         records = self._records_of(pod.uid)
         if any(self._missing(c, records.get(c.container)) for c in pod.containers):
             return
-        granted = {name: Granted(a.gpu_uuid, a.id, a.memory_limit, a.compute_limit) for name, a in records.items()
-                   if pod.request(name) is not None}
+        granted = {name: Granted(a.gpu_uuid, a.id, a.memory_limit, a.compute_limit,
+                                 tuple(a.gpus), tuple(p.id for p in self._parts(a)) if a.gpus else ())
+                   for name, a in records.items() if pod.request(name) is not None}
         log.info("pod_allocated", pod=f"{pod.namespace}/{pod.name}", containers=len(granted))
         if self.on_pod_allocated is not None:
             self.on_pod_allocated(pod, granted)
@@ -526,13 +595,14 @@ class Allocator:
         return edits.limits(mem_units, compute, self.inventory.memory_unit_bytes)
 
     def _create(self, gpu_uuid: str, resource: str, device_ids: list[str], pod: PodInfo | None,
-                c: ContainerRequest | None) -> Allocation:
-        wanted = {r: c.units(r) for r in RESOURCES} if c is not None else {resource: len(device_ids)}
+                c: ContainerRequest | None, part: int = 0, gpus: list[str] | None = None) -> Allocation:
+        # per GPU: a multi-GPU container's allocation on one of its GPUs holds 1/N of its units
+        wanted = {r: c.units(r) // c.gpus for r in RESOURCES} if c is not None else {resource: len(device_ids)}
         alloc = Allocation(
             id=new_allocation_id(), gpu_uuid=gpu_uuid, device_ids={resource: list(device_ids)},
             wanted={r: n for r, n in wanted.items() if n}, memory_limit=0, compute_limit=0,
             namespace=pod.namespace if pod else "", pod_name=pod.name if pod else "",
-            pod_uid=pod.uid if pod else "", container=c.container if c else "",
+            pod_uid=pod.uid if pod else "", container=c.container if c else "", part=part, gpus=gpus or [],
         )
         alloc.memory_limit, alloc.compute_limit = self._limits(alloc)
         try:
@@ -575,4 +645,7 @@ class Allocator:
         return self._edits(alloc).mounts
 
     def _edits(self, alloc: Allocation) -> edits.ContainerEdits:
+        if alloc.gpus:
+            parts = self._parts(alloc)
+            return edits.group_edits(parts, [self.workspace.container_folder(p.id) for p in parts], self.shim_dir)
         return edits.container_edits(alloc, self.workspace.container_folder(alloc.id), self.shim_dir)

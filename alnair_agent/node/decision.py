@@ -3,10 +3,13 @@ node agent hand each other through pod annotations. One definition of each; both
 
 - `ai.centaurus.io/placement` (written by the extender at bind, before it binds the pod; never changed after):
   `{"node": "<node>", "profile": "<schedulerName>", "decidedAt": "<RFC 3339>", "gpus": {"<container>": "<GPU UUID>"}}`
-  — the GPU of every container of the pod that asks for Alnair resources.
+  — the GPU of every container of the pod that asks for Alnair resources; a container asking for several GPUs
+  (`alnair/vgpu-count`) has a list of GPU UUIDs, distinct, in GPU index order: `{"<container>": ["<UUID>", ...]}`.
 - `ai.centaurus.io/allocated` (written by the agent once kubelet has allocated every such container):
   `{"node": "<node>", "containers": {"<container>": {"gpu": "<GPU UUID>", "allocation": "<id>",
-  "memoryLimitBytes": n, "computeLimitPercent": n}}}` — what each container really got.
+  "memoryLimitBytes": n, "computeLimitPercent": n}}}` — what each container really got (a multi-GPU container:
+  `gpu` is its first GPU, `gpus` lists them all and `allocations` their allocations, in the same order; the
+  limits are per GPU).
 - The lock: a node is locked by a pod that has a placement for it, no `allocated` record, is neither finished nor
   being deleted, and was decided less than `LOCK_TTL_S` ago. The extender binds no other pod to a locked node, so
   at most one pod per node is between bind and admission, and the agent knows which pod kubelet is admitting. The
@@ -30,6 +33,7 @@ ALLOCATED_ANNOTATION = ANNOTATION_PREFIX + "allocated"
 # bound pod within a second or two; a node whose kubelet is down is NotReady and gets no pods anyway).
 LOCK_TTL_S = 30.0
 _MAX_CONTAINERS = 1024  # far above what a pod can have; bounds what a hostile annotation makes us parse
+_MAX_GPUS = 16  # GPUs of one container (fit.MAX_GPUS_PER_CONTAINER)
 
 
 class DecisionError(ValueError):
@@ -62,14 +66,20 @@ def _load(text: Any, key: str) -> Mapping[str, Any]:
     return doc
 
 
-def _str_map(value: Any, key: str, what: str) -> dict[str, str]:
+def _gpu_map(value: Any, key: str) -> dict[str, tuple[str, ...]]:
+    """container -> GPU UUIDs: a string for one GPU, a list of distinct strings for several."""
     if not isinstance(value, Mapping) or len(value) > _MAX_CONTAINERS:
-        raise DecisionError(f"{key}: {what} must be an object of container name -> string")
+        raise DecisionError(f"{key}: gpus must be an object of container name -> GPU UUID(s)")
     out = {}
     for name, item in value.items():
-        if not isinstance(name, str) or not name or not isinstance(item, str) or not item:
-            raise DecisionError(f"{key}: {what} must map container names to non-empty strings")
-        out[name] = item
+        if not isinstance(name, str) or not name:
+            raise DecisionError(f"{key}: gpus must map non-empty container names to GPU UUIDs")
+        gpus = (item,) if isinstance(item, str) else tuple(item) if isinstance(item, list) else ()
+        if not gpus or len(gpus) > _MAX_GPUS or not all(isinstance(g, str) and g for g in gpus):
+            raise DecisionError(f"{key}: gpus[{name!r}] must be a GPU UUID or a list of 1..{_MAX_GPUS} of them")
+        if len(set(gpus)) != len(gpus):
+            raise DecisionError(f"{key}: gpus[{name!r}] names a GPU twice")
+        out[name] = gpus
     return out
 
 
@@ -80,11 +90,12 @@ class Decision:
     node: str
     profile: str
     decided_at: datetime
-    gpus: Mapping[str, str]  # container -> GPU UUID
+    gpus: Mapping[str, tuple[str, ...]]  # container -> its GPU UUIDs (one, or several in GPU index order)
 
     def to_json(self) -> str:
+        gpus = {name: uuids[0] if len(uuids) == 1 else list(uuids) for name, uuids in sorted(self.gpus.items())}
         return json.dumps({"node": self.node, "profile": self.profile, "decidedAt": rfc3339(self.decided_at),
-                           "gpus": dict(sorted(self.gpus.items()))}, sort_keys=True)
+                           "gpus": gpus}, sort_keys=True)
 
     def expired(self, now: datetime) -> bool:
         return now - self.decided_at >= timedelta(seconds=LOCK_TTL_S)
@@ -99,7 +110,7 @@ def parse_decision(text: Any) -> Decision:
         raise DecisionError(f"{PLACEMENT_ANNOTATION}: profile must be a string")
     if when is None:
         raise DecisionError(f"{PLACEMENT_ANNOTATION}: decidedAt must be an RFC 3339 time")
-    return Decision(node, profile, when, _str_map(doc.get("gpus"), PLACEMENT_ANNOTATION, "gpus"))
+    return Decision(node, profile, when, _gpu_map(doc.get("gpus"), PLACEMENT_ANNOTATION))
 
 
 @dataclass(frozen=True)
@@ -108,12 +119,18 @@ class Granted:
 
     gpu: str
     allocation: str
-    memory_limit_bytes: int
-    compute_limit_percent: int
+    memory_limit_bytes: int  # per GPU
+    compute_limit_percent: int  # per GPU
+    gpus: tuple[str, ...] = ()  # a multi-GPU container: every GPU, in the order it sees them (gpu is the first)
+    allocations: tuple[str, ...] = ()  # and the allocation on each
 
     def to_dict(self) -> dict[str, Any]:
-        return {"gpu": self.gpu, "allocation": self.allocation, "memoryLimitBytes": self.memory_limit_bytes,
-                "computeLimitPercent": self.compute_limit_percent}
+        out: dict[str, Any] = {"gpu": self.gpu, "allocation": self.allocation,
+                               "memoryLimitBytes": self.memory_limit_bytes,
+                               "computeLimitPercent": self.compute_limit_percent}
+        if len(self.gpus) > 1:
+            out["gpus"], out["allocations"] = list(self.gpus), list(self.allocations)
+        return out
 
 
 def allocated_json(node: str, containers: Mapping[str, Granted]) -> str:
@@ -135,7 +152,12 @@ def parse_allocated(text: Any) -> dict[str, Granted]:
         if not isinstance(gpu, str) or not isinstance(alloc, str) or any(
                 isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in (mem, comp)):
             raise DecisionError(f"{ALLOCATED_ANNOTATION}: container {name!r} has malformed fields")
-        out[name] = Granted(gpu, alloc, mem, comp)  # type: ignore[arg-type]
+        gpus, allocs = item.get("gpus", []), item.get("allocations", [])
+        if (not isinstance(gpus, list) or not isinstance(allocs, list) or len(gpus) != len(allocs)
+                or len(gpus) > _MAX_GPUS or not all(isinstance(v, str) for v in gpus + allocs)):
+            raise DecisionError(f"{ALLOCATED_ANNOTATION}: container {name!r}: gpus and allocations must be lists of "
+                                "strings of the same length")
+        out[name] = Granted(gpu, alloc, mem, comp, tuple(gpus), tuple(allocs))  # type: ignore[arg-type]
     return out
 
 

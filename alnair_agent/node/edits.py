@@ -5,6 +5,7 @@ here, so a container admitted either way sees the same GPU, shim, limits and reg
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,9 +17,11 @@ from alnair_agent.constants import (
     CONTAINER_SHIM_PATH,
     ENV_ALLOCATION_ID,
     ENV_COMPUTE_LIMIT,
+    ENV_CUDA_DEVICE_ORDER,
     ENV_LD_PRELOAD,
     ENV_MEMORY_LIMIT,
     ENV_REGION,
+    ENV_REGIONS,
     ENV_VISIBLE_DEVICES,
     RESOURCE_COMPUTE,
     RESOURCE_MEMORY,
@@ -57,3 +60,23 @@ def container_edits(alloc: Allocation, run_folder: Path, shim_dir: str) -> Conta
     if RESOURCE_COMPUTE in alloc.wanted:
         envs[ENV_COMPUTE_LIMIT] = str(alloc.compute_limit)
     return ContainerEdits(envs, [(CONTAINER_RUN_DIR, str(run_folder), False), (CONTAINER_SHIM_DIR, shim_dir, True)])
+
+
+def part_run_dir(part: int) -> str:
+    """Where the folder of a container's `part`-th GPU is mounted: /run/alnair for the first (as for a one-GPU
+    container), /run/alnair-<k> for the others (beside it, not inside: the first folder holds only its region)."""
+    return CONTAINER_RUN_DIR if part == 0 else f"{CONTAINER_RUN_DIR}-{part}"
+
+
+def group_edits(parts: Sequence[Allocation], run_folders: Sequence[Path], shim_dir: str) -> ContainerEdits:
+    """The environment and mounts of a container of several GPUs, one allocation per GPU (in `part` order, with their
+    host folders): every GPU in NVIDIA_VISIBLE_DEVICES in that order, each GPU's region in ALNAIR_REGIONS in the
+    same order, the first GPU's region also in ALNAIR_REGION; the limits are per GPU (every part has the same)."""
+    first = container_edits(parts[0], run_folders[0], shim_dir)
+    envs = dict(first.envs)
+    envs[ENV_VISIBLE_DEVICES] = ",".join(p.gpu_uuid for p in parts)
+    envs[ENV_REGIONS] = ",".join(f"{part_run_dir(p.part)}/{CONTAINER_REGION_PATH.rsplit('/', 1)[1]}" for p in parts)
+    envs[ENV_CUDA_DEVICE_ORDER] = "PCI_BUS_ID"
+    mounts = [(part_run_dir(p.part), str(f), False) for p, f in zip(parts, run_folders, strict=True)]
+    mounts.append((CONTAINER_SHIM_DIR, shim_dir, True))
+    return ContainerEdits(envs, mounts)

@@ -12,6 +12,10 @@ reuses them), so a pod with such an init container gets ALL its Alnair container
 there by itself. Otherwise each steady container is placed on its own, largest first:
   - PACK (cost-saving, `binpack`): the GPU left fullest after placing it (best fit);
   - SPREAD (high-performance, `spread`): the GPU left emptiest (worst fit).
+A container may ask for several GPUs (`Need.count`, from `alnair/vgpu-count`), each holding the same slice
+(`Need.memory`, `Need.compute` are per GPU): it gets `count` distinct GPUs of the node, the `count` that PACK leaves
+fullest (or SPREAD emptiest), listed in GPU index order (the order the container sees them in); containers asking
+for more GPUs are placed first. All or none: a container never gets fewer GPUs than it asked for.
 When one policy finds no room for every container the other is tried before giving up, so whether a pod fits
 never depends on its profile.
 Ties go to the lowest GPU index. Everything is integer or exact-fraction arithmetic: deterministic.
@@ -36,17 +40,22 @@ KIND_REGULAR = "regular"
 MAX_SCORE = 10  # kube-scheduler's MaxExtenderPriority
 
 
+MAX_GPUS_PER_CONTAINER = 16  # a bound on alnair/vgpu-count: the shim keeps per-device state for 16 (ALNAIR_MAX_DEVICES)
+
+
 @dataclass(frozen=True)
 class Need:
-    """One container's request: units that must come from one GPU."""
+    """One container's request: `count` distinct GPUs, each giving it `memory` and `compute` units."""
 
     name: str
     memory: int
     compute: int
     kind: str = KIND_REGULAR
+    count: int = 1
 
     def describe(self) -> str:
-        return f"{self.memory} memory + {self.compute} compute units"
+        each = f"{self.memory} memory + {self.compute} compute units"
+        return each if self.count == 1 else f"{self.count} GPUs of {each} each"
 
 
 class Room(NamedTuple):
@@ -89,9 +98,9 @@ class Room(NamedTuple):
 
 @dataclass(frozen=True)
 class Placement:
-    """Where each container goes: container name -> GPU UUID."""
+    """Where each container goes: container name -> its GPU UUIDs (one, or `Need.count`), in GPU index order."""
 
-    gpus: Mapping[str, str]
+    gpus: Mapping[str, tuple[str, ...]]
 
     fits = True
 
@@ -141,11 +150,12 @@ def _choose(rooms: Iterable[Room], need: Need, policy: str) -> Room | None:
 
 @functools.lru_cache(maxsize=1024)
 def _largest_first(needs: tuple[Need, ...], mem_scale: int, comp_scale: int) -> tuple[Need, ...]:
-    """Containers by dominant share, largest first (ties: more memory, more compute, pod order). Exact fractions:
-    this order decides which container goes first, so no rounding may flip it."""
-    def key(item: tuple[int, Need]) -> tuple[Fraction, int, int, int]:
+    """Containers asking for more GPUs first, then by dominant share, largest first (ties: more memory, more compute,
+    pod order). Exact fractions: this order decides which container goes first, so no rounding may flip it."""
+    def key(item: tuple[int, Need]) -> tuple[int, Fraction, int, int, int]:
         pos, n = item
-        return (-max(Fraction(n.memory, mem_scale), Fraction(n.compute, comp_scale)), -n.memory, -n.compute, pos)
+        return (-n.count, -max(Fraction(n.memory, mem_scale), Fraction(n.compute, comp_scale)), -n.memory,
+                -n.compute, pos)
     return tuple(n for _, n in sorted(enumerate(needs), key=key))
 
 
@@ -157,9 +167,18 @@ def _one_by_one(needs: Sequence[Need], rooms: Sequence[Room], policy: str) -> Pl
     free_m = [r.memory_free for r in rooms]
     free_c = [r.compute_free for r in rooms]
     sign = 1 if policy == PACK else -1
-    placed: dict[str, str] = {}
+    placed: dict[str, tuple[str, ...]] = {}
     for need in _largest_first(tuple(needs), mem_scale, comp_scale):
         m, c = need.memory, need.compute
+        if need.count > 1:
+            chosen = _several(need, rooms, free_m, free_c, sign)
+            if chosen is None:
+                return need
+            for i in chosen:
+                free_m[i] -= m
+                free_c[i] -= c
+            placed[need.name] = tuple(rooms[i].uuid for i in sorted(chosen, key=lambda i: rooms[i].index))
+            continue
         best, best_key = -1, (0.0, 0)
         for i, r in enumerate(rooms):
             fm, fc = free_m[i], free_c[i]
@@ -174,8 +193,23 @@ def _one_by_one(needs: Sequence[Need], rooms: Sequence[Room], policy: str) -> Pl
             return need
         free_m[best] -= m
         free_c[best] -= c
-        placed[need.name] = rooms[best].uuid
+        placed[need.name] = (rooms[best].uuid,)
     return Placement(placed)
+
+
+def _several(need: Need, rooms: Sequence[Room], free_m: list[int], free_c: list[int], sign: int) -> list[int] | None:
+    """The `need.count` distinct GPUs (positions in `rooms`) a multi-GPU container takes: of those with room for its
+    slice, the ones the policy ranks first, each judged as `_one_by_one` judges one GPU; None when too few have room."""
+    m, c = need.memory, need.compute
+    ranked = []
+    for i, r in enumerate(rooms):
+        if free_m[i] >= m and free_c[i] >= c:
+            share = r._replace(memory_free=free_m[i], compute_free=free_c[i]).free_share(m, c)
+            ranked.append((sign * share, r.index, i))
+    if len(ranked) < need.count:
+        return None
+    ranked.sort()
+    return [i for _, _, i in ranked[: need.count]]
 
 
 def _one_gpu(needs: Sequence[Need], rooms: Sequence[Room], policy: str) -> Placement | None:
@@ -188,11 +222,16 @@ def _one_gpu(needs: Sequence[Need], rooms: Sequence[Room], policy: str) -> Place
     peak_c = max(c for _, c in demand)
     sign = 1 if policy == PACK else -1
     best = min(fitting, key=lambda r: (sign * r.free_share(peak_m, peak_c), r.index))
-    return Placement({n.name: best.uuid for n in needs})
+    return Placement({n.name: (best.uuid,) for n in needs})
 
 
 def _place(needs: Sequence[Need], rooms: Sequence[Room], policy: str) -> Placement | NoFit:
     if any(n.kind == KIND_INIT for n in needs):
+        several = [n for n in needs if n.count > 1]
+        if several:
+            return NoFit(f"the pod has init containers asking for Alnair resources, so all its Alnair containers go "
+                         f"on one GPU (kubelet reuses an init container's devices), but {_label(several[0])} "
+                         f"{several[0].name!r} asks for {several[0].count} GPUs", resolvable=False)
         placed = _one_gpu(needs, rooms, policy)
         if placed is not None:
             return placed
@@ -208,6 +247,10 @@ def _place(needs: Sequence[Need], rooms: Sequence[Room], policy: str) -> Placeme
     if isinstance(result, Placement):
         return result
     free = "; ".join(r.describe() for r in rooms)
+    if result.count > 1:
+        others = " after placing the other containers" if len(steady) > 1 else ""
+        return NoFit(f"no {result.count} healthy GPUs of this node have room each for {_label(result)} "
+                     f"{result.name!r} ({result.describe()}){others}; {free}")
     if len(steady) == 1:
         return NoFit(f"no healthy GPU has room for {_label(result)} {result.name!r} ({result.describe()} on one "
                      f"GPU); {free}")
@@ -225,8 +268,21 @@ def place(needs: Sequence[Need], rooms: Sequence[Room], policy: str) -> Placemen
         return Placement({})
     if not rooms:
         return NoFit("node has no healthy GPU", resolvable=False)
+    widest = max(needs, key=lambda n: n.count)
+    if widest.count > len(rooms):
+        return NoFit(f"{_label(widest)} {widest.name!r} asks for {widest.count} GPUs and this node has "
+                     f"{len(rooms)} healthy GPU(s); a container's GPUs all come from one node", resolvable=False)
+    if len(needs) == 1 and needs[0].kind != KIND_INIT:
+        quick = _one_need_no_fit(needs[0], rooms)
+        if quick is not None:
+            return quick
     result = _place(needs, rooms, policy)
     if isinstance(result, NoFit) and not isinstance(_place(needs, [r.empty() for r in rooms], policy), Placement):
+        if not result.resolvable:
+            return result
+        if any(n.count > 1 for n in needs):
+            return NoFit("the request is larger than this node's GPUs can hold even when empty: " + result.reason,
+                         resolvable=False)
         # It would not fit even on empty GPUs: preemption cannot help.
         mem = max(r.memory_total for r in rooms)
         comp = max(r.compute_total for r in rooms)
@@ -236,15 +292,42 @@ def place(needs: Sequence[Need], rooms: Sequence[Room], policy: str) -> Placemen
     return result
 
 
-def usage(needs: Sequence[Need], placement: Mapping[str, str]) -> dict[str, tuple[int, int]]:
-    """Units a placed pod holds per GPU (memory, compute): per GPU, the largest of its groups' sums there."""
+def _one_need_no_fit(n: Need, rooms: Sequence[Room]) -> NoFit | None:
+    """For a pod of one container: whether it fits is whether `n.count` GPUs have room for its slice (the policy
+    only decides which). The NoFit `place` would give, without placing twice (filter meets it on thousands of nodes
+    for a wide request); None when it fits."""
+    m, c = n.memory, n.compute
+    if sum(1 for r in rooms if r.memory_free >= m and r.compute_free >= c) >= n.count:
+        return None
+    free = "; ".join(r.describe() for r in rooms)
+    if n.count > 1:
+        reason = (f"no {n.count} healthy GPUs of this node have room each for {_label(n)} {n.name!r} "
+                  f"({n.describe()}); {free}")
+    else:
+        reason = f"no healthy GPU has room for {_label(n)} {n.name!r} ({n.describe()} on one GPU); {free}"
+    if sum(1 for r in rooms if r.memory_total >= m and r.compute_total >= c) >= n.count:
+        return NoFit(reason)
+    if n.count > 1:
+        return NoFit("the request is larger than this node's GPUs can hold even when empty: " + reason,
+                     resolvable=False)
+    mem = max(r.memory_total for r in rooms)
+    comp = max(r.compute_total for r in rooms)
+    return NoFit(f"the request is larger than any single GPU on this node can hold (largest offers {mem} memory "
+                 f"+ {comp} compute units; memory and compute of a container come from one GPU): " + reason,
+                 resolvable=False)
+
+
+def usage(needs: Sequence[Need], placement: Mapping[str, tuple[str, ...]]) -> dict[str, tuple[int, int]]:
+    """Units a placed pod holds per GPU (memory, compute): per GPU, the largest of its groups' sums there (a
+    multi-GPU container's slice on each of its GPUs)."""
     out: dict[str, tuple[int, int]] = {}
     for group in groups([n for n in needs if n.name in placement]):
         per_gpu: dict[str, list[int]] = {}
         for n in group:
-            m_c = per_gpu.setdefault(placement[n.name], [0, 0])
-            m_c[0] += n.memory
-            m_c[1] += n.compute
+            for gpu in placement[n.name]:
+                m_c = per_gpu.setdefault(gpu, [0, 0])
+                m_c[0] += n.memory
+                m_c[1] += n.compute
         for gpu, (m, c) in per_gpu.items():
             old = out.get(gpu, (0, 0))
             out[gpu] = (max(old[0], m), max(old[1], c))
@@ -257,6 +340,7 @@ class FreeSummary:
     the distinct (memory free, compute free) pairs no other pair dominates, and the sums for utilization."""
 
     frontier: tuple[tuple[int, int], ...]
+    pairs: tuple[tuple[int, int], ...]  # every room's (memory free, compute free), for multi-GPU questions
     memory_total: int
     memory_used: int
     compute_total: int
@@ -269,7 +353,8 @@ class FreeSummary:
         for m, c in pairs:  # memory descending: keep a pair only if it has more compute than every kept one
             if not frontier or c > frontier[-1][1]:
                 frontier.append((m, c))
-        return cls(tuple(frontier), sum(r.memory_total for r in rooms),
+        return cls(tuple(frontier), tuple((r.memory_free, r.compute_free) for r in rooms),
+                   sum(r.memory_total for r in rooms),
                    sum(r.memory_total - r.memory_free for r in rooms), sum(r.compute_total for r in rooms),
                    sum(r.compute_total - r.compute_free for r in rooms))
 
@@ -282,6 +367,10 @@ class FreeSummary:
                 return True
         return False
 
+    def holds_on(self, memory: int, compute: int, count: int) -> bool:
+        """Whether `count` distinct rooms each have `memory` and `compute` free at once."""
+        return sum(1 for m, c in self.pairs if m >= memory and c >= compute) >= count
+
 
 @dataclass(frozen=True)
 class Shape:
@@ -289,27 +378,36 @@ class Shape:
 
     needs: tuple[Need, ...]
     has_init: bool
-    steady_memory: int
+    steady_memory: int  # units the steady containers hold on the node, all their GPUs together
     steady_compute: int
     key: int  # hash of the needs, computed once: verdicts are memoized per node state under it
+    gpus: int = 1  # the most GPUs one container asks for
+    gpu_memory: int = 0  # the steady containers' slices summed as if on one GPU (multi-GPU fast check)
+    gpu_compute: int = 0
 
     @classmethod
     def of(cls, needs: Sequence[Need]) -> Shape:
         live = tuple(n for n in needs if n.memory or n.compute)
         steady = [n for n in live if n.kind != KIND_INIT]
-        return cls(live, any(n.kind == KIND_INIT for n in live), sum(n.memory for n in steady),
-                   sum(n.compute for n in steady), hash(live))
+        return cls(live, any(n.kind == KIND_INIT for n in live), sum(n.memory * n.count for n in steady),
+                   sum(n.compute * n.count for n in steady), hash(live), max((n.count for n in live), default=1),
+                   sum(n.memory for n in steady), sum(n.compute for n in steady))
 
 
 def verdict(shape: Shape, rooms: Sequence[Room], free: FreeSummary, policy: str) -> Placement | NoFit | None:
     """Whether the pod fits, as `place` decides: None (fits, where it goes not worked out), a Placement, or
     NoFit. Answered without placing when one GPU can hold all its steady containers together: then `place` always
-    succeeds (whatever it puts elsewhere only leaves that GPU more room for the rest). Filter asks this for
-    thousands of nodes per pod."""
+    succeeds (whatever it puts elsewhere only leaves that GPU more room for the rest). With multi-GPU containers
+    the same holds when `shape.gpus` GPUs can each hold every steady container's slice together: each container's
+    GPUs are distinct, so the others take at most their own slice from each of those GPUs, and `count` of them are
+    left with room for it. Filter asks this for thousands of nodes per pod."""
     if not shape.needs:
         return None
-    if not shape.has_init and free.holds(shape.steady_memory, shape.steady_compute):
-        return None
+    if not shape.has_init:
+        if shape.gpus == 1 and free.holds(shape.steady_memory, shape.steady_compute):
+            return None
+        if shape.gpus > 1 and free.holds_on(shape.gpu_memory, shape.gpu_compute, shape.gpus):
+            return None
     return place(shape.needs, rooms, policy)
 
 

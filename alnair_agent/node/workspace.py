@@ -79,6 +79,11 @@ class Allocation:
     container: str = ""  # DRA: the pod's containers using the claim result, comma-separated (the usage key)
     created_at: float = field(default_factory=time.time)
     claim: ClaimShare | None = None  # DRA: the claim result; None for a container the device plugin admitted
+    # A container of several GPUs (alnair/vgpu-count) has one allocation per GPU, each with its own folder, region
+    # and the per-GPU share of the units; `gpus` lists the container's GPUs in the order it sees them (empty for a
+    # one-GPU container) and `part` is this allocation's position in it (its GPU is gpus[part]).
+    part: int = 0
+    gpus: list[str] = field(default_factory=list)
 
     @property
     def identified(self) -> bool:
@@ -126,6 +131,12 @@ def _record_from_json(data: object) -> Allocation:
         raise ValueError("device_ids must be strings")
     if not all(isinstance(v, int) and v >= 0 for v in alloc.wanted.values()):
         raise ValueError("wanted must be non-negative integers")
+    if not isinstance(alloc.gpus, list) or not all(isinstance(g, str) and g for g in alloc.gpus):
+        raise ValueError("gpus must be a list of GPU UUIDs")
+    if (isinstance(alloc.part, bool) or not isinstance(alloc.part, int)
+            or not (0 <= alloc.part < len(alloc.gpus) or alloc.part == 0 == len(alloc.gpus))
+            or (alloc.gpus and alloc.gpus[alloc.part] != alloc.gpu_uuid)):
+        raise ValueError(f"part {alloc.part!r} does not name gpu_uuid's position in gpus")
     return alloc
 
 

@@ -108,8 +108,7 @@ class Binder:
             raise BindError(f"pod {args.namespace}/{args.name} has uid {pod.uid}, not {args.uid}: it was replaced")
         if pod.invalid:
             bad = pod.invalid[0]
-            raise BindError(f"pod {pod.namespace}/{pod.name}: container {bad.container!r}: {bad.resource} = "
-                            f"{json.dumps(bad.value)} is not a non-negative integer")
+            raise BindError(f"pod {pod.namespace}/{pod.name}: {bad.describe()}")
         return pod
 
     async def _bind(self, args: BindArgs) -> None:

@@ -87,8 +87,7 @@ def parse_pod_request(pod: Any) -> PodRequest:
         raise RequestError(str(e)) from None
     if info.invalid:
         bad = info.invalid[0]
-        raise RequestError(f"pod {info.namespace}/{info.name}: container {bad.container!r}: {bad.resource} = "
-                           f"{json.dumps(bad.value)} is not a non-negative integer")
+        raise RequestError(f"pod {info.namespace}/{info.name}: {bad.describe()}")
     return PodRequest(info.namespace, info.name, info.uid, info.scheduler_name, tuple(info.needs()))
 
 

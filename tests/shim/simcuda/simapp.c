@@ -368,6 +368,17 @@ static void run_op(const char *op, int argc, char **argv, int i)
             hold(CTX, (uintptr_t)x);
         ctx = x;
         printf("ctx rc=%d\n", rc);
+    } else if (sscanf(op, "setdev:%llu", &a) == 1) {
+        /* as cudaSetDevice(a): retain device a's primary context (once) and make it current */
+        static CUcontext prim[16];
+        rc = CUDA_SUCCESS;
+        if (a < 16 && prim[a] == NULL)
+            rc = api.PrimaryRetain(&prim[a], (CUdevice)a);
+        if (rc == CUDA_SUCCESS && a < 16)
+            rc = api.SetCurrent(prim[a]);
+        if (rc == CUDA_SUCCESS && a < 16)
+            primary = prim[a];
+        printf("setdev %llu rc=%d\n", a, rc);
     } else if (sscanf(op, "alloc:%llu", &a) == 1) {
         CUdeviceptr p = 0;
         rc = api.MemAlloc(&p, a);

@@ -351,8 +351,11 @@ API CUresult cuMemGetInfo_v2(size_t *f, size_t *t)
 API CUresult cuDeviceTotalMem_v2(size_t *b, CUdevice d) { (void)d; CALLED(); if (!b) return CUDA_ERROR_INVALID_VALUE; *b = mem_total(); return CUDA_SUCCESS; }
 
 /* ---- init, devices, contexts -------------------------------------------------------------------------------- */
-static struct CUctx_st primary_ctx = {0, 1};
-static int primary_refs;
+static struct CUctx_st primary_ctxs[16] = {{0, 1}, {1, 1}, {2, 1}, {3, 1}, {4, 1}, {5, 1}, {6, 1}, {7, 1},
+                                           {8, 1}, {9, 1}, {10, 1}, {11, 1}, {12, 1}, {13, 1}, {14, 1}, {15, 1}};
+static int primary_refs_dev[16];
+#define primary_ctx primary_ctxs[0]
+#define DEV_OK(d) ((d) >= 0 && (d) < sim_devices())
 
 API CUresult cuInit(unsigned f) { (void)f; CALLED(); return CUDA_SUCCESS; }
 API CUresult cuDriverGetVersion(int *v)
@@ -362,8 +365,17 @@ API CUresult cuDriverGetVersion(int *v)
     *v = s ? atoi(s) : 13000;
     return CUDA_SUCCESS;
 }
-API CUresult cuDeviceGet(CUdevice *d, int o) { CALLED(); if (o != 0) return CUDA_ERROR_INVALID_VALUE; *d = 0; return CUDA_SUCCESS; }
-API CUresult cuDeviceGetCount(int *n) { CALLED(); *n = 1; return CUDA_SUCCESS; }
+/* SIMCUDA_DEVICES=n (1..16, default 1): that many devices, each with its own primary context; contexts know their
+ * device (cuCtxGetDevice). Memory and kernel time stay one pool and one timeline for the process. */
+#define SIM_MAX_DEVICES 16
+static int sim_devices(void)
+{
+    const char *s = getenv("SIMCUDA_DEVICES");
+    int n = s ? atoi(s) : 1;
+    return n < 1 ? 1 : n > SIM_MAX_DEVICES ? SIM_MAX_DEVICES : n;
+}
+API CUresult cuDeviceGet(CUdevice *d, int o) { CALLED(); if (o < 0 || o >= sim_devices()) return CUDA_ERROR_INVALID_VALUE; *d = o; return CUDA_SUCCESS; }
+API CUresult cuDeviceGetCount(int *n) { CALLED(); *n = sim_devices(); return CUDA_SUCCESS; }
 API CUresult cuDeviceGetName(char *name, int len, CUdevice d) { (void)d; CALLED(); snprintf(name, (size_t)len, "simcuda"); return CUDA_SUCCESS; }
 API CUresult cuCtxCreate_v2(CUcontext *c, unsigned f, CUdevice d)
 {
@@ -376,9 +388,9 @@ API CUresult cuCtxCreate_v2(CUcontext *c, unsigned f, CUdevice d)
 API CUresult cuCtxCreate_v3(CUcontext *c, CUexecAffinityParam *p, int n, unsigned f, CUdevice d) { (void)p; (void)n; CALLED(); return cuCtxCreate_v2(c, f, d); }
 API CUresult cuCtxCreate_v4(CUcontext *c, CUctxCreateParams *p, unsigned f, CUdevice d) { (void)p; CALLED(); return cuCtxCreate_v2(c, f, d); }
 API CUresult cuCtxDestroy_v2(CUcontext c) { CALLED(); if (!c || c->primary) return CUDA_ERROR_INVALID_VALUE; free_ctx_allocs(c); if (cur_ctx == c) cur_ctx = NULL; free(c); return CUDA_SUCCESS; }
-API CUresult cuDevicePrimaryCtxRetain(CUcontext *c, CUdevice d) { (void)d; CALLED(); primary_refs++; *c = &primary_ctx; return CUDA_SUCCESS; }
-API CUresult cuDevicePrimaryCtxRelease_v2(CUdevice d) { (void)d; CALLED(); if (primary_refs == 0) return CUDA_ERROR_INVALID_VALUE; if (--primary_refs == 0) free_ctx_allocs(&primary_ctx); return CUDA_SUCCESS; }
-API CUresult cuDevicePrimaryCtxReset_v2(CUdevice d) { (void)d; CALLED(); primary_refs = 0; free_ctx_allocs(&primary_ctx); return CUDA_SUCCESS; }
+API CUresult cuDevicePrimaryCtxRetain(CUcontext *c, CUdevice d) { CALLED(); if (!DEV_OK(d)) return CUDA_ERROR_INVALID_VALUE; primary_refs_dev[d]++; *c = &primary_ctxs[d]; return CUDA_SUCCESS; }
+API CUresult cuDevicePrimaryCtxRelease_v2(CUdevice d) { CALLED(); if (!DEV_OK(d) || primary_refs_dev[d] == 0) return CUDA_ERROR_INVALID_VALUE; if (--primary_refs_dev[d] == 0) free_ctx_allocs(&primary_ctxs[d]); return CUDA_SUCCESS; }
+API CUresult cuDevicePrimaryCtxReset_v2(CUdevice d) { CALLED(); if (!DEV_OK(d)) return CUDA_ERROR_INVALID_VALUE; primary_refs_dev[d] = 0; free_ctx_allocs(&primary_ctxs[d]); return CUDA_SUCCESS; }
 API CUresult cuCtxSetCurrent(CUcontext c) { CALLED(); cur_ctx = c; return CUDA_SUCCESS; }
 API CUresult cuCtxGetCurrent(CUcontext *c) { *c = cur_ctx; return CUDA_SUCCESS; }
 
@@ -777,7 +789,7 @@ API CUresult cuMemAllocFromPoolAsync_ptsz(CUdeviceptr *p, size_t n, CUmemoryPool
 API CUresult cuMemFreeAsync(CUdeviceptr p, CUstream s) { (void)s; CALLED(); return free_async(p); }
 API CUresult cuMemFreeAsync_ptsz(CUdeviceptr p, CUstream s) { (void)s; CALLED(); return free_async(p); }
 API CUresult cuDeviceGetMemPool(CUmemoryPool *pl, CUdevice d) { CALLED(); if (!pl || d != 0) return CUDA_ERROR_INVALID_VALUE; *pl = (CUmemoryPool)DEFAULT_POOL; return CUDA_SUCCESS; }
-API CUresult cuCtxGetDevice(CUdevice *d) { if (!d) return CUDA_ERROR_INVALID_VALUE; *d = 0; return CUDA_SUCCESS; }
+API CUresult cuCtxGetDevice(CUdevice *d) { if (!d) return CUDA_ERROR_INVALID_VALUE; *d = cur_ctx ? cur_ctx->dev : 0; return CUDA_SUCCESS; }
 API CUresult cuMemPoolSetAttribute(CUmemoryPool pl, CUmemPool_attribute attr, void *v)
 {
     CALLED();
