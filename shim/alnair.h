@@ -149,6 +149,7 @@ int alnair_graph_mem_over(void);  /* graph memory exists and the container is pa
 /* ---- launch.c --------------------------------------------------------------------------------------------- */
 void alnair_launch_after_fork_child(void);
 int alnair_captures_under_way(void); /* some stream of this process is being captured */
+int alnair_stream_capture_state(CUstream s, int pt); /* 1 capturing, 0 not, -1 the driver cannot tell */
 
 /* atomics on region fields (the layout's plain integers) */
 #define RLOAD(p) __atomic_load_n(&(p), __ATOMIC_ACQUIRE)

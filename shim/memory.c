@@ -407,10 +407,8 @@ static int stream_capturing(CUstream s, int pt)
 {
     if (!alnair_captures_under_way())
         return 0;
-    CUresult (*fn)(CUstream, CUstreamCaptureStatus *) =
-        pt ? alnair_aux.cuStreamIsCapturing_ptsz : alnair_aux.cuStreamIsCapturing;
-    CUstreamCaptureStatus st = CU_STREAM_CAPTURE_STATUS_NONE;
-    return fn != NULL && fn(s, &st) == CUDA_SUCCESS && st != CU_STREAM_CAPTURE_STATUS_NONE;
+    /* a stream the driver cannot tell about is taken as not capturing: its allocation is charged as any other */
+    return alnair_stream_capture_state(s, pt) == 1;
 }
 
 #define ASYNC_ALLOC_BODY(poolexpr, stream, pt, call)                         \

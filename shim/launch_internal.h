@@ -1,0 +1,275 @@
+/* The launch path's shared state, split by concern (shim/README.md has the rules, docs/architecture.md why):
+ *   launch.c    the launch hooks and the metered path around each launch;
+ *   turns.c     the turn gate (a container's windows and leases), what is owed, the GPU time counted;
+ *   estimate.c  what a launch costs: the estimate cache, the shim's own events, fences, samples, true-ups,
+ *               the in-flight bound and the gate's drain;
+ *   capture.c   stream captures under way (no event query may break one).
+ * Private to the shim: every name here is hidden (-fvisibility=hidden). */
+#ifndef ALNAIR_LAUNCH_INTERNAL_H
+#define ALNAIR_LAUNCH_INTERNAL_H
+#include <string.h>
+
+#include "hook_protos.h"
+
+#define DEFAULT_COST_NS 20000ull
+#define MIN_COST_NS 1000ull
+#define CREDIT_MAX_NS 100000000ull /* true-up credit kept against later charges, at most */
+#define NAP_MAX_NS 2000000ull      /* a thread waiting for its turn re-reads the schedule this often at least */
+/* A launch whose work is estimated to end this little past the window's end still goes: otherwise a window of
+ * 1 ms kernels that began a wake-up late loses its last kernel's worth every period (7 % of a 15 ms window); the
+ * next container's turn starts at most this late. */
+#define WINDOW_SLACK_NS 200000ull
+/* A thread waiting for its window sleeps until this long before the window's start and spins the rest: a sleep's
+ * wake-up comes tens of microseconds late on a VM, and every window would begin that late (a turn's start must not
+ * wait on a wake-up). At most this much spinning per window per waiting thread. */
+#ifndef WAKE_EARLY_NS
+#define WAKE_EARLY_NS 100000ull
+#endif
+/* Polling a drain (the gate measures what is queued instead of trusting its estimate): first nap, and at most. */
+#define DRAIN_NAP_MIN_NS 10000ull
+#define DRAIN_NAP_MAX_NS 500000ull
+/* Overridable for diagnostic builds only (make CFLAGS="-O2 -DSAMPLE_EVERY=4096u ..."): bench/metering_cost.py */
+/* Each event the shim records costs a real driver ~2 us: at 1 in 256 launches (and 3 events per 256) the metered
+ * path pays ~25 ns per launch for them; a kernel's estimate is taken at once from its first sample and falls at
+ * once to a much lower one, and a fence still comes every FENCE_EVERY_NS of charged work. */
+#ifndef SAMPLE_EVERY
+#define SAMPLE_EVERY 256u
+#endif
+#ifndef FENCE_EVERY
+#define FENCE_EVERY 256u
+#endif
+#ifndef FENCE_EVERY_NS
+#define FENCE_EVERY_NS 2000000ull
+#endif
+#ifndef POLL_EVERY_MASK
+#define POLL_EVERY_MASK 7u /* a sample in flight is polled every 8 launches */
+#endif
+/* A sample whose launch call held the host this long measured the host, not the GPU: its start event ran on an idle
+ * GPU that then waited for the launch (a kernel's first launch loads its module: 1-5 ms on the H200, which, taken
+ * as its estimate, held every later turn of a training step back by milliseconds). It is dropped and taken again. */
+#define SAMPLE_HOST_MAX_NS 50000ull
+/* ... at most this many times per kernel: a kernel whose every launch holds the host that long would otherwise never
+ * get an estimate, and each of its launches would wait for the sample in flight (a stream run one kernel at a time). */
+#define MAX_DROPS 2u
+/* A kernel's first samples are taken back to back (one per launch, as the sampler frees up), then 1 in SAMPLE_EVERY:
+ * a program with many kernels would otherwise keep a kernel's first, least settled sample for thousands of launches. */
+#ifndef FIRST_SAMPLES
+#define FIRST_SAMPLES 4u
+#endif
+#define NFENCE 16u
+#define NCORR 16u
+#define NPEND 8u
+#ifndef INFLIGHT_MAX_NS
+#define INFLIGHT_MAX_NS 20000000ull
+#endif
+#define WAIT_GIVE_UP_NS 2000000000ull /* no GPU progress this long: stop waiting on our own events */
+#define SAMPLE_WAIT_NS 200000000ull   /* an unknown launch waits this long at most for the sample in flight */
+#define GUESS_AHEAD 4u                 /* ... once this many unknown launches went on a guess behind it */
+#define EST_WAYS 4u
+#define EST_SET_BITS 11
+#define EST_SETS (1u << EST_SET_BITS)
+#define CAP_SLOTS 64u
+#define CAPTURE_MODE_GLOBAL 0
+#define CAPTURE_MODE_RELAXED 2
+#define CAPTURE_STATUS_ACTIVE 1
+#define ACCOUNT_FLUSH_NS 1000000ull /* a thread's counted GPU time reaches its slot in steps of at most this */
+
+/* Per device (a container of several GPUs, issue 27): each GPU has its own windows, so what is owed, credited and
+ * counted against them is kept per device; the names below are the calling thread's device's (alnair_cur). */
+struct dev_turns {
+    _Atomic int64_t credit;         /* GPU ns charged that true-ups found the GPU did not run: off later charges */
+    _Atomic uint64_t debt;          /* ns of overrun past window ends not yet paid back by skipping */
+    _Atomic uint64_t paid_window;   /* the window (its start, ns) whose beginning the debt was paid from */
+    _Atomic uint64_t paid_shift;    /* ... and how much of it was skipped */
+    _Atomic uint64_t procs_window;  /* the window whose live processes were last counted */
+    _Atomic uint32_t procs;         /* ... how many processes of the container live (they share its window) */
+};
+extern struct dev_turns g_dev[ALNAIR_MAX_DEVICES];
+#define g_credit (g_dev[alnair_cur].credit)
+#define g_debt (g_dev[alnair_cur].debt)
+#define g_paid_window (g_dev[alnair_cur].paid_window)
+#define g_paid_shift (g_dev[alnair_cur].paid_shift)
+#define g_procs_window (g_dev[alnair_cur].procs_window)
+#define g_procs (g_dev[alnair_cur].procs)
+extern _Atomic int g_captures;           /* stream captures under way in this process */
+extern _Atomic int g_global_captures;    /* of them in global mode: no thread may query an event meanwhile */
+extern _Atomic uint64_t g_guess_ns; /* a launch nothing is known about: recent samples' mean */
+extern _Atomic int g_guess_known;                     /* ... taken from at least one sample */
+
+/* ---- the estimate cache ------------------------------------------------------------------------------------
+ * Key: (function or graph, grid-size class = bit length of the block count): a kernel's time grows with its
+ * grid, so each size class has its own estimate. Set-associative (EST_WAYS ways per set); a miss evicts the
+ * least recently used way of its set, so a program with any number of distinct kernels keeps estimates for
+ * the ones it runs now. Lock-free: a way is taken by CAS key -> 0, ns = 0, key = new; a reader that sees the
+ * new key reads that key's ns (0 until measured). */
+struct est {
+    _Atomic uint64_t key;
+    _Atomic uint64_t ns; /* 0: not measured yet */
+    _Atomic uint32_t used;
+    _Atomic uint32_t samples; /* samples taken into ns (the first FIRST_SAMPLES are taken back to back) */
+    _Atomic uint32_t dropped; /* samples dropped for holding the host (at most MAX_DROPS, then taken as they are) */
+    uint32_t pad;
+};
+extern struct est g_est[EST_SETS * EST_WAYS];
+extern _Atomic uint32_t g_est_clock;
+
+
+static inline unsigned grid_class(uint64_t blocks)
+{
+    return blocks ? 64u - (unsigned)__builtin_clzll(blocks) : 0u; /* 0..64 */
+}
+
+static inline uint64_t est_key(uintptr_t fn, unsigned cls)
+{
+    uint64_t k = ((uint64_t)fn << 7) | cls;
+    return k ? k : 1;
+}
+
+static inline struct est *est_set(uint64_t k)
+{
+    return &g_est[(size_t)((k * 0x9E3779B97F4A7C15ull) >> (64 - EST_SET_BITS)) * EST_WAYS];
+}
+
+static inline struct est *est_lookup(uint64_t k)
+{
+    struct est *set = est_set(k);
+    for (unsigned w = 0; w < EST_WAYS; w++) {
+        if (atomic_load_explicit(&set[w].key, memory_order_acquire) == k) {
+            uint32_t now = atomic_load_explicit(&g_est_clock, memory_order_relaxed);
+            if (atomic_load_explicit(&set[w].used, memory_order_relaxed) != now)
+                atomic_store_explicit(&set[w].used, now, memory_order_relaxed);
+            return &set[w];
+        }
+    }
+    return NULL;
+}
+
+
+struct fence {
+    CUevent ev;
+    uint64_t charged; /* this thread's charged total when recorded */
+    CUstream stream;
+    struct stream_ctr *sc; /* its stream's counters (NULL: the table is full) */
+    int backed; /* the previous fence on this stream was still pending when this one was recorded */
+    int has_seq;
+    uint64_t seq;  /* launches on this stream, by every thread of the process, when recorded */
+    uint64_t mine; /* this thread's launches, when recorded */
+};
+
+/* Launches per stream, by all threads: the true-up of an interval applies only when every launch on the stream in
+ * it was this thread's (with two threads on one stream, each would otherwise be charged for the other's work). */
+struct stream_ctr {
+    _Atomic uintptr_t key;
+    _Atomic uint64_t launches;
+    _Atomic uint64_t vft; /* when the GPU is estimated to finish the work queued on this stream (monotonic ns) */
+};
+#define STREAM_SLOTS 1024u
+extern struct stream_ctr g_streams[STREAM_SLOTS];
+
+struct tstate {
+    unsigned gen;
+    CUcontext ctx;
+    uint64_t launches, done, charged, completed_charged, last_fence_charged;
+    unsigned since_fence;
+    CUevent s_start, s_end;
+    CUevent d_ev; /* the gate's drain event: recorded when its estimate of the queue refuses a launch */
+    uint64_t s_key, s_cost, s_idx, s_host;
+    unsigned s_ahead; /* launches of unknown kernels charged a guess since the sample in flight was taken */
+    int s_busy, s_guess;
+    struct fence f[NFENCE];
+    unsigned fhead, fcount;
+    int prev_valid;
+    unsigned prev_idx;
+    uint64_t prev_charged, prev_seq, prev_mine;
+    int prev_has_seq;
+    CUstream prev_stream;
+    uint64_t corr[NCORR]; /* launches (by T.done) whose guessed cost a sample corrected */
+    unsigned ncorr;
+    struct {
+        uint64_t key, cost, idx;
+    } pend[NPEND]; /* launches charged a guess and not sampled (the sampler was busy): settled by their key's sample */
+    unsigned npend;
+    int strict_captures; /* this thread's non-relaxed captures under way */
+    int exit_hook;       /* the thread-exit destructor is armed */
+};
+extern __thread struct tstate T_dev[ALNAIR_MAX_DEVICES] __attribute__((tls_model("initial-exec")));
+#define T (T_dev[alnair_cur]) /* per device: its events, fences and queued work are its context's */
+
+/* This thread's last yes of the gate, for as long as the turns it read stay (same turn_seq): the window it was in
+ * (its start after any debt) or the lease, so a launch inside them needs no division nor a re-read of the turns. */
+struct gate {
+    int valid;
+    uint32_t seq, procs;
+    uint64_t start, end, free_until; /* end: UINT64_MAX when every moment is its turn */
+    uint64_t room; /* how far past `end` a launch's work may run: the slack, or the spare time after the window */
+};
+extern __thread struct gate G_dev[ALNAIR_MAX_DEVICES] __attribute__((tls_model("initial-exec")));
+#define G (G_dev[alnair_cur]) /* per device: each GPU's windows */
+
+static inline int metered(void)
+{
+    struct alnair_region *r = alnair_region;
+    if (r == NULL)
+        return 0;
+    uint32_t c = __atomic_load_n(&r->agent.compute_limit, __ATOMIC_RELAXED);
+    return c - 1u < 99u; /* 1..99 percent */
+}
+
+static inline void count_launch(void)
+{
+    if (alnair_region != NULL) {
+        struct alnair_region_slot *s = alnair_slot();
+        if (s != NULL)
+            __atomic_fetch_add(&s->launches, 1, __ATOMIC_RELAXED);
+    }
+}
+
+/* Event queries are allowed: no global-mode capture anywhere, no non-relaxed capture in this thread. */
+static inline int queries_ok(void)
+{
+    return atomic_load_explicit(&g_global_captures, memory_order_relaxed) == 0 && T.strict_captures == 0;
+}
+
+extern __thread uint64_t T_unflushed_dev[ALNAIR_MAX_DEVICES] __attribute__((tls_model("initial-exec")));
+void flush_account(void);
+#define T_unflushed (T_unflushed_dev[alnair_cur])
+
+/* Add `ns` of GPU time to this process's slot, less any credit true-ups found (the counter only grows). Kept in the
+ * thread until a millisecond has gathered: one shared-memory atomic per launch less on the metered path (the
+ * profiler reads the slots once a second). */
+static inline void account(uint64_t ns)
+{
+    T_unflushed += ns;
+    if (UNLIKELY(T_unflushed >= ACCOUNT_FLUSH_NS))
+        flush_account();
+}
+
+
+/* turns.c: the turn gate, what is owed, the GPU time counted */
+void owe(uint64_t ns);
+uint64_t turn_gate(uint64_t cost, struct stream_ctr *sc, CUstream stream, int pt);
+
+/* estimate.c: the estimate cache, the shim's own events, fences, samples, the in-flight bound */
+struct est *est_insert(uint64_t k);
+uint64_t est_neighbour(uintptr_t fn, unsigned cls);
+struct stream_ctr *stream_find(CUstream s, int pt);
+void drop_events(void);
+int ensure_ctx(void);
+int get_event(CUevent *ev);
+int record(CUevent ev, CUstream s, int pt);
+CUresult query(CUevent ev);
+uint64_t elapsed_ns(CUevent a, CUevent b);
+void true_up(uint64_t actual, uint64_t charged);
+void poll_fences(void);
+int drained(CUstream s, int pt, struct stream_ctr *sc, uint64_t deadline);
+void wait_inflight(uint64_t max_ns, unsigned max_fences);
+void record_fence(CUstream s, int pt, struct stream_ctr *sc);
+void poll_sample(void);
+int sample_first(uint64_t key);
+void wait_sample(void);
+
+/* capture.c: stream captures under way */
+int capturing(CUstream s, int pt);
+void capture_after_fork_child(void);
+
+#endif /* ALNAIR_LAUNCH_INTERNAL_H */

@@ -1,0 +1,233 @@
+/* The turn gate: a metered launch goes on in its container's window (or under a lease) when its work fits there;
+ * what ran past a window is owed and paid back by skipping as much of the next windows. Also the GPU time each
+ * process counts in its slot. shim/README.md ("Compute") has the rules. */
+#define _GNU_SOURCE
+#include <sys/prctl.h>
+
+#include "launch_internal.h"
+
+struct dev_turns g_dev[ALNAIR_MAX_DEVICES];
+__thread struct gate G_dev[ALNAIR_MAX_DEVICES] __attribute__((tls_model("initial-exec")));
+
+/* ---- GPU time counted, turns waited for ------------------------------------------------------------------ */
+__thread uint64_t T_unflushed_dev[ALNAIR_MAX_DEVICES] __attribute__((tls_model("initial-exec")));
+
+/* What the thread has gathered, into its process's slot (also at thread and process exit). */
+void flush_account(void)
+{
+    uint64_t ns = T_unflushed;
+    T_unflushed = 0;
+    if (ns == 0)
+        return;
+    int64_t c = atomic_load_explicit(&g_credit, memory_order_relaxed);
+    while (c > 0 && ns > 0) {
+        uint64_t take = (uint64_t)c < ns ? (uint64_t)c : ns;
+        if (atomic_compare_exchange_weak(&g_credit, &c, c - (int64_t)take)) {
+            ns -= take;
+            break;
+        }
+    }
+    struct alnair_region_slot *s = alnair_slot();
+    if (ns > 0 && s != NULL)
+        RADD(s->gpu_ns, ns);
+}
+
+static __thread int T_slack_set __attribute__((tls_model("initial-exec")));
+
+/* `ns` of this process's work held the GPU past where its turns allowed: paid back by skipping as much of its next
+ * windows (and counted in the slot's overrun_ns). */
+void owe(uint64_t ns)
+{
+    struct alnair_region_slot *s = alnair_slot();
+    if (s != NULL)
+        RADD(s->overrun_ns, ns);
+    atomic_fetch_add(&g_debt, ns);
+}
+
+static inline void cpu_relax(void)
+{
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
+}
+
+/* Sleep towards `until` (at most NAP_MAX_NS at a time: the caller re-reads the turns); its last WAKE_EARLY_NS are
+ * spun, so the caller is back on time. */
+static void nap_until(uint64_t until, uint64_t now)
+{
+    if (!T_slack_set) {
+        /* the kernel's default 50 us timer slack would start every turn that late: 1 us (once per thread) */
+        prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0);
+        T_slack_set = 1;
+    }
+    uint64_t d = until > now ? until - now : 0;
+    if (d <= WAKE_EARLY_NS) {
+        while (alnair_now_ns() < until)
+            cpu_relax();
+        return;
+    }
+    d -= WAKE_EARLY_NS;
+    alnair_sleep_ns(d > NAP_MAX_NS ? NAP_MAX_NS : d);
+}
+
+/* The part of the window starting at `ws` (length `len`) that the process's debt skips: taken from the debt once
+ * per window, by whichever thread comes first, and decided then even when nothing is owed: debt that arises later
+ * in the window (its tail run into spare time, a true-up) is the next window's to pay. Taken again mid-window, it
+ * was paid from a start already past, which skipped nothing (a 90 % container with 10 ms of spare ran at 99 %). */
+static uint64_t debt_shift(uint64_t ws, uint64_t len)
+{
+    uint64_t w = atomic_load_explicit(&g_paid_window, memory_order_acquire);
+    if (w == ws)
+        return atomic_load_explicit(&g_paid_shift, memory_order_relaxed);
+    if (w > ws)
+        return 0;
+    if (!atomic_compare_exchange_strong(&g_paid_window, &w, ws))
+        return atomic_load_explicit(&g_paid_shift, memory_order_relaxed);
+    uint64_t debt = atomic_load_explicit(&g_debt, memory_order_relaxed), pay = debt < len ? debt : len;
+    atomic_fetch_sub(&g_debt, pay);
+    atomic_store_explicit(&g_paid_shift, pay, memory_order_release);
+    return pay;
+}
+
+/* How many processes of the container share its windows, counted once per window (its live slots): each queues
+ * on streams of its own, so a process's estimate of how long the GPU needs for what is queued is its own queue times
+ * that many. */
+static uint32_t window_procs(uint64_t ws)
+{
+    if (atomic_load_explicit(&g_procs_window, memory_order_relaxed) != ws) {
+        atomic_store_explicit(&g_procs_window, ws, memory_order_relaxed);
+        uint32_t n = 0;
+        struct alnair_region *r = alnair_cur_region();
+        for (unsigned i = 0; r != NULL && alnair_devices[alnair_cur].shared && i < ALNAIR_REGION_MAX_SLOTS; i++)
+            n += RLOAD(r->slots[i].pid) > 0;
+        atomic_store_explicit(&g_procs, n ? n : 1, memory_order_relaxed);
+    }
+    return atomic_load_explicit(&g_procs, memory_order_relaxed);
+}
+
+void poll_fences(void);
+int drained(CUstream s, int pt, struct stream_ctr *sc, uint64_t deadline);
+
+/* Wait until this launch of `cost` ns may go: in the container's window with room for it after what this thread
+ * has queued, or under an elastic lease. Returns the ns waited. */
+
+static inline void clear_debt(void)
+{
+    if (atomic_load_explicit(&g_debt, memory_order_relaxed) != 0)
+        atomic_store_explicit(&g_debt, 0, memory_order_relaxed); /* owed to nobody while lent the GPU */
+}
+
+/* A launch whose work (after `backlog`) is estimated to end more than the slack past the window's end (`left` from
+ * now) runs into the spare time after the window, nobody's: that part is owed, paid back by skipping as much of the
+ * next windows, so the container's time stays its windows' and a tail too short for its next launch is not lost. */
+static inline void owe_past(uint64_t backlog, uint64_t cost, uint64_t left)
+{
+    uint64_t lim = left + WINDOW_SLACK_NS, end = backlog + cost;
+    if (UNLIKELY(end > lim))
+        owe(end - lim - (backlog > lim ? backlog - lim : 0));
+}
+
+uint64_t turn_gate(uint64_t cost, struct stream_ctr *sc, CUstream stream, int pt)
+{
+    uint64_t t0 = 0, now = alnair_now_ns();
+    uint32_t seq = RLOAD(alnair_cur_region()->agent.turn_seq);
+    if (LIKELY(G.valid && seq == G.seq)) {
+        if (now < G.free_until) {
+            clear_debt();
+            goto go;
+        }
+        if (now >= G.start && now < G.end) {
+            uint64_t vft = sc != NULL ? atomic_load_explicit(&sc->vft, memory_order_relaxed) : 0;
+            uint64_t backlog = (vft > now ? vft - now : 0) * G.procs;
+            if (backlog + cost <= G.end - now + G.room) {
+                owe_past(backlog, cost, G.end - now);
+                goto go;
+            }
+        }
+    }
+    G.valid = 0;
+    PROBE(P_GATE_SLOW, 0);
+    for (int polled = 0;; now = alnair_now_ns(), seq = RLOAD(alnair_cur_region()->agent.turn_seq)) {
+        struct alnair_turn t;
+        alnair_turn_read(&t);
+        if (now < t.free_until || t.length >= t.period) {
+            clear_debt();
+            G.seq = seq;
+            G.free_until = t.length >= t.period ? UINT64_MAX : t.free_until;
+            G.start = G.end = 0;
+            G.valid = 1;
+            break;
+        }
+        if (t0 == 0)
+            t0 = now;
+        uint64_t epoch = t.epoch <= now ? t.epoch : 0;
+        uint64_t ws = epoch + (now - epoch) / t.period * t.period + t.offset;
+        if (ws > now && ws >= t.period)
+            ws -= t.period; /* the window may have begun in the previous period and still run */
+        if (now >= ws + t.length)
+            ws += t.period;
+        if (t.length == 0) {
+            nap_until(now + NAP_MAX_NS, now); /* no window at all: only a lease or a new schedule lets it go */
+            continue;
+        }
+        uint64_t we = ws + t.length, start = ws + debt_shift(ws, t.length);
+        if (now < start) {
+            nap_until(start, now);
+            continue;
+        }
+        uint64_t vft = sc != NULL ? atomic_load_explicit(&sc->vft, memory_order_relaxed) : 0;
+        uint32_t procs = window_procs(ws);
+        uint64_t backlog = (vft > now ? vft - now : 0) * procs, left = we - now;
+        uint64_t room = t.spare > WINDOW_SLACK_NS ? t.spare : WINDOW_SLACK_NS;
+        if (backlog + cost <= left + room) {
+            TRACE('W', now - start, left, backlog, 0); /* how late after its start a waiting thread goes on */
+            owe_past(backlog, cost, left);
+            G.seq = seq;
+            G.procs = procs;
+            G.start = start;
+            G.end = we;
+            G.room = room;
+            G.free_until = 0;
+            G.valid = 1;
+            break;
+        }
+        TRACE('g', backlog, left, cost, (uint64_t)polled);
+        if (backlog > 0 && !polled && queries_ok()) {
+            poll_fences(); /* the queue may have drained further than its estimate says */
+            polled = 1;
+            continue;
+        }
+        /* Still refused on the estimate, though the launch alone would fit: measure the queue instead. Estimates
+         * of a program that leaves the GPU idle between launches hold the host's launch time too (a sample's start
+         * event ran on an idle GPU), so the estimated queue of a training step or batch-1 inference runs ahead of
+         * the real one and the window's last milliseconds were lost every period. The drain is waited for only
+         * until the window's end, when the launch would be refused anyway. */
+        if (backlog > 0 && polled < 2 && cost <= left + room && queries_ok() && drained(stream, pt, sc, we)) {
+            polled = 2;
+            continue;
+        }
+        if (backlog == 0 && cost > t.length) {
+            owe(cost - left); /* never fits a window: run it now with nothing queued, skip its overrun later */
+            break;
+        }
+        nap_until(we + (t.period - t.length), now); /* the next window's start */
+        polled = 0;
+    }
+go:
+    if (sc != NULL) {
+        uint64_t v = atomic_load_explicit(&sc->vft, memory_order_relaxed);
+        while (!atomic_compare_exchange_weak(&sc->vft, &v, (v > now ? v : now) + cost)) {
+        }
+    }
+    if (t0 == 0)
+        return 0;
+    uint64_t waited = now - t0;
+    PROBE(P_W_GATE, waited);
+    struct alnair_region_slot *s = alnair_slot();
+    if (waited > 0 && s != NULL)
+        RADD(s->wait_ns, waited);
+    return waited;
+}
+
