@@ -1,46 +1,11 @@
 """The turns of one GPU, free of I/O so they can be tested on their own.
 
-Why turns. Several contexts on one GPU are time-sliced by the driver; under that slicing nobody can see what each
-container really got: a kernel's event pair also holds the other contexts' slices, and NVML's per-process figure
-is, on the H200 under driver 580, a draw (each ~1/6 s sampling period given to one process), not a share. A meter
-tuned on one program shape then drifts on another (measured: a 30/70 split of a loop that synchronizes every 20
-kernels ran as 31/62, a 50 % tenant of three got 40 %). So Alnair owns the time-slicing instead: each capped
-container of a GPU gets a window of its cap's part of a period common to the GPU, windows never overlap, and the
-shim launches only in its window and hands the GPU over drained (shim/launch.c). A container's GPU time is then its
-windows' time by construction, for every program shape: a cap of 30 % is 30 % of the GPU's time, whether the
-container fills its window with one long kernel or many small ones, and a program that waits for the GPU waits in
-its own window.
-
-The layout: windows in a stable order (by allocation id), each `cap` % of the period, one after another from offset
-0; what the caps leave (100 % less their sum) goes to the elastic containers in proportion to their caps (a lone
-elastic container at 30 % gets the whole period). With no elastic container it is nobody's: the last window is
-told so (its spare), and its work may run into it, owed back by skipping as much of its next windows. Containers
-that are idle keep their windows, so a strict one's first launch after a pause finds its turn where it was.
-
-Lending (elastic): an elastic container is lent the whole GPU (a lease, `turn_free_until_ns`, renewed every tick
-for LEASE_TICKS ticks) while no other container on its GPU is active, or while every active one there is elastic
-and lending them the GPU together slows none of them. The second case keeps packing: jobs that leave the GPU idle
-part of the time (a small-batch training loop, batch-1 inference) run side by side and fill each other's gaps, as
-they do with no limits at all; two jobs that each keep the GPU busy would only slow each other (the driver
-time-slices them), and an elastic container's cap is its guarantee. So lending together is a trial, judged by
-what each container does, not by a model of it:
-  - it is tried only after every active container has run on its windows for ARRIVAL_HOLD_S since the last change
-    in who is active (a container that arrives gets its window, and keeps it while the others settle), with a
-    device utilization (NVML's device figure, exact) under FREE_ENTER read after that change;
-  - each container's launch rate over the last BASELINE_S on its windows is its baseline (the same program's
-    launches per second are its progress);
-  - after TRIAL_S lent together, any container whose launch rate is under KEEP_FRAC of its baseline ends the trial:
-    windows again at that tick, and no new trial for a hold time that doubles each time (HOLD_MIN_S .. HOLD_MAX_S),
-    so a pair that only slows each other settles on windows; a trial that slows nobody goes on;
-  - a lending that went on RECHECK_S goes back to windows for a new baseline and trial (programs change what they
-    do). A busy GPU alone does not end it: two gap-y jobs that fill each other's gaps drive the device to 95-100 %,
-    which is the packing wanted; ending lending there (as an earlier rule did) cut a pair's lending to ~1 s in every
-    3 on the H200 (bench/dispatcher_gpu.py packing: 25.7 % shorter, against 44.1 % with no limits). Whether lending
-    slows someone is what the trial and the recheck judge.
-Any change in who is active ends every lease on the GPU at that tick: a container that starts (its first launch,
-or its first after DISPATCH_IDLE_S) has its own window at once and the lender is back in its own within one tick
-and its queue (the shim bounds what it has in flight).
-"""
+Each capped container of a GPU gets a window of its cap's part of a period common to the GPU; windows never overlap,
+and the shim launches only in its container's window (shim/turns.c), so a container's GPU time is its windows' time
+for every program shape. What the caps leave goes to the elastic containers in proportion to their caps (else it is
+the last window's spare); idle containers keep their windows. An elastic container is lent the whole GPU while
+nobody else on it is active, or, on trial, with the other active elastic ones while that slows none of them (the
+constants below). Why turns, and the lending rules in full: docs/architecture.md ("Sharing compute")."""
 
 from __future__ import annotations
 
