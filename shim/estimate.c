@@ -73,8 +73,6 @@ struct stream_ctr *stream_find(CUstream s, int pt)
 static pthread_key_t exit_key;
 static pthread_once_t exit_key_once = PTHREAD_ONCE_INIT;
 static int exit_key_ok;
-void drop_events(void);
-void flush_account(void);
 static void thread_exit(void *arg)
 {
     (void)arg;

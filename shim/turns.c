@@ -107,8 +107,6 @@ static uint32_t window_procs(uint64_t ws)
     return atomic_load_explicit(&g_procs, memory_order_relaxed);
 }
 
-void poll_fences(void);
-int drained(CUstream s, int pt, struct stream_ctr *sc, uint64_t deadline);
 
 /* Wait until this launch of `cost` ns may go: in the container's window with room for it after what this thread
  * has queued, or under an elastic lease. Returns the ns waited. */
