@@ -54,8 +54,10 @@ class Container:
     seen: bool = False
     history: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=HISTORY))  # (s, launches)
     board_slot: int | None = None  # a latency container's slot on its GPU's board (None: no slot free)
-    held_ns: int = 0  # slot counters, summed: its launches held back for a latency container
+    held_ns: int = 0  # slot counters, summed, as last read: its launches held back for a latency container
     holds: int = 0
+    held_s: float = 0.0  # ... their growth since the dispatcher first saw it (for /metrics)
+    held_count: int = 0
 
     def active(self, now: float, idle_s: float) -> bool:
         return now - self.last_active <= idle_s

@@ -222,7 +222,11 @@ class Dispatcher:
         c.policy = self._policy(alloc)
         C.observe_counters(c, now, dt, sum(s.launches for s in slots), sum(s.wait_ns for s in slots),
                            sum(s.gpu_ns for s in slots))
-        c.held_ns, c.holds = sum(s.held_ns for s in slots), sum(s.holds for s in slots)
+        # counted only as they grow (a process's slot goes with it): totals for /metrics that never fall
+        held_ns, holds = sum(s.held_ns for s in slots), sum(s.holds for s in slots)
+        c.held_s += max(0, held_ns - c.held_ns) / 1e9
+        c.held_count += max(0, holds - c.holds)
+        c.held_ns, c.holds = held_ns, holds
         return c
 
     def _uncapped_active(self, alloc: "Allocation", now: float) -> bool:
