@@ -426,4 +426,4 @@ async def test_policy_annotation_is_validated(root, api, build, timelines):
     bad = [e for e in logs if e["event"] == "compute_policy_invalid"]
     assert len(bad) == 1  # once, not every tick
     assert bad[0]["value"] == "greedy" and bad[0]["annotation"] == COMPUTE_POLICY_ANNOTATION
-    assert bad[0]["using"] == "strict" and bad[0]["allowed"] == ["strict", "elastic"]
+    assert bad[0]["using"] == "strict" and bad[0]["allowed"] == ["strict", "elastic", "latency"]
