@@ -2,7 +2,7 @@
 
 An open-loop request stream in one tenant process: Poisson arrivals at each of --rates (requests/s; the schedule
 drawn up front from --seed, the same in every run), each request a batch-1 inference of shares_gpu's `infer` model
-(6-layer nn.TransformerEncoder, d 1024, 16 heads, ff 4096, 128 tokens, bf16, no_grad, the result `.float().cpu()`),
+with one layer, not six (STREAM_LAYERS; nn.TransformerEncoder, d 1024, 16 heads, ff 4096, 128 tokens, bf16, no_grad, the result `.float().cpu()`),
 timed from its scheduled arrival to its result on the host: a request that arrives while the server is busy queues,
 and its latency holds that wait, as an open-loop client sees it. Each rate is a phase of the same process: a gap
 (GAP_S), a settle (--settle, not measured: the neighbour's first kernels, the dispatcher's first ticks), then
@@ -211,7 +211,14 @@ else:
     out.update(start=phases[0]["start"] if phases else time.time(), host_end=time.time(), phases=phases)
 print(json.dumps(out), flush=True)
 """
-STREAM_CODE = sg.TENANT_HEAD + sg.SHAPES["infer"].body + STREAM_TAIL
+# The issue's service: a small transformer, 0.2-0.3 ms of GPU work a request. shares_gpu's `infer` model with one
+# layer, not six: its six (1.7 ms a request, ~460-740 requests/s at most alone on the H200 VM) cannot serve 500/s
+# even alone, and a neighbour held back for whole requests of that length gives up a third of its time at 200/s.
+STREAM_LAYERS = 1
+_INFER_SIX = "TransformerEncoder(layer, 6)"
+assert _INFER_SIX in sg.SHAPES["infer"].body, "shares_gpu's infer model changed: update STREAM_MODEL"
+STREAM_MODEL = sg.SHAPES["infer"].body.replace(_INFER_SIX, f"TransformerEncoder(layer, {STREAM_LAYERS})")
+STREAM_CODE = sg.TENANT_HEAD + STREAM_MODEL + STREAM_TAIL
 STREAM_SHAPE = sg.Shape("stream", "request", "")  # the Tenant record's; its process runs STREAM_CODE
 
 

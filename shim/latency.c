@@ -153,8 +153,13 @@ uint64_t latency_gate(uint64_t cost, struct stream_ctr *sc, uint64_t now)
             break; /* the agent took the class away: the turns rule from the next launch */
     }
     horizon_add(&L->spent, now, cost);
+    /* What it announces is bounded: its estimates hold the neighbours' slices where a sample ran beside their work
+     * (a 20 us kernel sampled across a neighbour's 200 us matmul), and an estimated queue of milliseconds held the
+     * neighbours that long after each request, spent their hold_pct, and left the next requests unprotected. */
     uint64_t vft = sc != NULL ? atomic_load_explicit(&sc->vft, memory_order_relaxed) : 0;
-    uint64_t until = (vft > now ? vft : now) + cost + LAT_GRACE_NS;
+    uint64_t backlog = vft > now ? vft - now : 0;
+    uint64_t until = now + (backlog < LAT_BACKLOG_MAX_NS ? backlog : LAT_BACKLOG_MAX_NS) +
+                     (cost < LAT_COST_MAX_NS ? cost : LAT_COST_MAX_NS) + LAT_GRACE_NS;
     struct alnair_board *b = alnair_board_get();
     uint32_t k = RLOAD(r->agent.board_slot);
     if (b != NULL && k < ALNAIR_BOARD_SLOTS) {

@@ -263,6 +263,10 @@ uint32_t window_procs(uint64_t ws);
 #define LAT_GRACE_NS 100000ull
 #endif
 #define LAT_ANNOUNCE_NS 20000ull /* its board slot is rewritten when the end it says moves by more than this */
+#ifndef LAT_BACKLOG_MAX_NS
+#define LAT_BACKLOG_MAX_NS 500000ull /* ... its estimated queue counts for at most this (latency.c) */
+#endif
+#define LAT_COST_MAX_NS 1000000ull /* ... and its launch's estimate for at most this */
 /* Beside a latency container, a container keeps at most this much estimated work queued ahead of the GPU: a request
  * arriving waits for about that and the kernel running. */
 #ifndef HOLD_QUEUE_NS
