@@ -185,6 +185,33 @@ static uint64_t board_until(struct alnair_board *b, uint32_t mask, uint64_t now)
     return until > now + HOLD_ONCE_MAX_NS ? now + HOLD_ONCE_MAX_NS : until;
 }
 
+/* The long launch before the last one has run (hold_mark's events): wait for it, measured, not estimated.
+ * Returns 1 when it waited. */
+static int queue_short(uint64_t now)
+{
+    if (T.q_n < 2 || !queries_ok())
+        return 0;
+    CUevent ev = T.q_ev[(T.q_n - 2) & 1u];
+    if (ev == NULL || query(ev) != CUDA_ERROR_NOT_READY)
+        return 0;
+    uint64_t t0 = now;
+    while (query(ev) == CUDA_ERROR_NOT_READY && now - t0 < WAIT_GIVE_UP_NS) {
+        nap_until(now + DRAIN_NAP_MIN_NS, now);
+        now = alnair_now_ns();
+    }
+    TRACE('q', now - t0, 0, 0, 0);
+    return 1;
+}
+
+void hold_mark(CUstream s, int pt, uint64_t cost)
+{
+    (void)cost;
+    CUevent *ev = &T.q_ev[T.q_n & 1u];
+    if (ensure_ctx() != 0 || get_event(ev) != 0 || record(*ev, s, pt) != 0)
+        return;
+    T.q_n++;
+}
+
 /* Before a launch of a container beside latency containers: wait while the board says one of them runs (within
  * hold_pct of the horizon), and while this stream has more than HOLD_QUEUE_NS queued. Returns the time now; the
  * time held is counted in the slot (held_ns, holds) and, inside a window, given back at the window's end. */
@@ -206,9 +233,13 @@ uint64_t hold_back(uint32_t mask, struct stream_ctr *sc, uint64_t now)
             continue;
         }
         uint64_t vft = sc != NULL ? atomic_load_explicit(&sc->vft, memory_order_relaxed) : 0;
-        if (vft <= now + HOLD_QUEUE_NS)
+        if (vft > now + HOLD_QUEUE_NS) {
+            nap_until(vft - HOLD_QUEUE_NS, now); /* the queue drains to the bound (not a hold: nobody asked) */
+            now = alnair_now_ns();
+            continue;
+        }
+        if (!queue_short(now))
             break;
-        nap_until(vft - HOLD_QUEUE_NS, now); /* the queue drains to the bound (not a hold: nobody asked) */
         now = alnair_now_ns();
     }
     if (held == 0)

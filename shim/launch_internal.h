@@ -174,6 +174,8 @@ struct tstate {
     unsigned since_fence;
     CUevent s_start, s_end;
     CUevent d_ev; /* the gate's drain event: recorded when its estimate of the queue refuses a launch */
+    CUevent q_ev[2]; /* beside a latency container: after each of its last two long launches (latency.c) */
+    unsigned q_n;    /* ... how many were recorded (q_ev[q_n & 1] is the next) */
     uint64_t s_key, s_cost, s_idx, s_host;
     unsigned s_ahead; /* launches of unknown kernels charged a guess since the sample in flight was taken */
     int s_busy, s_guess;
@@ -272,6 +274,11 @@ uint32_t window_procs(uint64_t ws);
 #ifndef HOLD_QUEUE_NS
 #define HOLD_QUEUE_NS 100000ull
 #endif
+/* Beside a latency container a launch estimated this long or longer is followed by an event, and the next waits
+ * until the one before it has run: at most two such kernels queued, whatever the estimates say (an estimate too
+ * short let a matmul tenant queue milliseconds). Shorter launches are bounded by the estimate alone (an event each
+ * would cost the host microseconds a launch). */
+#define HOLD_EVENT_MIN_NS 50000ull
 #define HOLD_ONCE_MAX_NS 50000000ull /* one look at the board holds a launch back this long at most */
 #define HOLD_STEP_NS 200000ull       /* a held thread looks at the board again this often at least */
 #define HOLD_ROUNDS 8                /* holds and turns asked again, for one launch, at most */
@@ -292,6 +299,7 @@ void horizon_add(struct horizon *h, uint64_t now, uint64_t ns);
 uint64_t horizon_sum(struct horizon *h, uint64_t now);
 uint64_t latency_gate(uint64_t cost, struct stream_ctr *sc, uint64_t now);
 uint64_t hold_back(uint32_t mask, struct stream_ctr *sc, uint64_t now);
+void hold_mark(CUstream s, int pt, uint64_t cost); /* after a launch beside a latency container */
 
 /* estimate.c: the estimate cache, the shim's own events, fences, samples, the in-flight bound */
 struct est *est_insert(uint64_t k);
