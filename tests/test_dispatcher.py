@@ -237,12 +237,19 @@ async def test_a_cap_alone_holds_for_programs_that_wait_or_are_launch_bound(root
     async with api.api_client() as client, running_agent(settings, kubernetes_for(client)), \
             KubeletEmulator(settings.device_plugin_dir, settings.pod_resources_socket) as kubelet:
         await registered(kubelet)
-        t = await admit(api, kubelet, build, timelines, "t30", 30)
-        before = await alone_rate(build, timelines, shape, 2_000)
-        await run_together([t], 4_000, shape)
-        base = (before + await alone_rate(build, timelines, shape, 2_000)) / 2
-    rel = 100 * t.rate() / base
-    print(shape, "cap 30: throughput", round(rel, 1), "% of alone")
+        # A reference that moves more than the tolerance between before and after judges nothing: measured again
+        # (up to three times) until it holds still; its spread is printed either way.
+        for attempt in range(3):
+            t = await admit(api, kubelet, build, timelines, f"t30-{attempt}", 30)
+            before = await alone_rate(build, timelines, shape, 2_000)
+            await run_together([t], 4_000, shape)
+            after = await alone_rate(build, timelines, shape, 2_000)
+            spread = abs(after - before) / max(before, after)
+            rel = 100 * t.rate() / ((before + after) / 2)
+            print(shape, "cap 30: throughput", round(rel, 1), "% of alone; reference spread", round(100 * spread, 1), "%")
+            if spread <= 0.05:
+                break
+    assert spread <= 0.05, f"the alone reference moved {100 * spread:.1f} % in each of 3 tries: nothing judged"
     assert abs(rel - 30) <= 3, rel
 
 
