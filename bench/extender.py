@@ -132,10 +132,17 @@ async def measure(n_nodes: int, n_pods: int, seed: int, workdir: Path) -> dict:
         times: dict[str, list[float]] = {"filter": [], "prioritize": [], "bind": []}
         server: dict[str, list[float]] = {"filter": [], "prioritize": [], "bind": []}
 
+        # the five slowest requests of each verb: (round trip ms, server ms, which pod)
+        slowest: dict[str, list[tuple[float, float, str]]] = {"filter": [], "prioritize": [], "bind": []}
+        label = ""
+
         def took(verb: str, resp: aiohttp.ClientResponse, t: float) -> None:
             times[verb].append((time.perf_counter() - t) * 1e3)
             server[verb].append(float(resp.headers["Server-Timing"].split("dur=")[1]))
+            slowest[verb] = sorted([*slowest[verb], (round(times[verb][-1], 2), round(server[verb][-1], 2), label)],
+                                   reverse=True)[:5]
         passed_counts = []
+        seen: set[str] = set()
         try:
             async with aiohttp.ClientSession() as http:
                 while True:  # ready once its node and pod watches have synced
@@ -152,6 +159,11 @@ async def measure(n_nodes: int, n_pods: int, seed: int, workdir: Path) -> dict:
                         containers[0].update(memory=shape[0] * k, compute=shape[1] * k, gpus=k)
                     if n % 4 == 0:
                         containers.append({"name": "side", "memory": 1, "compute": 5})
+                    # which request a slow figure was: pod number, first time its shape was asked or not, shape
+                    key = json.dumps(containers, sort_keys=True)
+                    label = (f"p{n} {'new' if key not in seen else 'seen'} "
+                             + "+".join(f"{c['memory']}/{c['compute']}x{c.get('gpus', 1)}" for c in containers))
+                    seen.add(key)
                     pod = api.add_pod(alnair_pod(f"p{n}", containers, profile=rng.choice(
                         ("alnair-cost-saving", "alnair-high-performance"))))
                     args = {"Pod": pod, "Nodes": None, "NodeNames": names}
@@ -186,7 +198,8 @@ async def measure(n_nodes: int, n_pods: int, seed: int, workdir: Path) -> dict:
             "watch_sync_s": round(sync_s, 2), "median_nodes_passed": sorted(passed_counts)[len(passed_counts) // 2],
             "verbs": {verb: {"n": len(v), "p50_ms": round(pct(v, 0.5), 2), "p99_ms": round(pct(v, 0.99), 2),
                              "max_ms": round(max(v), 2), "server_p50_ms": round(pct(server[verb], 0.5), 2),
-                             "server_p99_ms": round(pct(server[verb], 0.99), 2)}
+                             "server_p99_ms": round(pct(server[verb], 0.99), 2),
+                             "slowest": slowest[verb]}
                       for verb, v in times.items() if v}}
 
 
