@@ -418,6 +418,39 @@ def test_filter_and_prioritize_give_what_the_fit_rule_gives(seed: int) -> None:
                 assert got == placed.why
 
 
+def test_answers_kept_per_pod_shape_follow_every_change_of_a_node() -> None:
+    """Filter keeps its answers per pod shape; a new report, a bind's reservation, and a report going stale each
+    change the answer for the next pod of the same shape."""
+    from datetime import datetime, timedelta, timezone
+
+    from alnair_agent.node.decision import Decision
+    from alnair_agent.scheduler.view import Reservation
+    beat = datetime(2026, 12, 3, 12, 0, tzinfo=timezone.utc)
+
+    def reported(mem_free: int) -> dict[str, Any]:
+        n = node("n", [gpu(0, mem_free=mem_free)])
+        doc = json.loads(n["metadata"]["annotations"][NODE_GPU_DEVICES])
+        n["metadata"]["annotations"][NODE_GPU_DEVICES] = json.dumps({**doc, "heartbeat": "2026-12-03T12:00:00Z"})
+        return n
+
+    view = view_of([reported(16)])
+    p = pod(containers=[("train", 10, 50)])
+    assert filter_nodes(args(p, [reported(16)]), view, beat).node_names == ["n"]
+    view.apply_node(reported(8))  # the agent reports less room
+    assert filter_nodes(args(p, [reported(8)]), view, beat).node_names == []
+    view.apply_node(reported(16))
+    assert filter_nodes(args(p, [reported(16)]), view, beat).node_names == ["n"]
+    gpu_uuid = gpu(0)["uuid"]
+    view.reserve(Reservation("uid-1", "ml", "other", (fit_rule.Need("a", 8, 10),),
+                             Decision("n", PROFILE_COST_SAVING, beat, {"a": (gpu_uuid,)})))
+    later = beat + timedelta(seconds=31)  # past the reservation's lock, before the report goes stale
+    assert filter_nodes(args(p, [reported(16)]), view, later).node_names == []  # 8 of 16 taken by the bind
+    view.unreserve("uid-1")
+    assert filter_nodes(args(p, [reported(16)]), view, later).node_names == ["n"]
+    stale = filter_nodes(args(p, [reported(16)]), view, beat + timedelta(seconds=181))
+    assert stale.node_names == [] and "has not reported for 181 s" in stale.failed["n"]
+
+
 # -- the HTTP extender, as kube-scheduler calls it --------------------------------------------------------------
 
 HTTP_NODES = [node("gpu-a", [gpu(0, mem_free=2), gpu(1, mem_free=12, comp_free=70)]),
