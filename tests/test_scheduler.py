@@ -366,13 +366,17 @@ def random_pod(rng: random.Random, profile: str) -> dict[str, Any]:
                            "compute": rng.choice((0, 10, 30, 50)) * count, "gpus": count})
         if not (containers[-1]["memory"] or containers[-1]["compute"]):
             containers[-1]["compute"] = 5 * count
+        if rng.random() < 0.25:  # memory as a share of each GPU instead (it needs compute beside it)
+            del containers[-1]["memory"]
+            containers[-1]["memory_percent"] = rng.choice((1, 10, 25, 50, 100))
+            containers[-1]["compute"] = containers[-1]["compute"] or 5 * count
     inits = []
     if rng.random() < 0.2:
         inits.append({"name": "side", "memory": rng.randint(1, 4), "compute": 5, "restartPolicy": "Always"})
     if rng.random() < 0.1:
         inits.append({"name": "setup", "memory": rng.randint(1, 16), "compute": 10})
-        containers = [{**c, "gpus": 1, "memory": c["memory"] // c["gpus"], "compute": c["compute"] // c["gpus"]}
-                      for c in containers]
+        containers = [{"name": c["name"], "gpus": 1, "memory": c.get("memory", 1) // c["gpus"],
+                       "compute": c["compute"] // c["gpus"]} for c in containers]
     p = make_pod("p", node=None, containers=containers, init_containers=inits)
     p["spec"]["schedulerName"] = profile
     return p
@@ -408,13 +412,15 @@ def test_filter_and_prioritize_give_what_the_fit_rule_gives(seed: int) -> None:
             if isinstance(placed, fit_rule.Placement):
                 assert name in (result.node_names or [])
                 steady = [x for x in needs if x.kind != fit_rule.KIND_INIT]
-                added = (sum(x.memory * x.count for x in steady), sum(x.compute * x.count for x in steady))
+                sizes = {r.uuid: r.memory_total for r in summary.rooms}
+                added = (sum(x.memory_on(sizes[g]) for x in steady for g in placed.gpus[x.name]),
+                         sum(x.compute * x.count for x in steady))
                 assert scores[name] == fit_rule.score_added(added, summary.free, policy)
                 continue
             assert scores[name] == 0
             got = (result.failed if placed.resolvable else result.unresolvable).get(name)
             assert got is not None, (name, placed)
-            if len([x for x in needs if x.memory or x.compute]) == 1:
+            if len([x for x in needs if x.asks]) == 1:
                 assert got == placed.why
 
 

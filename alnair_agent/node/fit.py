@@ -26,7 +26,7 @@ from __future__ import annotations
 import bisect
 import functools
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from fractions import Fraction
 from typing import NamedTuple
 
@@ -44,18 +44,41 @@ MAX_SCORE = 10  # kube-scheduler's MaxExtenderPriority
 MAX_GPUS_PER_CONTAINER = 16  # a bound on alnair/vgpu-count: the shim keeps per-device state for 16 (ALNAIR_MAX_DEVICES)
 
 
+def percent_units(percent: int, total: int) -> int:
+    """Memory units that `percent` % of a GPU offering `total` units is: rounded down, at least one (a GPU offering
+    none gives none)."""
+    return max(1, percent * total // 100) if total > 0 else 0
+
+
 @dataclass(frozen=True)
 class Need:
-    """One container's request: `count` distinct GPUs, each giving it `memory` and `compute` units."""
+    """One container's request: `count` distinct GPUs, each giving it `memory` and `compute` units. With
+    `memory_percent` (alnair/vgpu-memory-percent) its memory on a GPU is that share of the GPU's memory units
+    (`memory_on`): `memory` is then 0, or the units on the GPUs of one size it was resolved for (`on`)."""
 
     name: str
     memory: int
     compute: int
     kind: str = KIND_REGULAR
     count: int = 1
+    memory_percent: int = 0
+
+    def memory_on(self, total: int) -> int:
+        """Memory units this container takes on a GPU offering `total` memory units."""
+        return percent_units(self.memory_percent, total) if self.memory_percent else self.memory
+
+    def on(self, total: int) -> Need:
+        """This need on GPUs offering `total` memory units each: its memory in units."""
+        return replace(self, memory=percent_units(self.memory_percent, total)) if self.memory_percent else self
+
+    @property
+    def asks(self) -> bool:
+        return bool(self.memory or self.compute or self.memory_percent)
 
     def describe(self) -> str:
-        each = f"{self.memory} memory + {self.compute} compute units"
+        # a share in the same words whatever the GPU's size (filter's reason is the same on every node failing alike)
+        memory = f"{self.memory_percent} % memory" if self.memory_percent else f"{self.memory} memory"
+        each = f"{memory} + {self.compute} compute units"
         return each if self.count == 1 else f"{self.count} GPUs of {each} each"
 
 
@@ -157,7 +180,8 @@ def _largest_first(needs: tuple[Need, ...], mem_scale: int, comp_scale: int) -> 
     pod order). Exact fractions: this order decides which container goes first, so no rounding may flip it."""
     def key(item: tuple[int, Need]) -> tuple[int, Fraction, int, int, int]:
         pos, n = item
-        return (-n.count, -max(Fraction(n.memory, mem_scale), Fraction(n.compute, comp_scale)), -n.memory,
+        memory = n.memory_on(mem_scale)
+        return (-n.count, -max(Fraction(memory, mem_scale), Fraction(n.compute, comp_scale)), -memory,
                 -n.compute, pos)
     return tuple(n for _, n in sorted(enumerate(needs), key=key))
 
@@ -183,26 +207,28 @@ def _one_by_one(needs: Sequence[Need], rooms: Sequence[Room], policy: str) -> Pl
     sign = 1 if policy == PACK else -1
     placed: dict[str, tuple[str, ...]] = {}
     for need in _largest_first(tuple(needs), mem_scale, comp_scale):
-        m, c = need.memory, need.compute
+        m, c, percent = need.memory, need.compute, need.memory_percent
         if need.count > 1:
             chosen = _several(need, rooms, free_m, free_c, sign)
             if chosen is None:
                 return need
             for i in chosen:
-                free_m[i] -= m
+                free_m[i] -= need.memory_on(rooms[i].memory_total)
                 free_c[i] -= c
             placed[need.name] = tuple(rooms[i].uuid for i in sorted(chosen, key=lambda i: rooms[i].index))
             continue
         best, best_key = -1, (0.0, 0)
         for i, r in enumerate(rooms):
             fm, fc = free_m[i], free_c[i]
+            if percent:
+                m = percent_units(percent, r.memory_total)
             if fm >= m and fc >= c:
                 key = (sign * _share(fm - m, fc - c, r.memory_total, r.compute_total), r.index)
                 if best < 0 or key < best_key:
                     best, best_key = i, key
         if best < 0:
             return need
-        free_m[best] -= m
+        free_m[best] -= need.memory_on(rooms[best].memory_total)
         free_c[best] -= c
         placed[need.name] = (rooms[best].uuid,)
     return Placement(placed)
@@ -211,10 +237,12 @@ def _one_by_one(needs: Sequence[Need], rooms: Sequence[Room], policy: str) -> Pl
 def _several(need: Need, rooms: Sequence[Room], free_m: list[int], free_c: list[int], sign: int) -> list[int] | None:
     """The `need.count` distinct GPUs (positions in `rooms`) a multi-GPU container takes: of those with room for its
     slice, the ones the policy ranks first, each judged as `_one_by_one` judges one GPU; None when too few have room."""
-    m, c = need.memory, need.compute
+    m, c, percent = need.memory, need.compute, need.memory_percent
     ranked = []
     for i, r in enumerate(rooms):
         fm, fc = free_m[i], free_c[i]
+        if percent:
+            m = percent_units(percent, r.memory_total)
         if fm >= m and fc >= c:
             ranked.append((sign * _share(fm - m, fc - c, r.memory_total, r.compute_total), r.index, i))
     if len(ranked) < need.count:
@@ -225,15 +253,16 @@ def _several(need: Need, rooms: Sequence[Room], free_m: list[int], free_c: list[
 
 def _one_gpu(needs: Sequence[Need], rooms: Sequence[Room], policy: str) -> Placement | None:
     """All containers on one GPU where every group fits by itself (pods with run-once init containers)."""
-    demand = [(sum(n.memory for n in g), sum(n.compute for n in g)) for g in groups(needs)]
-    fitting = [r for r in rooms if all(r.fits(m, c) for m, c in demand)]
-    if not fitting:
-        return None
-    peak_m = max(m for m, _ in demand)
-    peak_c = max(c for _, c in demand)
     sign = 1 if policy == PACK else -1
-    best = min(fitting, key=lambda r: (sign * r.free_share(peak_m, peak_c), r.index))
-    return Placement({n.name: (best.uuid,) for n in needs})
+    best: Room | None = None
+    best_key: tuple[float, int] = (0.0, 0)
+    for r in rooms:
+        demand = [(sum(n.memory_on(r.memory_total) for n in g), sum(n.compute for n in g)) for g in groups(needs)]
+        if all(r.fits(m, c) for m, c in demand):
+            key = (sign * r.free_share(max(m for m, _ in demand), max(c for _, c in demand)), r.index)
+            if best is None or key < best_key:
+                best, best_key = r, key
+    return None if best is None else Placement({n.name: (best.uuid,) for n in needs})
 
 
 def _place(needs: Sequence[Need], rooms: Sequence[Room], policy: str) -> Placement | NoFit:
@@ -298,7 +327,7 @@ def place(needs: Sequence[Need], rooms: Sequence[Room], policy: str) -> Placemen
     """Where each container of a pod goes on a node whose healthy GPUs have `rooms` free, by `policy`."""
     if policy not in POLICIES:
         raise ValueError(f"unknown placement policy {policy!r}")
-    needs = [n for n in needs if n.memory or n.compute]
+    needs = [n for n in needs if n.asks]
     if not needs:
         return Placement({})
     if not rooms:
@@ -309,7 +338,8 @@ def place(needs: Sequence[Need], rooms: Sequence[Room], policy: str) -> Placemen
                      f"{len(rooms)} healthy GPU(s); a container's GPUs all come from one node", resolvable=False)
     if len(needs) == 1 and needs[0].kind != KIND_INIT:
         n = needs[0]
-        if sum(1 for r in rooms if r.memory_free >= n.memory and r.compute_free >= n.compute) < n.count:
+        if sum(1 for r in rooms if r.memory_free >= n.memory_on(r.memory_total) and r.compute_free >= n.compute
+               ) < n.count:
             return _one_no_fit(n, rooms)
     result = _place(needs, rooms, policy)
     if isinstance(result, NoFit):
@@ -321,8 +351,8 @@ def place(needs: Sequence[Need], rooms: Sequence[Room], policy: str) -> Placemen
 def _one_no_fit(n: Need, rooms: Sequence[Room]) -> NoFit:
     """For a pod of one container that `n.count` GPUs cannot hold now: the NoFit `place` gives, without placing (the
     policy only decides which GPUs; whether it fits is whether `n.count` of them have room for its slice)."""
-    m, c = n.memory, n.compute
-    if sum(1 for r in rooms if r.memory_total >= m and r.compute_total >= c) >= n.count:
+    c = n.compute
+    if sum(1 for r in rooms if r.memory_total >= n.memory_on(r.memory_total) and r.compute_total >= c) >= n.count:
         return NoFit(_why_one(n), True, tuple(rooms))
     return NoFit(_why_too_big(n, max(r.memory_total for r in rooms), max(r.compute_total for r in rooms)), False,
                  tuple(rooms))
@@ -337,16 +367,19 @@ def _why_too_big(n: Need, largest_memory: int, largest_compute: int) -> str:
             + _why_one(n))
 
 
-def usage(needs: Sequence[Need], placement: Mapping[str, tuple[str, ...]]) -> dict[str, tuple[int, int]]:
+def usage(needs: Sequence[Need], placement: Mapping[str, tuple[str, ...]],
+          memory_units: Mapping[str, int] | None = None) -> dict[str, tuple[int, int]]:
     """Units a placed pod holds per GPU (memory, compute): per GPU, the largest of its groups' sums there (a
-    multi-GPU container's slice on each of its GPUs)."""
+    multi-GPU container's slice on each of its GPUs). `memory_units`: the memory units each GPU offers, for
+    memory asked as a percent (a GPU not in it: none)."""
     out: dict[str, tuple[int, int]] = {}
+    totals = memory_units or {}
     for group in groups([n for n in needs if n.name in placement]):
         per_gpu: dict[str, list[int]] = {}
         for n in group:
             for gpu in placement[n.name]:
                 m_c = per_gpu.setdefault(gpu, [0, 0])
-                m_c[0] += n.memory
+                m_c[0] += n.memory_on(totals.get(gpu, 0)) if n.memory_percent else n.memory
                 m_c[1] += n.compute
         for gpu, (m, c) in per_gpu.items():
             old = out.get(gpu, (0, 0))
@@ -363,6 +396,7 @@ class FreeSummary(tuple):  # a flat tuple of ints (and two parts), laid out belo
       [5] `totals`, [6] `empty` (see below), [7] memory free, [8] compute free (all rooms), [9] the node's part of
       `score_added`'s numerator, 10 x (memory used x compute offered + compute used x memory offered) + memory
       offered x compute offered (None unless both are offered), [10] its denominator, 2 x the product of both,
+      [11] the memory units every room offers (`memory_each`; -1 when they differ),
       [START : START + n]   every room's memory free, negated and ascending (the most free first),
       [START + n + p(p-1)/2 : + p], p = 1..n: the compute free of the p rooms with the most memory free, negated and
                             ascending (so its k-th entry is the k-th largest compute free among them).
@@ -370,7 +404,7 @@ class FreeSummary(tuple):  # a flat tuple of ints (and two parts), laid out belo
     `m` free) >= k and the k-th largest compute free of those p is >= c."""
 
     __slots__ = ()
-    START = 11
+    START = 12
 
     @classmethod
     def of(cls, rooms: Sequence[Room], empty: bool = False) -> FreeSummary:
@@ -381,7 +415,8 @@ class FreeSummary(tuple):  # a flat tuple of ints (and two parts), laid out belo
             r.compute_total - r.compute_free for r in rooms)
         items: list[object] = [
             len(order), b, used_m, d, used_c, totals, None if empty else _empty_summary(totals), b - used_m,
-            d - used_c, MAX_SCORE * (used_m * d + used_c * b) + b * d if b > 0 and d > 0 else None, 2 * b * d]
+            d - used_c, MAX_SCORE * (used_m * d + used_c * b) + b * d if b > 0 and d > 0 else None, 2 * b * d,
+            totals[0][0] if totals and all(m == totals[0][0] for m, _ in totals) else -1]
         items += [-r.memory_free for r in order]
         prefix: list[int] = []
         for r in order:
@@ -409,6 +444,12 @@ class FreeSummary(tuple):  # a flat tuple of ints (and two parts), laid out belo
     def totals(self) -> tuple[tuple[int, int], ...]:
         """Every room's (memory, compute) offered, in index order: the node empty."""
         return self[5]
+
+    @property
+    def memory_each(self) -> int:
+        """The memory units every room offers; -1 when they differ (memory asked as a percent of each GPU then
+        differs from GPU to GPU)."""
+        return self[11]
 
     @property
     def empty(self) -> FreeSummary | None:
@@ -454,17 +495,47 @@ class Shape:
     nevers: dict[tuple[int, str], NoFit | None] = field(default_factory=dict, compare=False, hash=False, repr=False)
     aparts: dict[int, tuple[tuple[int, int, int], ...]] = field(default_factory=dict, compare=False, hash=False,
                                                                 repr=False)
+    # Memory asked as a percent of each GPU: the counts above do not hold it; `on` gives the shape on GPUs of one
+    # size (kept here per size), and a node whose GPUs differ in size is placed.
+    per_gpu: bool = False
+    sized: dict[int, Shape] = field(default_factory=dict, compare=False, hash=False, repr=False)
 
     @classmethod
     def of(cls, needs: Sequence[Need]) -> Shape:
-        live = tuple(n for n in needs if n.memory or n.compute)
+        live = tuple(n for n in needs if n.asks)
         steady = tuple(n for n in live if n.kind != KIND_INIT)
         gpus = max((n.count for n in live), default=1)
         return cls(live, any(n.kind == KIND_INIT for n in live), sum(n.memory * n.count for n in steady),
                    sum(n.compute * n.count for n in steady), gpus,
                    tuple((n.memory, n.compute, n.count) for n in steady), steady,
                    (sum(n.memory for n in steady), sum(n.compute for n in steady), gpus),
-                   tuple(_why_one(n) for n in steady))
+                   tuple(_why_one(n) for n in steady), per_gpu=any(n.memory_percent for n in live))
+
+    def on(self, memory_each: int) -> Shape:
+        """This shape on GPUs offering `memory_each` memory units each (memory asked as a percent in units)."""
+        if not self.per_gpu:
+            return self
+        try:
+            return self.sized[memory_each]
+        except KeyError:
+            sized = self.sized[memory_each] = replace(Shape.of([n.on(memory_each) for n in self.needs]),
+                                                      per_gpu=False)
+            return sized
+
+    def added(self, free: FreeSummary, rooms: Sequence[Room], policy: str = PACK) -> tuple[int, int]:
+        """(memory, compute) units the steady containers hold on a node they fit (prioritize's score); with memory
+        as a percent on GPUs of several sizes, where `policy` places them."""
+        if not self.per_gpu:
+            return self.steady_memory, self.steady_compute
+        if free.memory_each >= 0:
+            sized = self.on(free.memory_each)
+            return sized.steady_memory, sized.steady_compute
+        placed = place(self.needs, rooms, policy)  # GPUs of several sizes: the units depend on which GPUs
+        if not isinstance(placed, Placement):
+            return 0, 0
+        units = {r.uuid: r.memory_total for r in rooms}
+        return (sum(n.memory_on(units.get(g, 0)) for n in self.steady for g in placed.gpus.get(n.name, ())),
+                self.steady_compute)
 
     def never(self, free: FreeSummary, policy: str) -> NoFit | None:
         """`_never` for this pod on `free`'s GPUs."""
@@ -543,6 +614,17 @@ def judge_all(shape: Shape, frees: Sequence[FreeSummary], policy: str) -> list[J
         return [None] * len(frees)
     if shape.has_init:
         return [UNDECIDED] * len(frees)  # init containers put the pod on one GPU: only placing tells
+    if shape.per_gpu:  # memory as a percent: judged on each node in units of its GPUs' size
+        by_size: dict[int, list[int]] = {}
+        for i, f in enumerate(frees):
+            by_size.setdefault(f[11], []).append(i)
+        judged: list[Judged] = [UNDECIDED] * len(frees)  # GPUs of several sizes (-1): placed
+        for size, where in by_size.items():
+            if size >= 0:
+                for i, answer in zip(where, judge_all(shape.on(size), [frees[i] for i in where], policy),
+                                     strict=True):
+                    judged[i] = answer
+        return judged
     right = bisect.bisect_right
     start = FreeSummary.START
     gpus = shape.gpus

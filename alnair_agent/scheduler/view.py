@@ -293,7 +293,7 @@ class ClusterView:
                 expires = candidate if expires is None or candidate < expires else expires
             if uid in report.pods:
                 continue  # the report's free counts already subtract it
-            for gpu, (m, c) in fit.usage(needs, decision.gpus).items():
+            for gpu, (m, c) in fit.usage(needs, decision.gpus, {r.uuid: r.memory_total for r in rooms.values()}).items():
                 room = rooms.get(gpu)
                 if room is not None:
                     rooms[gpu] = room.less(m, c)
@@ -341,6 +341,11 @@ class ClusterView:
             value = packed.get(name)
             if value is None:  # fit.score_added(added, f, PACK), its common case written out
                 f = frees[name]
+                if shape.per_gpu:  # memory as a percent: the units it holds depend on the node's GPUs
+                    am, ac = added = shape.added(f, self.summary_at(name, now_ts).rooms or (), policy)
+                    if f.memory_each < 0:  # GPUs of several sizes: which ones it gets depends on the profile
+                        out.append((name, fit.score_added(added, f, policy)))
+                        continue
                 if f[9] is not None and am <= f[7] and ac <= f[8]:
                     value = (f[9] + top * (am * f[3] + ac * f[1])) // f[10]
                     if value < 0:
