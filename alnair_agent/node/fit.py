@@ -1,9 +1,11 @@
 """THE fit rule: which GPU each container of a pod lands on, by profile. One definition, imported by the scheduler
-extender (filter, prioritize and bind all call `place`) and by the agent (which validates a decision against its
-own ledger with `Room.fits`, and places pods itself only where the operator allows it).
+extender (bind calls `place`; filter and prioritize ask `judge_all`, which answers as `place` would by counting,
+and `place` where counting cannot tell) and by the agent (which validates a decision against its own ledger with
+`Room.fits`, and places pods itself only where the operator allows it).
 
-Units: memory in `alnair/vgpu-memory` units, compute in percent of one GPU. A container's memory and compute come
-from ONE GPU. Containers that run at the same time must fit at the same time:
+Units: memory in `alnair/vgpu-memory` units, compute in percent of one GPU; memory asked as a percent of the GPU
+(`Need.memory_percent`, from `alnair/vgpu-memory-percent`) is converted on each GPU considered (`Need.memory_on`).
+A container's memory and compute come from ONE GPU. Containers that run at the same time must fit at the same time:
   - sidecars (init containers with restartPolicy Always) and regular containers run together (the "steady" set);
   - each run-once init container runs alone, beside the sidecars declared before it.
 

@@ -342,10 +342,12 @@ class ClusterView:
             if value is None:  # fit.score_added(added, f, PACK), its common case written out
                 f = frees[name]
                 if shape.per_gpu:  # memory as a percent: the units it holds depend on the node's GPUs
-                    am, ac = added = shape.added(f, self.summary_at(name, now_ts).rooms or (), policy)
-                    if f.memory_each < 0:  # GPUs of several sizes: which ones it gets depends on the profile
-                        out.append((name, fit.score_added(added, f, policy)))
+                    if f[11] < 0:  # GPUs of several sizes: which ones it gets depends on the profile
+                        out.append((name, fit.score_added(
+                            shape.added(f, self.summary_at(name, now_ts).rooms or (), policy), f, policy)))
                         continue
+                    sized = shape.on(f[11])  # f.memory_each; shape.added's answer for one size
+                    am, ac = added = sized.steady_memory, sized.steady_compute
                 if f[9] is not None and am <= f[7] and ac <= f[8]:
                     value = (f[9] + top * (am * f[3] + ac * f[1])) // f[10]
                     if value < 0:
