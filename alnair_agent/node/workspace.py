@@ -31,7 +31,13 @@ from pathlib import Path
 
 import structlog
 
-from alnair_agent.constants import ALLOCATION_FILE_NAME, CONTAINER_FOLDER_NAME, REGION_FILE_NAME, RESOURCES
+from alnair_agent.constants import (
+    ALLOCATION_FILE_NAME,
+    CONTAINER_FOLDER_NAME,
+    REGION_FILE_NAME,
+    RESOURCE_MEMORY,
+    RESOURCES,
+)
 from alnair_agent.node import region_layout as L
 from alnair_agent.node.region import AgentBlock, Board, Region, RegionError
 
@@ -86,6 +92,9 @@ class Allocation:
     # one-GPU container) and `part` is this allocation's position in it (its GPU is gpus[part]).
     part: int = 0
     gpus: list[str] = field(default_factory=list)
+    # Memory asked as a percent of the GPU (alnair/vgpu-memory-percent): `wanted`'s memory is that share of this
+    # GPU's units and is held from the record's creation (kubelet allocates no memory devices for it).
+    memory_percent: int = 0
 
     @property
     def identified(self) -> bool:
@@ -97,7 +106,8 @@ class Allocation:
 
     def missing(self) -> list[str]:
         """Resources the container asks for that kubelet has not allocated yet."""
-        return [r for r in RESOURCES if self.wanted.get(r, 0) > len(self.device_ids.get(r, []))]
+        return [r for r in RESOURCES if self.wanted.get(r, 0) > len(self.device_ids.get(r, []))
+                and not (r == RESOURCE_MEMORY and self.memory_percent)]
 
     def all_ids(self) -> set[str]:
         return {i for ids in self.device_ids.values() for i in ids}
@@ -133,6 +143,9 @@ def _record_from_json(data: object) -> Allocation:
         raise ValueError("device_ids must be strings")
     if not all(isinstance(v, int) and v >= 0 for v in alloc.wanted.values()):
         raise ValueError("wanted must be non-negative integers")
+    if isinstance(alloc.memory_percent, bool) or not isinstance(alloc.memory_percent, int) or not (
+            0 <= alloc.memory_percent <= 100):
+        raise ValueError(f"memory_percent {alloc.memory_percent!r} is not 0..100")
     if not isinstance(alloc.gpus, list) or not all(isinstance(g, str) and g for g in alloc.gpus):
         raise ValueError("gpus must be a list of GPU UUIDs")
     if (isinstance(alloc.part, bool) or not isinstance(alloc.part, int)
