@@ -116,10 +116,9 @@ import json, torch
 torch.manual_seed(0)
 """
 
-TENANT_TAIL = """
-for _ in range(20):  # warm-up (cuBLAS handles, allocator, autocast caches): not measured
-    step()
-torch.cuda.synchronize()
+# A tenant set up: says so (the ready file, its pid inside) and waits at its barrier ("go"; "abort": exit 3; the
+# benchmark gone: exit 4). Every benchmark's tenants share it.
+BARRIER = """
 set_up = time.time()
 ppid = os.getppid()
 with open(ready + ".tmp", "w") as f:
@@ -132,7 +131,13 @@ while not os.path.exists(barrier):
 with open(barrier) as f:
     if f.read() != "go":
         sys.exit(3)
-if SYNCED:
+"""
+
+TENANT_TAIL = """
+for _ in range(20):  # warm-up (cuBLAS handles, allocator, autocast caches): not measured
+    step()
+torch.cuda.synchronize()
+""" + BARRIER + """if SYNCED:
     start = time.time()
     marks, n, end = [[start, 0]], 0, start + seconds
     while time.time() < end:
