@@ -64,6 +64,13 @@ def nothing_of(node: DraNode, claim_uid: str) -> None:
     assert {p.name for p in node.settings.workspace.iterdir() if not p.name.startswith(".")} == held
 
 
+async def refusal(node: DraNode, ref: Claim) -> str:
+    """One NodePrepareResources call for a claim that must be refused: its error; nothing of it is left made."""
+    errors = await node.kubelet.prepare_once(DRA_DRIVER, [ref])
+    nothing_of(node, ref.uid)
+    return errors[ref.uid]
+
+
 async def test_a_claim_of_two_gpus_gives_its_container_both_each_with_its_slice_and_unprepare_frees_both(root, api):
     async with dra_node(root, api) as node:
         node.claim("pair", [{"name": "gpus", "memory": "4Gi", "compute": "30", "count": 2}], distinct=[["gpus"]])
@@ -149,11 +156,8 @@ async def test_a_claim_naming_one_gpu_twice_is_refused_with_the_fix_and_leaves_n
         pod = node.pod("p", {"gpu": "twice"}, [("main", [("gpu", None)])])
         [claim] = node.schedule(pod, ["twice"])
         assert [r["device"] for r in claim["status"]["allocation"]["devices"]["results"]] == ["gpu-0", "gpu-0"]
-        ref = node.refs(pod)["gpu"]
-        errors = await node.kubelet.prepare_once(DRA_DRIVER, [ref])
-        assert "name device gpu-0 twice" in errors[ref.uid]
-        assert "distinctAttribute: gpu.alnair.centaurus.io/uuid" in errors[ref.uid]
-        nothing_of(node, ref.uid)
+        error = await refusal(node, node.refs(pod)["gpu"])
+        assert "name device gpu-0 twice" in error and "distinctAttribute: gpu.alnair.centaurus.io/uuid" in error
 
 
 async def test_containers_naming_overlapping_sets_of_requests_are_refused_naming_both(root, api):
@@ -161,11 +165,9 @@ async def test_containers_naming_overlapping_sets_of_requests_are_refused_naming
         node.claim("duo", [{"name": "a", "memory": "2Gi"}, {"name": "b", "memory": "2Gi"}], distinct=[[]])
         pod = node.pod("p", {"gpu": "duo"}, [("whole", [("gpu", None)]), ("part", [("gpu", "a")])])
         node.schedule(pod, ["duo"])
-        ref = node.refs(pod)["gpu"]
-        errors = await node.kubelet.prepare_once(DRA_DRIVER, [ref])
+        error = await refusal(node, node.refs(pod)["gpu"])
         assert re.search(r"container p/whole takes requests 'a', 'b' of it together and container p/part takes 'a'",
-                         errors[ref.uid]), errors
-        nothing_of(node, ref.uid)
+                         error), error
 
 
 async def test_a_group_the_ledger_cannot_hold_whole_is_refused_and_what_was_held_stays(root, api):
@@ -202,11 +204,9 @@ async def test_a_claim_of_two_requests_waits_for_its_pod_then_refuses_until_the_
         status = {"allocation": node.allocator.allocate(claim, node.node, node.slices()),
                   "reservedFor": [{"resource": "pods", "name": "ghost", "uid": "00000000-0000-4000-8000-000000000009"}]}
         api.set_claim_status("default", "duo", status)
-        ref = Claim("default", claim["metadata"]["uid"], "duo")
-        errors = await node.kubelet.prepare_once(DRA_DRIVER, [ref])
-        assert "has 2 requests of gpu.alnair.centaurus.io (a, b)" in errors[ref.uid]
-        assert "pod it is reserved for (default/ghost), which the agent's pod watch does not show yet" in errors[ref.uid]
-        nothing_of(node, ref.uid)
+        error = await refusal(node, Claim("default", claim["metadata"]["uid"], "duo"))
+        assert "has 2 requests of gpu.alnair.centaurus.io (a, b)" in error
+        assert "pod it is reserved for (default/ghost), which the agent's pod watch does not show yet" in error
 
 
 async def test_more_gpus_than_the_node_has_stays_unallocated(root, api):
