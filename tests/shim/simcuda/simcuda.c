@@ -485,7 +485,10 @@ static uint64_t foreign_slice(void)
  * with several, the allocations made in that device's contexts (VMM handles count on device 0). */
 static uint64_t mem_on(int dev)
 {
-    if (sim_devices() == 1)
+    static int devices; /* SIMCUDA_DEVICES, read once: this is on every launch */
+    if (devices == 0)
+        devices = sim_devices();
+    if (devices == 1)
         return mem_used;
     uint64_t sum = 0;
     pthread_mutex_lock(&mmu);
