@@ -15,6 +15,12 @@ COMPUTE_UNITS_PER_GPU = 100
 # alnair-scheduler's extender manages it (ignoredByScheduler). alnair/vgpu-memory and alnair/vgpu-compute stay the
 # container's totals (what kubelet allocates and counts), each GPU getting 1/N of each.
 RESOURCE_COUNT = "alnair/vgpu-count"
+# Memory as a share of each of the container's GPUs, in percent (1..100), instead of alnair/vgpu-memory units:
+# converted on the GPUs it lands on (fit.percent_units). Registered by no device plugin either (like
+# alnair/vgpu-count): GPUs differ, so no node can offer it as a count; kubelet leaves it out and the extender and
+# the agent read it from the pod. The container must ask for alnair/vgpu-compute too: kubelet calls the agent
+# (Allocate) only for the device plugin resources a container asks for.
+RESOURCE_MEMORY_PERCENT = "alnair/vgpu-memory-percent"
 
 # Device IDs name their GPU so any ID maps back to it: "<GPU-UUID>::mem::<k>" / "<GPU-UUID>::sm::<k>".
 DEVICE_ID_SEPARATOR = "::"

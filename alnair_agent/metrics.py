@@ -175,12 +175,20 @@ class AgentCollector(Collector):
                                  labels=CONTAINER_LABELS)
         lent = GaugeMetricFamily("alnair_container_lent", "Dispatcher: 1 while the container is lent its whole GPU "
                                  "(elastic)", labels=CONTAINER_LABELS)
+        held_s = CounterMetricFamily("alnair_container_held_back_seconds", "Dispatcher: time the container's launches "
+                                     "were held back for a latency container on its GPU", labels=CONTAINER_LABELS)
+        holds = CounterMetricFamily("alnair_container_held_back", "Dispatcher: launches of the container held back "
+                                    "for a latency container on its GPU", labels=CONTAINER_LABELS)
         d = getattr(a, "dispatcher", None)
         for alloc in a.ledger.allocations.values():
             labels = [index.get(alloc.gpu_uuid, ""), alloc.gpu_uuid, alloc.namespace, alloc.pod_name, alloc.container]
             if d is not None and alloc.id in d.turns:
                 turn.add_metric(labels, d.turns[alloc.id])
                 lent.add_metric(labels, 1.0 if alloc.id in d.lent else 0.0)
+                c = d.state.get(alloc.id)
+                if c is not None:
+                    held_s.add_metric(labels, c.held_s)
+                    holds.add_metric(labels, c.held_count)
             limit.add_metric(labels, alloc.memory_limit)
             cap.add_metric(labels, alloc.compute_limit / 100)
             u = p.usage.get(alloc.id) if p is not None else None
@@ -191,7 +199,7 @@ class AgentCollector(Collector):
             used.add_metric(labels, u.memory_now_bytes)
             gpu_s.add_metric(labels, u.gpu_seconds)
             throttled.add_metric(labels, u.throttled_s)
-        yield from (util, memcpy, used, limit, cap, gpu_s, throttled, turn, lent)
+        yield from (util, memcpy, used, limit, cap, gpu_s, throttled, turn, lent, held_s, holds)
 
 
 class MetricsServer:

@@ -71,7 +71,8 @@ def make_pod(
     uid: str | None = None,
     requests_only: bool = False,
 ) -> dict[str, Any]:
-    """A realistic pod dict. Each container is {"name": str, "memory": units, "compute": units, "gpus": count}
+    """A realistic pod dict. Each container is {"name": str, "memory": units, "compute": units, "gpus": count,
+    "memory_percent": percent of each GPU}
     where units may be an int or any raw string (e.g. "1.5", to test validation) and either key may be left out. `node=None`
     makes an unbound pod (no nodeName, PodScheduled False). `requests_only` puts the quantities in
     resources.requests only (the API server would copy them to limits; the parser must cope with both)."""
@@ -86,6 +87,8 @@ def make_pod(
             quantities["alnair/vgpu-compute"] = str(c["compute"])
         if "gpus" in c:  # alnair/vgpu-count: memory and compute above are the container's totals over its GPUs
             quantities["alnair/vgpu-count"] = str(c["gpus"])
+        if "memory_percent" in c:  # alnair/vgpu-memory-percent: memory as a share of each of its GPUs
+            quantities["alnair/vgpu-memory-percent"] = str(c["memory_percent"])
         resources: dict[str, Any] = {"requests": dict(quantities)}
         if not requests_only:
             resources["limits"] = dict(quantities)

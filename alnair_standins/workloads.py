@@ -190,13 +190,20 @@ class Node:
             raise
         return self
 
-    async def admit(self, compute: int, memory_gib: int = 16) -> dict[str, str]:
-        """A container of a new pod asking for `compute` % (0: no compute limit) and `memory_gib` GiB."""
-        from alnair_agent.constants import RESOURCE_COMPUTE, RESOURCE_MEMORY
+    async def admit(self, compute: int, memory_gib: int = 16, policy: str | None = None) -> dict[str, str]:
+        """A container of a new pod asking for `compute` % (0: no compute limit) and `memory_gib` GiB; `policy`
+        (strict, elastic, latency) stands for its pod's compute-policy annotation (no API server here), else the
+        node's default."""
+        from alnair_agent.constants import ENV_ALLOCATION_ID, RESOURCE_COMPUTE, RESOURCE_MEMORY
 
         self.n += 1
         req = {RESOURCE_MEMORY: memory_gib, **({RESOURCE_COMPUTE: compute} if compute else {})}
-        return tenant_env(await self.kubelet.admit("default", f"t{self.n}", "main", req), self.agent, self.shim)
+        env = tenant_env(await self.kubelet.admit("default", f"t{self.n}", "main", req), self.agent, self.shim)
+        if policy is not None:
+            if self.agent.dispatcher is None:
+                raise RuntimeError("a compute policy needs the dispatcher on")
+            self.agent.dispatcher.set_policy(env[ENV_ALLOCATION_ID], policy)
+        return env
 
     async def __aexit__(self, *exc: object) -> None:
         try:

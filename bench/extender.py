@@ -8,7 +8,8 @@ that passed, bind to the best. After each bind the pod's admission is confirmed 
 so the next bind to that node does not wait for its lock. Times are per request as the client sees them.
 Goal: p99 <= 20 ms for each verb at 5,000 nodes. Prints a table, writes JSON.
 
-    python bench/extender.py [--nodes 500 5000] [--pods 200] [--out bench/out/extender.json]
+    python bench/extender.py [--nodes 500 5000] [--pods 200] [--multi-every N] [--percent-every N]
+                             [--out bench/out/extender.json]
 """
 
 from __future__ import annotations
@@ -132,10 +133,17 @@ async def measure(n_nodes: int, n_pods: int, seed: int, workdir: Path) -> dict:
         times: dict[str, list[float]] = {"filter": [], "prioritize": [], "bind": []}
         server: dict[str, list[float]] = {"filter": [], "prioritize": [], "bind": []}
 
+        # the five slowest requests of each verb: (round trip ms, server ms, which pod)
+        slowest: dict[str, list[tuple[float, float, str]]] = {"filter": [], "prioritize": [], "bind": []}
+        label = ""
+
         def took(verb: str, resp: aiohttp.ClientResponse, t: float) -> None:
             times[verb].append((time.perf_counter() - t) * 1e3)
             server[verb].append(float(resp.headers["Server-Timing"].split("dur=")[1]))
+            slowest[verb] = sorted([*slowest[verb], (round(times[verb][-1], 2), round(server[verb][-1], 2), label)],
+                                   reverse=True)[:5]
         passed_counts = []
+        seen: set[str] = set()
         try:
             async with aiohttp.ClientSession() as http:
                 while True:  # ready once its node and pod watches have synced
@@ -150,8 +158,17 @@ async def measure(n_nodes: int, n_pods: int, seed: int, workdir: Path) -> dict:
                     if MULTI_EVERY and n % MULTI_EVERY == 1:  # a container over 2-4 GPUs (issue 27)
                         k = rng.choice((2, 4))
                         containers[0].update(memory=shape[0] * k, compute=shape[1] * k, gpus=k)
+                    if PERCENT_EVERY and n % PERCENT_EVERY == 2:  # memory as a share of each GPU
+                        containers[0]["memory_percent"] = max(1, containers[0].pop("memory") * 100 // 80
+                                                              // containers[0].get("gpus", 1))
                     if n % 4 == 0:
                         containers.append({"name": "side", "memory": 1, "compute": 5})
+                    # which request a slow figure was: pod number, first time its shape was asked or not, shape
+                    key = json.dumps(containers, sort_keys=True)
+                    label = (f"p{n} {'new' if key not in seen else 'seen'} " + "+".join(
+                        f"{c['memory'] if 'memory' in c else str(c['memory_percent']) + '%'}/{c['compute']}"
+                        f"x{c.get('gpus', 1)}" for c in containers))
+                    seen.add(key)
                     pod = api.add_pod(alnair_pod(f"p{n}", containers, profile=rng.choice(
                         ("alnair-cost-saving", "alnair-high-performance"))))
                     args = {"Pod": pod, "Nodes": None, "NodeNames": names}
@@ -186,24 +203,30 @@ async def measure(n_nodes: int, n_pods: int, seed: int, workdir: Path) -> dict:
             "watch_sync_s": round(sync_s, 2), "median_nodes_passed": sorted(passed_counts)[len(passed_counts) // 2],
             "verbs": {verb: {"n": len(v), "p50_ms": round(pct(v, 0.5), 2), "p99_ms": round(pct(v, 0.99), 2),
                              "max_ms": round(max(v), 2), "server_p50_ms": round(pct(server[verb], 0.5), 2),
-                             "server_p99_ms": round(pct(server[verb], 0.99), 2)}
+                             "server_p99_ms": round(pct(server[verb], 0.99), 2),
+                             "slowest": slowest[verb]}
                       for verb, v in times.items() if v}}
 
 
 MULTI_EVERY = 0  # --multi-every
+PERCENT_EVERY = 0  # --percent-every
 
 
 def main() -> int:
-    global MULTI_EVERY
+    global MULTI_EVERY, PERCENT_EVERY
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--multi-every", type=int, default=0,
                         help="every Nth pod's main container asks for 2 or 4 GPUs (alnair/vgpu-count); 0: none")
+    parser.add_argument("--percent-every", type=int, default=0,
+                        help="every Nth pod's main container asks for its memory as a percent of each GPU "
+                             "(alnair/vgpu-memory-percent, the same share of the 80-unit GPUs); 0: none")
     parser.add_argument("--nodes", type=int, nargs="+", default=[500, 5000])
     parser.add_argument("--pods", type=int, default=200)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--out", default="bench/out/extender.json")
     args = parser.parse_args()
     MULTI_EVERY = args.multi_every
+    PERCENT_EVERY = args.percent_every
     logs.configure("console", "error")
     with tempfile.TemporaryDirectory() as workdir:
         results = [asyncio.run(measure(n, args.pods, args.seed, Path(workdir))) for n in args.nodes]

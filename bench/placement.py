@@ -7,7 +7,8 @@ kubelet does (resources in random order). The pods are created at once, as a Rep
 admitted per second (from the first pod created to the last admitted), bind-to-admitted latency, refusals and
 failed binds. Goal: >= 25 pods/s overall, p99 bind->admitted <= 2 s, no refusals. Prints a table, writes JSON.
 
-    python bench/placement.py [--pods 100] [--nodes 5] [--seed 1] [--out bench/out/placement.json]
+    python bench/placement.py [--pods 100] [--nodes 5] [--seed 1] [--multi-every N] [--percent-every N]
+                              [--out bench/out/placement.json]
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from alnair_standins.cluster import alnair_pod, cluster
 from alnair_standins.node import remove_tree, short_tmp
 
 
-async def run(pods: int, nodes: int, seed: int, multi_every: int = 0) -> dict:
+async def run(pods: int, nodes: int, seed: int, multi_every: int = 0, percent_every: int = 0) -> dict:
     root = short_tmp()
     rng = random.Random(seed)
     try:
@@ -40,6 +41,9 @@ async def run(pods: int, nodes: int, seed: int, multi_every: int = 0) -> dict:
                     k = rng.choice((2, 4))
                     containers[0].update(memory=containers[0]["memory"] * k, compute=containers[0]["compute"] * k,
                                          gpus=k)
+                if percent_every and n % percent_every == 2:  # memory as a share of each GPU instead
+                    del containers[0]["memory"]
+                    containers[0]["memory_percent"] = rng.choice((2, 5, 10))
                 if n % 5 == 0:
                     containers.append({"name": "side", "memory": 1})
                 specs.append(alnair_pod(f"job-{n:03d}", containers,
@@ -78,9 +82,13 @@ def main() -> int:
     parser.add_argument("--out", default="bench/out/placement.json")
     parser.add_argument("--multi-every", type=int, default=0,
                         help="every Nth pod's main container asks for 2 or 4 GPUs (alnair/vgpu-count); 0: none")
+    parser.add_argument("--percent-every", type=int, default=0,
+                        help="every Nth pod's main container asks for memory as 2-10 %% of each of its GPUs "
+                             "(alnair/vgpu-memory-percent); 0: none")
     args = parser.parse_args()
     logs.configure("console", "error")
-    results = [asyncio.run(run(args.pods, args.nodes, seed, args.multi_every)) for seed in args.seed]
+    results = [asyncio.run(run(args.pods, args.nodes, seed, args.multi_every, args.percent_every))
+               for seed in args.seed]
     print(f"placement: {args.pods} pods onto {args.nodes} nodes ({os.cpu_count()} CPUs, Python "
           f"{platform.python_version()})")
     print(f"{'seed':>4} {'admitted':>8} {'refused':>7} {'bind err':>8} {'pods/s':>7} {'p50 ms':>7} {'p99 ms':>7}"

@@ -657,10 +657,11 @@ class Tenants:
     """One scenario's tenant processes: each sets up, says so (a file) and waits at its own barrier. On exit the
     ones never released are told to abort, and any still running after their loops' time are killed by their pid."""
 
-    def __init__(self, cpus: CpuPlan | None = None) -> None:
+    def __init__(self, cpus: CpuPlan | None = None, trace_dir: Path | None = None) -> None:
         self.folder = Path(tempfile.mkdtemp(prefix="aln-bench-", dir="/tmp"))
         self.all: list[Tenant] = []
         self.cpus = cpus
+        self.trace_dir = trace_dir
         if cpus is not None:
             cpus.reset()
 
@@ -669,6 +670,8 @@ class Tenants:
 
     def start(self, name: str, shape: str, env: dict[str, str], seconds: float) -> Tenant:
         env = self.cpus.env(env) if self.cpus is not None else env
+        if self.trace_dir is not None:
+            env = {**env, "ALNAIR_TRACE_FILE": str(self.trace_dir / f"{name}.trace")}
         t = Tenant(name, SHAPES[shape], env, seconds, self.folder)
         argv = (f"{seconds:.3f}", str(t.path("go")), str(t.path("ready")))
         t.task = asyncio.create_task(run_py(t.shape.code, env, *argv), name=f"tenant-{name}")
@@ -762,6 +765,35 @@ class UsageProbe:
         await asyncio.gather(self.task, return_exceptions=True)
 
 
+class TurnsLog:
+    """--trace-dir: the dispatcher's view after each of its ticks (wall s; who is active, who is lent the GPU, each
+    container's window as a part of the period), polled in the agent's own event loop."""
+
+    def __init__(self, agent: Any, names: dict[str | None, str]) -> None:
+        self.agent, self.names = agent, {k: v for k, v in names.items() if k}
+        self.rows: list[dict] = []
+
+    async def _run(self) -> None:
+        d, seen = self.agent.dispatcher, -1
+        while d is not None:
+            if d.ticks != seen:
+                seen = d.ticks
+                active = set().union(*(g.active for g in d.gpus.values())) if d.gpus else set()
+                self.rows.append({"t": time.time(), "tick": d.ticks,
+                                  "active": sorted(self.names.get(k, k) for k in active),
+                                  "lent": sorted(self.names.get(k, k) for k in d.lent),
+                                  "turns": {self.names.get(k, k): round(v, 3) for k, v in d.turns.items()}})
+            await asyncio.sleep(0.005)
+
+    def start(self) -> None:
+        self.task = asyncio.create_task(self._run(), name="turns-log")
+
+    async def stop(self, path: Path) -> None:
+        self.task.cancel()
+        await asyncio.gather(self.task, return_exceptions=True)
+        path.write_text(json.dumps(self.rows))
+
+
 @dataclass
 class Bench:
     shim: Path
@@ -773,6 +805,7 @@ class Bench:
     alone_repeat: int = 2
     cpus: CpuPlan | None = None  # --pin: a CPU of its own for each tenant, the benchmark on the first core
     alone: dict[str, dict] = field(default_factory=dict)
+    trace_dir: Path | None = None  # --trace-dir: each tenant's shim trace (a trace build) and the turns, tick by tick
 
     def node(self, policy: str) -> Node:
         return Node(self.shim, policy, self.dispatcher, **self.settings)
@@ -851,17 +884,23 @@ class Bench:
     async def elastic(self, step: Step) -> dict:
         shape, e = step.shapes[0], self.windows.elastic
         rate = self.rate(shape)
-        async with self.node("elastic") as node, Tenants(self.cpus) as ts:
+        async with self.node("elastic") as node, Tenants(self.cpus, self.trace_dir) as ts:
             lender_env, newcomer_env = await node.admit(ELASTIC[0], self.memory_gib), \
                 await node.admit(ELASTIC[1], self.memory_gib)
             lender = ts.start(f"{shape}-lender", shape, lender_env, e.lender_run)
             newcomer = ts.start(f"{shape}-newcomer", shape, newcomer_env, e.newcomer_run)
             await ts.ready()  # both set up: the newcomer idles at its barrier while the lender runs alone
+            ticks = TurnsLog(node.agent, {lender.alloc: "lender", newcomer.alloc: "newcomer"}) \
+                if self.trace_dir is not None else None
             with self.sampler(lender_env) as nv:
+                if ticks is not None:
+                    ticks.start()
                 ts.release(lender)
                 await asyncio.sleep(e.settle + e.lone)
                 ts.release(newcomer)
                 lo, no = await asyncio.gather(lender.task, newcomer.task)
+            if ticks is not None:
+                await ticks.stop(self.trace_dir / f"{shape}-elastic.turns.json")
         return analyse_elastic(lo, no, rate, nv.mean, e)
 
     async def step(self, step: Step) -> dict:
@@ -1010,6 +1049,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--gpu", type=int, default=0, help="the GPU index the alone references run on (the node's GPU)")
     ap.add_argument("--pin", action="store_true",
                     help="a logical CPU of its own for each tenant, the benchmark (agent, sampler) on the first core")
+    ap.add_argument("--trace-dir", type=Path,
+                    help="each tenant's shim trace there (run a trace build: make -C shim CFLAGS='-O2 -DALNAIR_TRACE'),"
+                    " and the elastic scenario's turns tick by tick")
     ap.add_argument("--alone-repeat", type=int, default=2,
                     help="alone runs of each program (processes of their own); the fastest is its reference")
     a = ap.parse_args(argv)
@@ -1031,7 +1073,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         cpus.pin_self()
         say(f"pinned: {cpus.describe()}")
     bench = Bench(a.shim, Windows(a.seconds), a.dispatcher, dict(a.setting), a.gpu, alone_repeat=a.alone_repeat,
-                  cpus=cpus)
+                  cpus=cpus, trace_dir=a.trace_dir)
+    if a.trace_dir is not None:
+        a.trace_dir.mkdir(parents=True, exist_ok=True)
     steps = plan(shapes, only, caps, pack=not a.caps_one_per_node)
     record: dict[str, Any] = {}
     stopped = False

@@ -79,6 +79,7 @@ extern _Atomic unsigned alnair_fork_gen; /* bumped in a forked child: thread-loc
 extern struct alnair_region *alnair_region;
 extern int alnair_region_shared; /* 1: the container's file; 0: private (env limits, this process alone) */
 void alnair_region_setup(void);  /* called by alnair_init */
+struct alnair_board *alnair_board_get(void); /* the calling thread's device's board, or NULL (latency.c) */
 
 /* ---- devices (region.c) -------------------------------------------------------------------------------------
  * One entry per GPU of the container, in the order of its ALNAIR_REGIONS (NVIDIA_VISIBLE_DEVICES order); a
@@ -93,6 +94,12 @@ struct alnair_device {
     int overflow_warned;
     struct alnair_region_slot *_Atomic slot; /* this process's slot in the device's region */
     struct alnair_region_slot overflow;      /* when every slot is held: this process is refused (region.c) */
+    /* The GPU's board (the latency class): `board` beside the region, shared by the GPU's containers; mapped on
+     * first need (latency.c), tried again at most every BOARD_RETRY_NS while it is missing. */
+    struct alnair_board *_Atomic board;
+    _Atomic uint64_t board_tried;
+    _Atomic int board_lost; /* its mapping faulted (the file was cut short): zeros there now, mapped again later */
+    char board_path[1024];
 };
 extern struct alnair_device alnair_devices[ALNAIR_MAX_DEVICES];
 extern int alnair_device_count;
@@ -165,7 +172,7 @@ void alnair_trace(char kind, uint64_t a, uint64_t b, uint64_t c, uint64_t d);
 #define TRACE(k, a, b, c, d) alnair_trace((k), (a), (b), (c), (d))
 /* Where a launch's host time goes, summed per process (count, ns) and written to $ALNAIR_TRACE_FILE.sum at exit. */
 enum alnair_probe { P_LAUNCH, P_PRE, P_CALL, P_POST, P_W_SAMPLE, P_W_INFLIGHT, P_W_GATE, P_RECORD, P_QUERY,
-                    P_SAMPLE, P_FENCE, P_GATE_SLOW, P_W_DRAIN, P_NPROBE };
+                    P_SAMPLE, P_FENCE, P_GATE_SLOW, P_W_DRAIN, P_W_HOLD, P_NPROBE };
 void alnair_probe(enum alnair_probe k, uint64_t ns);
 #define PROBE(k, ns) alnair_probe((k), (ns))
 #define PROBE_NOW() alnair_now_ns()

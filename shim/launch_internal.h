@@ -3,7 +3,8 @@
  *   turns.c     the turn gate (a container's windows and leases), what is owed, the GPU time counted;
  *   estimate.c  what a launch costs: the estimate cache, the shim's own events, fences, samples, true-ups,
  *               the in-flight bound and the gate's drain;
- *   capture.c   stream captures under way (no event query may break one).
+ *   capture.c   stream captures under way (no event query may break one);
+ *   latency.c   the latency class: the board, a latency container's launches, its neighbours' holds.
  * Private to the shim: every name here is hidden (-fvisibility=hidden). */
 #ifndef ALNAIR_LAUNCH_INTERNAL_H
 #define ALNAIR_LAUNCH_INTERNAL_H
@@ -173,6 +174,8 @@ struct tstate {
     unsigned since_fence;
     CUevent s_start, s_end;
     CUevent d_ev; /* the gate's drain event: recorded when its estimate of the queue refuses a launch */
+    CUevent q_ev[2]; /* beside a latency container: after each of its last two long launches (latency.c) */
+    unsigned q_n;    /* ... how many were recorded (q_ev[q_n & 1] is the next) */
     uint64_t s_key, s_cost, s_idx, s_host;
     unsigned s_ahead; /* launches of unknown kernels charged a guess since the sample in flight was taken */
     int s_busy, s_guess;
@@ -201,6 +204,7 @@ struct gate {
     int valid;
     uint32_t seq, procs;
     uint64_t start, end, free_until; /* end: UINT64_MAX when every moment is its turn */
+    uint64_t nominal_end; /* the window's own end (`end` may run on past it on banked time: latency.c) */
     uint64_t room; /* how far past `end` a launch's work may run: the slack, or the spare time after the window */
 };
 extern __thread struct gate G_dev[ALNAIR_MAX_DEVICES] __attribute__((tls_model("initial-exec")));
@@ -248,6 +252,54 @@ static inline void account(uint64_t ns)
 /* turns.c: the turn gate, what is owed, the GPU time counted */
 void owe(uint64_t ns);
 uint64_t turn_gate(uint64_t cost, struct stream_ctr *sc, CUstream stream, int pt);
+void nap_until(uint64_t until, uint64_t now);
+uint32_t window_procs(uint64_t ws);
+
+/* latency.c: the latency class (docs/architecture.md, "The latency class") */
+#define LAT_BUCKET_NS 10000000ull /* a rolling horizon in buckets of this (1 % of a second: the cap's resolution) */
+#define LAT_BUCKETS ((unsigned)(ALNAIR_LATENCY_HORIZON_NS / LAT_BUCKET_NS))
+#define LAT_NAP_NS 1000000ull      /* a latency container over its cap naps this long, then looks again */
+/* A latency container's launches this close together are one request: its neighbours stay held between them (the
+ * host's gaps between a request's kernels). */
+#ifndef LAT_GRACE_NS
+#define LAT_GRACE_NS 100000ull
+#endif
+#define LAT_ANNOUNCE_NS 20000ull /* its board slot is rewritten when the end it says moves by more than this */
+#ifndef LAT_BACKLOG_MAX_NS
+#define LAT_BACKLOG_MAX_NS 500000ull /* ... its estimated queue counts for at most this (latency.c) */
+#endif
+#define LAT_COST_MAX_NS 1000000ull /* ... and its launch's estimate for at most this */
+/* Beside a latency container, a container keeps at most this much estimated work queued ahead of the GPU: a request
+ * arriving waits for about that and the kernel running. */
+#ifndef HOLD_QUEUE_NS
+#define HOLD_QUEUE_NS 100000ull
+#endif
+/* Beside a latency container a launch estimated this long or longer is followed by an event, and the next waits
+ * until the one before it has run: at most two such kernels queued, whatever the estimates say (an estimate too
+ * short let a matmul tenant queue milliseconds). Shorter launches are bounded by the estimate alone (an event each
+ * would cost the host microseconds a launch). */
+#define HOLD_EVENT_MIN_NS 50000ull
+#define HOLD_ONCE_MAX_NS 50000000ull /* one look at the board holds a launch back this long at most */
+#define HOLD_STEP_NS 200000ull       /* a held thread looks at the board again this often at least */
+#define HOLD_ROUNDS 8                /* holds and turns asked again, for one launch, at most */
+#define BOARD_RETRY_NS 100000000ull  /* a board not there (yet) is looked for again this often at most */
+#define BANK_MAX_NS ALNAIR_LATENCY_HORIZON_NS /* time held back and banked, at most (a horizon's worth) */
+struct horizon {
+    _Atomic uint64_t idx[ALNAIR_LATENCY_HORIZON_NS / LAT_BUCKET_NS];
+    _Atomic uint64_t ns[ALNAIR_LATENCY_HORIZON_NS / LAT_BUCKET_NS];
+    _Atomic uint64_t cached_for, cached;
+};
+struct dev_latency {
+    struct horizon spent;           /* a latency container: its GPU time (charged) over the horizon */
+    struct horizon held;            /* any other: the time its launches were held back over the horizon */
+    _Atomic uint64_t bank;          /* held back and not made up yet: its windows may run on this far (turns.c) */
+};
+extern struct dev_latency g_lat[ALNAIR_MAX_DEVICES];
+void horizon_add(struct horizon *h, uint64_t now, uint64_t ns);
+uint64_t horizon_sum(struct horizon *h, uint64_t now);
+uint64_t latency_gate(uint64_t cost, struct stream_ctr *sc, uint64_t now);
+uint64_t hold_back(uint32_t mask, struct stream_ctr *sc, uint64_t now);
+void hold_mark(CUstream s, int pt, uint64_t cost); /* after a launch beside a latency container */
 
 /* estimate.c: the estimate cache, the shim's own events, fences, samples, the in-flight bound */
 struct est *est_insert(uint64_t k);

@@ -175,6 +175,11 @@ static void device_setup(struct alnair_device *d, const char *path, const char *
     if (r != NULL) {
         d->region = r;
         d->shared = 1;
+        const char *slash = strrchr(path, '/');
+        int dir = slash != NULL ? (int)(slash - path) : 0;
+        if (snprintf(d->board_path, sizeof d->board_path, "%.*s%s" ALNAIR_BOARD_FILE, dir, path,
+                     slash != NULL ? "/" : "") >= (int)sizeof d->board_path)
+            d->board_path[0] = '\0'; /* too long a path: no board (the latency class then takes turns) */
         return;
     }
     int mem_set = getenv("ALNAIR_MEMORY_LIMIT") != NULL, comp_set = getenv("ALNAIR_COMPUTE_LIMIT") != NULL;

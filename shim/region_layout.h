@@ -7,17 +7,27 @@
 #include <stdint.h>
 
 #define ALNAIR_REGION_MAGIC 0x524E4C41u
-#define ALNAIR_REGION_VERSION 3u
+#define ALNAIR_REGION_VERSION 4u
 #define ALNAIR_REGION_MAX_SLOTS 64u
 #define ALNAIR_REGION_HEADER_SIZE 64u
 #define ALNAIR_REGION_AGENT_BLOCK_SIZE 128u
-#define ALNAIR_REGION_SLOT_SIZE 64u
+#define ALNAIR_REGION_SLOT_SIZE 128u
 #define ALNAIR_REGION_SLOTS_OFFSET 192u
-#define ALNAIR_REGION_SIZE 4288u
+#define ALNAIR_REGION_SIZE 8384u
 #define ALNAIR_HEARTBEAT_STALE_NS 2000000000ull
 #define ALNAIR_DEFAULT_TURN_PERIOD_NS 100000000ull
 #define ALNAIR_MAX_TURN_PERIOD_NS 10000000000ull
 #define ALNAIR_COMPUTE_UNLIMITED 0u
+#define ALNAIR_CLASS_TURNS 0u
+#define ALNAIR_CLASS_LATENCY 1u
+#define ALNAIR_LATENCY_HORIZON_NS 1000000000ull
+#define ALNAIR_BOARD_MAGIC 0x424E4C41u
+#define ALNAIR_BOARD_VERSION 1u
+#define ALNAIR_BOARD_SLOTS 8u
+#define ALNAIR_BOARD_HEADER_SIZE 64u
+#define ALNAIR_BOARD_SLOT_SIZE 64u
+#define ALNAIR_BOARD_SIZE 576u
+#define ALNAIR_BOARD_FILE "board"
 #define ALNAIR_MEMORY_UNLIMITED 0ull
 
 /* 64 bytes at offset 0 */
@@ -48,7 +58,11 @@ struct alnair_region_agent {
     uint64_t turn_length_ns; /* turns: its window's length (>= the period: always its turn) */
     uint64_t turn_free_until_ns; /* turns: until this CLOCK_MONOTONIC ns it may launch at any time (an elastic container lent the GPU; 0 = never) */
     uint64_t turn_spare_ns; /* turns: how long after its window's end no other window begins (<= period - length; work may run that far past the end, owed back by skipping its next windows) */
-    uint8_t _pad72[56];
+    uint32_t compute_class; /* CLASS_TURNS (windows, leases) or CLASS_LATENCY (launch at once, the GPU time held to the cap over LATENCY_HORIZON_NS, announced in board slot board_slot) */
+    uint32_t board_slot; /* a latency container's slot on its GPU's board (0..BOARD_SLOTS-1) */
+    uint32_t hold_mask; /* board slots (bit k: slot k) whose latency containers this one holds back for; 0 = none on its GPU, the board is not read */
+    uint32_t hold_pct; /* at most this percent of LATENCY_HORIZON_NS it is held back (what the latency containers of its GPU may take from it, whatever the board says) */
+    uint8_t _pad88[40];
 };
 _Static_assert(sizeof(struct alnair_region_agent) == 128, "alnair_region_agent size");
 _Static_assert(offsetof(struct alnair_region_agent, memory_limit) == 0, "alnair_region_agent.memory_limit");
@@ -61,8 +75,12 @@ _Static_assert(offsetof(struct alnair_region_agent, turn_offset_ns) == 40, "alna
 _Static_assert(offsetof(struct alnair_region_agent, turn_length_ns) == 48, "alnair_region_agent.turn_length_ns");
 _Static_assert(offsetof(struct alnair_region_agent, turn_free_until_ns) == 56, "alnair_region_agent.turn_free_until_ns");
 _Static_assert(offsetof(struct alnair_region_agent, turn_spare_ns) == 64, "alnair_region_agent.turn_spare_ns");
+_Static_assert(offsetof(struct alnair_region_agent, compute_class) == 72, "alnair_region_agent.compute_class");
+_Static_assert(offsetof(struct alnair_region_agent, board_slot) == 76, "alnair_region_agent.board_slot");
+_Static_assert(offsetof(struct alnair_region_agent, hold_mask) == 80, "alnair_region_agent.hold_mask");
+_Static_assert(offsetof(struct alnair_region_agent, hold_pct) == 84, "alnair_region_agent.hold_pct");
 
-/* 64 bytes at offset 192 + slot * size */
+/* 128 bytes at offset 192 + slot * size */
 struct alnair_region_slot {
     int32_t pid; /* owner's pid in the container; 0 = free (claimed by CAS 0 -> pid) */
     uint32_t flags; /* reserved, 0 */
@@ -73,8 +91,11 @@ struct alnair_region_slot {
     uint64_t overrun_ns; /* counter: ns of its work that ran past the end of its windows (paid back by skipping as much of its next ones) */
     uint64_t wait_ns; /* counter: ns spent waiting for its turn */
     uint64_t copy_bytes; /* counter: bytes moved by the owner's memory copies (host<->device, device<->device) */
+    uint64_t held_ns; /* counter: ns its launches were held back for a latency container */
+    uint64_t holds; /* counter: launches held back for a latency container */
+    uint8_t _pad80[48];
 };
-_Static_assert(sizeof(struct alnair_region_slot) == 64, "alnair_region_slot size");
+_Static_assert(sizeof(struct alnair_region_slot) == 128, "alnair_region_slot size");
 _Static_assert(offsetof(struct alnair_region_slot, pid) == 0, "alnair_region_slot.pid");
 _Static_assert(offsetof(struct alnair_region_slot, flags) == 4, "alnair_region_slot.flags");
 _Static_assert(offsetof(struct alnair_region_slot, start_time) == 8, "alnair_region_slot.start_time");
@@ -84,6 +105,30 @@ _Static_assert(offsetof(struct alnair_region_slot, gpu_ns) == 32, "alnair_region
 _Static_assert(offsetof(struct alnair_region_slot, overrun_ns) == 40, "alnair_region_slot.overrun_ns");
 _Static_assert(offsetof(struct alnair_region_slot, wait_ns) == 48, "alnair_region_slot.wait_ns");
 _Static_assert(offsetof(struct alnair_region_slot, copy_bytes) == 56, "alnair_region_slot.copy_bytes");
+_Static_assert(offsetof(struct alnair_region_slot, held_ns) == 64, "alnair_region_slot.held_ns");
+_Static_assert(offsetof(struct alnair_region_slot, holds) == 72, "alnair_region_slot.holds");
+
+/* 64 bytes at offset 0 of the board file*/
+struct alnair_board_header {
+    uint32_t magic; /* BOARD_MAGIC */
+    uint32_t version; /* BOARD_VERSION */
+    uint64_t size; /* BOARD_SIZE */
+    uint8_t _pad16[48];
+};
+_Static_assert(sizeof(struct alnair_board_header) == 64, "alnair_board_header size");
+_Static_assert(offsetof(struct alnair_board_header, magic) == 0, "alnair_board_header.magic");
+_Static_assert(offsetof(struct alnair_board_header, version) == 4, "alnair_board_header.version");
+_Static_assert(offsetof(struct alnair_board_header, size) == 8, "alnair_board_header.size");
+
+/* 64 bytes at offset 64 + slot * size of the board file*/
+struct alnair_board_slot {
+    uint64_t busy_until_ns; /* CLOCK_MONOTONIC ns until which the latency container in this slot expects its queued work to run (its last launch's estimated end and a grace); 0 = idle */
+    uint64_t launches; /* counter: its launches (its writer's; for people reading the board) */
+    uint8_t _pad16[48];
+};
+_Static_assert(sizeof(struct alnair_board_slot) == 64, "alnair_board_slot size");
+_Static_assert(offsetof(struct alnair_board_slot, busy_until_ns) == 0, "alnair_board_slot.busy_until_ns");
+_Static_assert(offsetof(struct alnair_board_slot, launches) == 8, "alnair_board_slot.launches");
 
 struct alnair_region {
     struct alnair_region_header header;
@@ -91,5 +136,11 @@ struct alnair_region {
     struct alnair_region_slot slots[ALNAIR_REGION_MAX_SLOTS];
 };
 _Static_assert(sizeof(struct alnair_region) == ALNAIR_REGION_SIZE, "alnair_region size");
+
+struct alnair_board {
+    struct alnair_board_header header;
+    struct alnair_board_slot slots[ALNAIR_BOARD_SLOTS];
+};
+_Static_assert(sizeof(struct alnair_board) == ALNAIR_BOARD_SIZE, "alnair_board size");
 
 #endif /* ALNAIR_REGION_LAYOUT_H */

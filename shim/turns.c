@@ -55,7 +55,7 @@ static inline void cpu_relax(void)
 
 /* Sleep towards `until` (at most NAP_MAX_NS at a time: the caller re-reads the turns); its last WAKE_EARLY_NS are
  * spun, so the caller is back on time. */
-static void nap_until(uint64_t until, uint64_t now)
+void nap_until(uint64_t until, uint64_t now)
 {
     if (!T_slack_set) {
         /* the kernel's default 50 us timer slack would start every turn that late: 1 us (once per thread) */
@@ -94,7 +94,7 @@ static uint64_t debt_shift(uint64_t ws, uint64_t len)
 /* How many processes of the container share its windows, counted once per window (its live slots): each queues
  * on streams of its own, so a process's estimate of how long the GPU needs for what is queued is its own queue times
  * that many. */
-static uint32_t window_procs(uint64_t ws)
+uint32_t window_procs(uint64_t ws)
 {
     if (atomic_load_explicit(&g_procs_window, memory_order_relaxed) != ws) {
         atomic_store_explicit(&g_procs_window, ws, memory_order_relaxed);
@@ -115,22 +115,49 @@ static inline void clear_debt(void)
 {
     if (atomic_load_explicit(&g_debt, memory_order_relaxed) != 0)
         atomic_store_explicit(&g_debt, 0, memory_order_relaxed); /* owed to nobody while lent the GPU */
+    if (atomic_load_explicit(&g_lat[alnair_cur].bank, memory_order_relaxed) != 0)
+        atomic_store_explicit(&g_lat[alnair_cur].bank, 0, memory_order_relaxed); /* ... nor made up */
 }
 
 /* A launch whose work (after `backlog`) is estimated to end more than the slack past the window's end (`left` from
  * now) runs into the spare time after the window, nobody's: that part is owed, paid back by skipping as much of the
  * next windows, so the container's time stays its windows' and a tail too short for its next launch is not lost. */
-static inline void owe_past(uint64_t backlog, uint64_t cost, uint64_t left)
+static inline uint64_t owed_past(uint64_t backlog, uint64_t cost, uint64_t left)
 {
     uint64_t lim = left + WINDOW_SLACK_NS, end = backlog + cost;
-    if (UNLIKELY(end > lim))
-        owe(end - lim - (backlog > lim ? backlog - lim : 0));
+    return UNLIKELY(end > lim) ? end - lim - (backlog > lim ? backlog - lim : 0) : 0;
 }
 
-uint64_t turn_gate(uint64_t cost, struct stream_ctr *sc, CUstream stream, int pt)
+/* How far a window runs on past its end: what this container was held back for latency containers and has not
+ * made up yet (hold_back banks it), at most the spare after the window (the latency containers' own time follows
+ * each window: control.py's layout). A latency container needs no window, so that time is free whenever the board
+ * does not hold the container back; its cap stays a ceiling, since only time it lost is made up. */
+static inline uint64_t bank_extension(uint64_t spare)
+{
+    uint64_t b = atomic_load_explicit(&g_lat[alnair_cur].bank, memory_order_relaxed);
+    return b < spare ? b : spare;
+}
+
+/* A launch going past its window's own end runs on banked time. */
+static inline void bank_spend(uint64_t now, uint64_t cost)
+{
+    if (UNLIKELY(now >= G.nominal_end && G.nominal_end != 0)) {
+        _Atomic uint64_t *b = &g_lat[alnair_cur].bank;
+        uint64_t v = atomic_load_explicit(b, memory_order_relaxed);
+        while (v > 0 && !atomic_compare_exchange_weak(b, &v, v > cost ? v - cost : 0)) {
+        }
+    }
+}
+
+/* Wait until this launch of `cost` ns may go by the turns: in the container's window with room for it after what
+ * this thread has queued, or under an elastic lease. Returns the ns waited; *now is when it may go and *owed what
+ * its work will owe past the window (charged by the caller once the launch is decided). */
+static uint64_t windows(uint64_t cost, struct stream_ctr *sc, CUstream stream, int pt, uint64_t *now_out,
+                        uint64_t *owed)
 {
     uint64_t t0 = 0, now = alnair_now_ns();
     uint32_t seq = RLOAD(alnair_cur_region()->agent.turn_seq);
+    *owed = 0;
     if (LIKELY(G.valid && seq == G.seq)) {
         if (now < G.free_until) {
             clear_debt();
@@ -140,7 +167,8 @@ uint64_t turn_gate(uint64_t cost, struct stream_ctr *sc, CUstream stream, int pt
             uint64_t vft = sc != NULL ? atomic_load_explicit(&sc->vft, memory_order_relaxed) : 0;
             uint64_t backlog = (vft > now ? vft - now : 0) * G.procs;
             if (backlog + cost <= G.end - now + G.room) {
-                owe_past(backlog, cost, G.end - now);
+                *owed = owed_past(backlog, cost, G.end - now);
+                bank_spend(now, cost);
                 goto go;
             }
         }
@@ -154,7 +182,7 @@ uint64_t turn_gate(uint64_t cost, struct stream_ctr *sc, CUstream stream, int pt
             clear_debt();
             G.seq = seq;
             G.free_until = t.length >= t.period ? UINT64_MAX : t.free_until;
-            G.start = G.end = 0;
+            G.start = G.end = G.nominal_end = 0;
             G.valid = 1;
             break;
         }
@@ -164,13 +192,14 @@ uint64_t turn_gate(uint64_t cost, struct stream_ctr *sc, CUstream stream, int pt
         uint64_t ws = epoch + (now - epoch) / t.period * t.period + t.offset;
         if (ws > now && ws >= t.period)
             ws -= t.period; /* the window may have begun in the previous period and still run */
-        if (now >= ws + t.length)
+        uint64_t ext = bank_extension(t.spare);
+        if (now >= ws + t.length + ext)
             ws += t.period;
         if (t.length == 0) {
             nap_until(now + NAP_MAX_NS, now); /* no window at all: only a lease or a new schedule lets it go */
             continue;
         }
-        uint64_t we = ws + t.length, start = ws + debt_shift(ws, t.length);
+        uint64_t we = ws + t.length + ext, start = ws + debt_shift(ws, t.length);
         if (now < start) {
             nap_until(start, now);
             continue;
@@ -178,17 +207,20 @@ uint64_t turn_gate(uint64_t cost, struct stream_ctr *sc, CUstream stream, int pt
         uint64_t vft = sc != NULL ? atomic_load_explicit(&sc->vft, memory_order_relaxed) : 0;
         uint32_t procs = window_procs(ws);
         uint64_t backlog = (vft > now ? vft - now : 0) * procs, left = we - now;
-        uint64_t room = t.spare > WINDOW_SLACK_NS ? t.spare : WINDOW_SLACK_NS;
+        uint64_t spare = t.spare - ext;
+        uint64_t room = spare > WINDOW_SLACK_NS ? spare : WINDOW_SLACK_NS;
         if (backlog + cost <= left + room) {
             TRACE('W', now - start, left, backlog, 0); /* how late after its start a waiting thread goes on */
-            owe_past(backlog, cost, left);
+            *owed = owed_past(backlog, cost, left);
             G.seq = seq;
             G.procs = procs;
             G.start = start;
             G.end = we;
+            G.nominal_end = ws + t.length;
             G.room = room;
             G.free_until = 0;
             G.valid = 1;
+            bank_spend(now, cost);
             break;
         }
         TRACE('g', backlog, left, cost, (uint64_t)polled);
@@ -207,25 +239,49 @@ uint64_t turn_gate(uint64_t cost, struct stream_ctr *sc, CUstream stream, int pt
             continue;
         }
         if (backlog == 0 && cost > t.length) {
-            owe(cost - left); /* never fits a window: run it now with nothing queued, skip its overrun later */
+            *owed = cost - left; /* never fits a window: run it now with nothing queued, skip its overrun later */
             break;
         }
-        nap_until(we + (t.period - t.length), now); /* the next window's start */
+        nap_until(ws + t.period, now); /* the next window's start */
         polled = 0;
     }
 go:
+    *now_out = now;
+    return t0 == 0 ? 0 : now - t0;
+}
+
+uint64_t turn_gate(uint64_t cost, struct stream_ctr *sc, CUstream stream, int pt)
+{
+    struct alnair_region *r = alnair_cur_region();
+    uint32_t cls = RLOAD(r->agent.compute_class), mask = RLOAD(r->agent.hold_mask);
+    uint64_t now, owed = 0, waited;
+    if (UNLIKELY(cls == ALNAIR_CLASS_LATENCY)) {
+        waited = latency_gate(cost, sc, alnair_now_ns());
+        now = alnair_now_ns();
+    } else {
+        waited = windows(cost, sc, stream, pt, &now, &owed);
+        /* beside a latency container: hold back while it runs; the hold may outlast the window, so the turns are
+         * asked again (a few times at most: a launch never waits on the board for ever) */
+        for (int i = 0; UNLIKELY(mask != 0) && i < HOLD_ROUNDS; i++) {
+            uint64_t t = hold_back(mask & ((1u << ALNAIR_BOARD_SLOTS) - 1u), sc, now);
+            if (t == now)
+                break;
+            G.valid = 0;
+            waited += t - now + windows(cost, sc, stream, pt, &now, &owed);
+        }
+        if (UNLIKELY(owed != 0))
+            owe(owed);
+    }
     if (sc != NULL) {
         uint64_t v = atomic_load_explicit(&sc->vft, memory_order_relaxed);
         while (!atomic_compare_exchange_weak(&sc->vft, &v, (v > now ? v : now) + cost)) {
         }
     }
-    if (t0 == 0)
+    if (waited == 0)
         return 0;
-    uint64_t waited = now - t0;
     PROBE(P_W_GATE, waited);
     struct alnair_region_slot *s = alnair_slot();
-    if (waited > 0 && s != NULL)
+    if (s != NULL)
         RADD(s->wait_ns, waited);
     return waited;
 }
-

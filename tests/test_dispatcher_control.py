@@ -27,9 +27,44 @@ def test_windows_never_overlap_and_stay_inside_the_period(caps, period):
         assert a1 <= b0, spans
     assert all(0 <= off < period and off + length <= period for off, length in w.values())
     total = sum(cap for cap, _ in caps)
-    if total <= 100:  # what can be admitted on one GPU: every cap gets its part, at least
+    if total <= 100:  # what can be admitted on one GPU: every cap gets its part, at least (latency: no window)
         for x in containers:
-            assert w[x.key][1] >= int(period * x.cap / 100) - 1
+            assert w[x.key][1] >= (0 if x.policy == C.LATENCY else int(period * x.cap / 100) - 1)
+    for x in containers:
+        if x.policy == C.LATENCY:
+            assert w[x.key] == (0, 0)
+
+
+@given(st.lists(st.tuples(st.integers(1, 40), st.sampled_from((C.STRICT, C.ELASTIC))), min_size=1, max_size=5),
+       st.lists(st.integers(1, 30), min_size=1, max_size=3), st.integers(5_000_000, 1_000_000_000))
+def test_each_window_is_followed_by_its_part_of_the_latency_caps(caps, latency, period):
+    """A neighbour held back for a latency container may run on after its window: the latency caps' time follows
+    each window, in proportion to its cap, as spare nobody else's window takes."""
+    if sum(x for x, _ in caps) + sum(latency) > 100:
+        return
+    containers = [c(f"a{i:02}", cap, pol) for i, (cap, pol) in enumerate(caps)]
+    containers += [c(f"z{i:02}", cap, C.LATENCY) for i, cap in enumerate(latency)]
+    w = C.layout(containers, period)
+    sp = C.spares(w, period)
+    turned = sum(x for x, _ in caps)
+    for x in containers[:len(caps)]:
+        assert sp[x.key] >= int(period * sum(latency) * x.cap / turned / 100) - 1, (x, w, sp)
+
+
+@pytest.mark.parametrize("containers,want", [
+    ([c("a", 30)], (0, 0)),
+    ([c("a", 30), c("z", 20, C.LATENCY)], (0, 0)),  # no board slot yet: nobody to hold back for
+])
+def test_holds_name_only_latency_containers_with_a_slot(containers, want):
+    assert C.holds(containers) == want
+
+
+def test_holds_mask_and_percent():
+    z1, z2 = c("z1", 20, C.LATENCY), c("z2", 10, C.LATENCY)
+    z1.board_slot, z2.board_slot = 0, 3
+    assert C.holds([c("a", 50), z1, z2]) == (0b1001, 60)
+    z1.cap = 60
+    assert C.holds([z1, z2]) == (0b1001, C.HOLD_MAX_PCT)
 
 
 @pytest.mark.parametrize("containers,want", [
@@ -40,6 +75,8 @@ def test_windows_never_overlap_and_stay_inside_the_period(caps, period):
     ([c("a", 30), c("b", 50, C.ELASTIC)], {"a": 30, "b": 70}),    # the spare goes to the elastic one
     ([c("a", 10, C.ELASTIC), c("b", 30, C.ELASTIC)], {"a": 25, "b": 75}),  # ... in proportion to the caps
     ([c("a", 30), c("b", 30)], {"a": 30, "b": 30}),               # strict ones leave the spare idle
+    ([c("a", 70), c("z", 30, C.LATENCY)], {"a": 70, "z": 0}),     # a latency container takes no turns
+    ([c("a", 50, C.ELASTIC), c("z", 30, C.LATENCY)], {"a": 70, "z": 0}),  # its cap is not the elastic one's
 ])
 def test_layout_table(containers, want):
     w = C.layout(containers, P)

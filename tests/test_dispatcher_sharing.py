@@ -45,6 +45,9 @@ class FakeRegion:
         self.turns.append(turn)
         return True
 
+    def set_class(self, compute_class: int, board_slot: int = 0, hold_mask: int = 0, hold_pct: int = 0) -> None:
+        self.compute_class = (compute_class, board_slot, hold_mask, hold_pct)
+
     def close(self) -> None:
         pass
 

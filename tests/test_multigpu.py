@@ -92,6 +92,12 @@ def test_fast_verdict_agrees_with_place(seed: int) -> None:
     fast = fit.verdict(shape, r, fit.FreeSummary.of(r), fit.PACK)
     full = fit.place(needs, r, fit.PACK)
     assert (fast is None or isinstance(fast, fit.Placement)) == isinstance(full, fit.Placement)
+    if max(n.count for n in shape.needs or needs) <= len(r):  # else place refuses before placing
+        assert full == _slow_place(list(shape.needs), r, fit.PACK)
+    if isinstance(full, fit.NoFit):
+        assert isinstance(fast, fit.NoFit) and fast.resolvable == full.resolvable
+        if len(shape.needs) == 1:
+            assert fast == full
     if isinstance(full, fit.Placement):
         used: Counter[str] = Counter()
         for n in shape.needs:
@@ -242,20 +248,22 @@ async def test_a_request_no_node_can_meet_stays_pending_with_the_reason(root: Pa
 
 
 def _slow_place(needs: list[fit.Need], r: list[fit.Room], policy: str) -> fit.Placement | fit.NoFit:
-    """`fit.place` without its one-container shortcut (what it did before it)."""
+    """`fit.place` without its one-container shortcut and its cache: place, then place again on the GPUs empty."""
     result = fit._place(needs, r, policy)
-    if isinstance(result, fit.NoFit) and not isinstance(fit._place(needs, [x.empty() for x in r], policy),
-                                                        fit.Placement):
-        if not result.resolvable:
-            return result
-        if any(n.count > 1 for n in needs):
-            return fit.NoFit("the request is larger than this node's GPUs can hold even when empty: " + result.reason,
-                             resolvable=False)
-        mem, comp = max(x.memory_total for x in r), max(x.compute_total for x in r)
-        return fit.NoFit(f"the request is larger than any single GPU on this node can hold (largest offers {mem} "
-                         f"memory + {comp} compute units; memory and compute of a container come from one GPU): "
-                         + result.reason, resolvable=False)
-    return result
+    if isinstance(result, fit.Placement):
+        return result
+    empty = fit._place(needs, [x.empty() for x in r], policy)
+    if isinstance(empty, fit.Placement):
+        return fit.NoFit(result.why, result.resolvable, tuple(r))
+    if not empty.resolvable:
+        return fit.NoFit(empty.why, False, tuple(r))
+    if any(n.count > 1 for n in needs):
+        return fit.NoFit("the request is larger than this node's GPUs can hold even when empty: " + empty.why,
+                         False, tuple(r))
+    mem, comp = max(x.memory_total for x in r), max(x.compute_total for x in r)
+    return fit.NoFit(f"the request is larger than any single GPU on this node can hold (largest offers {mem} "
+                     f"memory + {comp} compute units; memory and compute of a container come from one GPU): "
+                     + empty.why, False, tuple(r))
 
 
 @pytest.mark.parametrize("seed", range(200))

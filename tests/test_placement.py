@@ -27,6 +27,7 @@ from alnair_agent.node.decision import (
     parse_allocated,
     parse_decision,
 )
+from alnair_agent.node.fit import percent_units
 from alnair_agent.node.gpu_devices import report_of_node
 from alnair_agent.node.region import Region
 from alnair_standins.apiserver import make_pod
@@ -72,7 +73,8 @@ def random_pods(rng: random.Random, count: int, budget_memory: int, budget_compu
 def check_cluster(c: Cluster, gpu_memory_units: dict[str, int]) -> None:
     """Every admitted container: one allocation and one folder per GPU for both resources, its own limits, on the
     GPU(s) the extender decided (a multi-GPU container: distinct GPUs of its node, its units split evenly over
-    them, each GPU's region with the per-GPU limits); and no GPU holds more units than it has."""
+    them, each GPU's region with the per-GPU limits; memory asked as a percent: that share of each GPU, converted
+    there); and no GPU holds more units than it has."""
     from alnair_agent.node.edits import part_run_dir
     from alnair_standins.kubelet import ContainerKey
 
@@ -93,9 +95,14 @@ def check_cluster(c: Cluster, gpu_memory_units: dict[str, int]) -> None:
             answers = adm.answers.get(spec["name"], {})
             wanted = {r: int(limits.get(r, 0)) for r in (MEM, SM)}
             count = int(limits.get("alnair/vgpu-count", 1))
+            percent = int(limits.get("alnair/vgpu-memory-percent", 0))
             each = {r: n // count for r, n in wanted.items()}
             assert set(answers) == {r for r, n in wanted.items() if n}, spec["name"]
             gpus = decision.gpus[spec["name"]]
+            memory_on = {g: percent_units(percent, gpu_memory_units[g]) if percent else each[MEM] for g in gpus}
+            if percent:
+                for g in gpus:
+                    held[(g, MEM)] += memory_on[g]
             assert len(gpus) == len(set(gpus)) == count, (spec["name"], gpus)
             assert set(gpus) <= on_node, "a container's GPUs are all on its node"
             envs = [dict(a.envs) for a in answers.values()]
@@ -106,15 +113,15 @@ def check_cluster(c: Cluster, gpu_memory_units: dict[str, int]) -> None:
             assert len({m[part_run_dir(k)] for m in mounts[:1] for k in range(count)}) == count
             assert {e[ENV_VISIBLE_DEVICES] for e in envs} == {",".join(gpus)}
             for e in envs:  # both answers name the same limits (kubelet merges them first-wins)
-                if wanted[MEM]:
-                    assert e[ENV_MEMORY_LIMIT] == str(each[MEM] * GIB)
+                if wanted[MEM] or percent:
+                    assert e[ENV_MEMORY_LIMIT] == str(memory_on[gpus[0]] * GIB)
                 if wanted[SM]:
                     assert e[ENV_COMPUTE_LIMIT] == str(each[SM] if each[SM] < 100 else 0)
             for k in range(count):
                 region = Region.open(Path(mounts[0][part_run_dir(k)]) / "region")
                 try:
                     assert (region.memory_limit, region.compute_limit) == (
-                        each[MEM] * GIB, each[SM] if 0 < each[SM] < 100 else 0)
+                        memory_on[gpus[k]] * GIB, each[SM] if 0 < each[SM] < 100 else 0)
                 finally:
                     region.close()
             assigned = node.kubelet.assigned[ContainerKey(adm.namespace, adm.pod, spec["name"])]

@@ -9,6 +9,8 @@ import asyncio
 import io
 import json
 import os
+import random
+import re
 import signal
 import socket
 import sys
@@ -21,6 +23,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from structlog.testing import capture_logs
 
 from alnair_agent.constants import NODE_GPU_DEVICES, RESOURCE_COMPUTE, RESOURCE_MEMORY
+from alnair_agent.node import fit as fit_rule
 from alnair_agent.node.gpu_devices import AnnotationError, report_of_node
 from alnair_agent.scheduler.extender import (
     PROFILE_COST_SAVING,
@@ -33,6 +36,7 @@ from alnair_agent.scheduler.extender import (
 from alnair_agent.scheduler.main import main
 from alnair_agent.scheduler.server import build_app
 from alnair_agent.scheduler.view import ClusterView
+from alnair_standins.apiserver import make_pod
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -127,15 +131,25 @@ def view_of(nodes: Sequence[dict[str, Any]]) -> ClusterView:
     return view
 
 
-def fit(p: dict[str, Any], gpus: Sequence[dict[str, Any]]) -> tuple[bool, str, bool]:
+def fit(p: dict[str, Any], gpus: Sequence[dict[str, Any]]) -> tuple[bool, str, bool, str]:
+    """(fits, filter's reason, resolvable, the reason bind gives for this one node: with its GPUs' free units)."""
     n = node("n", gpus)
-    result = filter_nodes(args(p, [n]), view_of([n]))
+    view = view_of([n])
+    result = filter_nodes(args(p, [n]), view)
     assert not result.error, result.error
     if result.node_names == ["n"]:
-        return True, "", True
+        return True, "", True, ""
+    rooms = view.summary("n").rooms
+    placed = fit_rule.place(parse_pod_request(p).needs, rooms, fit_rule.PACK) if rooms is not None else None
+    one_node = placed.reason if isinstance(placed, fit_rule.NoFit) else ""
     if "n" in result.failed:
-        return False, result.failed["n"], True
-    return False, result.unresolvable["n"], False
+        return False, result.failed["n"], True, one_node
+    return False, result.unresolvable["n"], False, one_node
+
+
+# Words of a reason that list a node's GPUs: only the answer about one node has them (filter's reason is the same
+# for every node failing the same way, so kube-scheduler's FailedScheduling event counts the nodes).
+GPU_LISTING = re.compile(r"GPU \d|\d+/\d+ (memory|compute)")
 
 
 # -- filter: does the pod fit a node's GPUs ---------------------------------------------------------------------
@@ -193,12 +207,26 @@ FIT_CASES = [
                          [c[1:] for c in FIT_CASES], ids=[c[0] for c in FIT_CASES])
 def test_fit(kwargs: dict[str, Any], gpus: list[dict[str, Any]], fits: bool, resolvable: bool,
              words: list[str]) -> None:
-    got_fits, reason, got_resolvable = fit(pod(**kwargs), gpus)
+    got_fits, reason, got_resolvable, one_node = fit(pod(**kwargs), gpus)
     assert got_fits == fits, reason
     assert got_resolvable == resolvable, reason
     assert (reason == "") == fits
+    assert not GPU_LISTING.search(reason), reason
     for word in words:
-        assert word in reason
+        assert word in (one_node if GPU_LISTING.search(word) else reason), (reason, one_node)
+    if reason and one_node:
+        assert one_node.startswith(reason + "; GPU 0: ")
+
+
+def test_nodes_failing_the_same_way_give_the_same_reason() -> None:
+    """Different free units, same shortfall: one text, so kube-scheduler's event reads "3 no healthy GPU has room
+    for ..." instead of listing each node."""
+    nodes = [node("a", [gpu(0, mem_free=3)]), node("b", [gpu(0, mem_free=1, comp_free=10), gpu(1, comp_free=20)]),
+             node("c", [gpu(0, mem_free=0), gpu(1, mem_free=2), gpu(2, comp_free=0)])]
+    result = filter_nodes(args(pod(), nodes), view_of(nodes))
+    assert result.node_names == [] and sorted(result.failed) == ["a", "b", "c"]
+    assert set(result.failed.values()) == {"no healthy GPU has room for container 'train' (4 memory + 50 compute "
+                                           "units on one GPU)"}
 
 
 def test_requests_are_the_fallback_for_limits() -> None:
@@ -299,7 +327,7 @@ SCORES = [
 def test_scores_by_profile(profile: str, expected: dict[str, int]) -> None:
     nodes = [node(name, gpus) for name, gpus in SCORE_NODES.items()]
     result = prioritize_nodes(args(pod(containers=[("train", 2, 10)], scheduler=profile), nodes), view_of(nodes))
-    assert {h.host: h.score for h in result.hosts} == expected
+    assert dict(result.hosts) == expected  # (host, score) pairs
 
 
 def test_cost_saving_packs_and_high_performance_spreads() -> None:
@@ -308,7 +336,7 @@ def test_cost_saving_packs_and_high_performance_spreads() -> None:
     def ranking(profile: str) -> list[str]:
         hosts = prioritize_nodes(args(pod(containers=[("train", 2, 10)], scheduler=profile), nodes),
                                  view_of(nodes)).hosts
-        return [h.host for h in sorted(hosts, key=lambda h: -h.score)]
+        return [host for host, _ in sorted(hosts, key=lambda h: -h[1])]
 
     assert ranking(PROFILE_COST_SAVING) == ["busy", "half", "idle"]
     assert ranking(PROFILE_HIGH_PERFORMANCE) == ["idle", "half", "busy"]
@@ -318,8 +346,8 @@ def test_only_running_containers_count_towards_utilization() -> None:
     # The init container's 12 units are free again once it ends; the sidecar's 4 stay with the pod.
     nodes = [node("n", [gpu(0)])]
     p = pod(containers=[("a", 2, 10)], init=[("setup", 12, 90)], sidecars=[("proxy", 4, 10)])
-    [host] = prioritize_nodes(args(p, nodes), view_of(nodes)).hosts
-    assert host.score == 3  # (6/16 + 20/100)/2 = 0.29 -> 3
+    [(_, score)] = prioritize_nodes(args(p, nodes), view_of(nodes)).hosts
+    assert score == 3  # (6/16 + 20/100)/2 = 0.29 -> 3
 
 
 def test_scores_are_zero_for_nodes_without_the_annotation() -> None:
@@ -327,6 +355,106 @@ def test_scores_are_zero_for_nodes_without_the_annotation() -> None:
     result = prioritize_nodes(args(pod(scheduler=PROFILE_HIGH_PERFORMANCE), nodes), view_of(nodes))
     assert result.to_json() == [{"Host": "plain", "Score": 0}, {"Host": "broken", "Score": 0},
                                 {"Host": "ok", "Score": 6}]  # (4/16 + 50/100)/2 = 0.375 -> 4; 10 - 4 = 6
+
+
+def random_pod(rng: random.Random, profile: str) -> dict[str, Any]:
+    """One to three containers (some over several GPUs), now and then a sidecar or a run-once init container."""
+    containers = []
+    for k in range(rng.choice((1, 1, 1, 2, 3))):
+        count = rng.choice((1, 1, 2, 4))
+        containers.append({"name": f"c{k}", "memory": rng.randint(0, 12) * count,
+                           "compute": rng.choice((0, 10, 30, 50)) * count, "gpus": count})
+        if not (containers[-1]["memory"] or containers[-1]["compute"]):
+            containers[-1]["compute"] = 5 * count
+        if rng.random() < 0.25:  # memory as a share of each GPU instead (it needs compute beside it)
+            del containers[-1]["memory"]
+            containers[-1]["memory_percent"] = rng.choice((1, 10, 25, 50, 100))
+            containers[-1]["compute"] = containers[-1]["compute"] or 5 * count
+    inits = []
+    if rng.random() < 0.2:
+        inits.append({"name": "side", "memory": rng.randint(1, 4), "compute": 5, "restartPolicy": "Always"})
+    if rng.random() < 0.1:
+        inits.append({"name": "setup", "memory": rng.randint(1, 16), "compute": 10})
+        containers = [{"name": c["name"], "gpus": 1, "memory": c.get("memory", 1) // c["gpus"],
+                       "compute": c["compute"] // c["gpus"]} for c in containers]
+    p = make_pod("p", node=None, containers=containers, init_containers=inits)
+    p["spec"]["schedulerName"] = profile
+    return p
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_filter_and_prioritize_give_what_the_fit_rule_gives(seed: int) -> None:
+    """Filter and prioritize judge thousands of nodes per request by counting where they can; on any node and pod
+    they answer what `fit.place` and `fit.score_added` answer on that node's free units."""
+    rng = random.Random(seed)
+    nodes = []
+    for i in range(40):
+        size = rng.choice((16, 40, 80))
+        gpus = [gpu(k, mem=size if rng.random() < 0.9 else 24, mem_free=None, comp_free=None)
+                for k in range(rng.randint(1, 8))]
+        for g in gpus:
+            g["memoryUnitsFree"] = rng.randint(0, g["memoryUnits"])
+            g["computeUnitsFree"] = rng.choice((0, 10, 30, 50, 70, 100))
+        nodes.append(node(f"n{i}", gpus))
+    view = view_of(nodes)
+    for _ in range(5):
+        profile = rng.choice((PROFILE_COST_SAVING, PROFILE_HIGH_PERFORMANCE))
+        p = random_pod(rng, profile)
+        needs = parse_pod_request(p).needs
+        policy = fit_rule.PACK if profile == PROFILE_COST_SAVING else fit_rule.SPREAD
+        result = filter_nodes(args(p, nodes), view)
+        scores = dict(prioritize_nodes(args(p, nodes), view).hosts)
+        for n in nodes:
+            name = n["metadata"]["name"]
+            summary = view.summary(name)
+            assert summary.rooms is not None and summary.free is not None
+            placed = fit_rule.place(needs, summary.rooms, policy)
+            if isinstance(placed, fit_rule.Placement):
+                assert name in (result.node_names or [])
+                steady = [x for x in needs if x.kind != fit_rule.KIND_INIT]
+                sizes = {r.uuid: r.memory_total for r in summary.rooms}
+                added = (sum(x.memory_on(sizes[g]) for x in steady for g in placed.gpus[x.name]),
+                         sum(x.compute * x.count for x in steady))
+                assert scores[name] == fit_rule.score_added(added, summary.free, policy)
+                continue
+            assert scores[name] == 0
+            got = (result.failed if placed.resolvable else result.unresolvable).get(name)
+            assert got is not None, (name, placed)
+            if len([x for x in needs if x.asks]) == 1:
+                assert got == placed.why
+
+
+def test_answers_kept_per_pod_shape_follow_every_change_of_a_node() -> None:
+    """Filter keeps its answers per pod shape; a new report, a bind's reservation, and a report going stale each
+    change the answer for the next pod of the same shape."""
+    from datetime import datetime, timedelta, timezone
+
+    from alnair_agent.node.decision import Decision
+    from alnair_agent.scheduler.view import Reservation
+    beat = datetime(2026, 12, 3, 12, 0, tzinfo=timezone.utc)
+
+    def reported(mem_free: int) -> dict[str, Any]:
+        n = node("n", [gpu(0, mem_free=mem_free)])
+        doc = json.loads(n["metadata"]["annotations"][NODE_GPU_DEVICES])
+        n["metadata"]["annotations"][NODE_GPU_DEVICES] = json.dumps({**doc, "heartbeat": "2026-12-03T12:00:00Z"})
+        return n
+
+    view = view_of([reported(16)])
+    p = pod(containers=[("train", 10, 50)])
+    assert filter_nodes(args(p, [reported(16)]), view, beat).node_names == ["n"]
+    view.apply_node(reported(8))  # the agent reports less room
+    assert filter_nodes(args(p, [reported(8)]), view, beat).node_names == []
+    view.apply_node(reported(16))
+    assert filter_nodes(args(p, [reported(16)]), view, beat).node_names == ["n"]
+    gpu_uuid = gpu(0)["uuid"]
+    view.reserve(Reservation("uid-1", "ml", "other", (fit_rule.Need("a", 8, 10),),
+                             Decision("n", PROFILE_COST_SAVING, beat, {"a": (gpu_uuid,)})))
+    later = beat + timedelta(seconds=31)  # past the reservation's lock, before the report goes stale
+    assert filter_nodes(args(p, [reported(16)]), view, later).node_names == []  # 8 of 16 taken by the bind
+    view.unreserve("uid-1")
+    assert filter_nodes(args(p, [reported(16)]), view, later).node_names == ["n"]
+    stale = filter_nodes(args(p, [reported(16)]), view, beat + timedelta(seconds=181))
+    assert stale.node_names == [] and "has not reported for 181 s" in stale.failed["n"]
 
 
 # -- the HTTP extender, as kube-scheduler calls it --------------------------------------------------------------
@@ -358,7 +486,7 @@ async def test_http_filter_answers_an_extender_filter_result(client: TestClient[
     assert result["Error"] == "" and result["Nodes"] is None
     assert result["NodeNames"] == ["gpu-a"]
     reason = result["FailedNodes"]["gpu-b"]
-    assert "'train'" in reason and "GPU 1: 16/16 memory, 20/100 compute free" in reason
+    assert reason == "no healthy GPU has room for container 'train' (4 memory + 50 compute units on one GPU)"
     assert list(result["FailedAndUnresolvableNodes"]) == ["cpu-only"]
     assert {"event": "filter", "pod": "ml/trainer-0", "passed": 1, "failed": 1, "unresolvable": 1,
             "log_level": "info"} in logs

@@ -5,7 +5,10 @@ and the shim launches only in its container's window (shim/turns.c), so a contai
 for every program shape. What the caps leave goes to the elastic containers in proportion to their caps (else it is
 the last window's spare); idle containers keep their windows. An elastic container is lent the whole GPU while
 nobody else on it is active, or, on trial, with the other active elastic ones while that slows none of them (the
-constants below). Why turns, and the lending rules in full: docs/architecture.md ("Sharing compute")."""
+constants below). A latency container has no window: it launches at once while the others of its GPU hold back
+(the shim, through the GPU's board), its GPU time held to its cap over a second; its cap's part of the period
+follows the other windows, each its share, so a window held back can run on into it. Why turns, and the lending
+rules in full: docs/architecture.md ("Sharing compute", "The latency class")."""
 
 from __future__ import annotations
 
@@ -14,7 +17,8 @@ from dataclasses import dataclass, field
 
 STRICT = "strict"
 ELASTIC = "elastic"
-POLICIES = (STRICT, ELASTIC)
+LATENCY = "latency"
+POLICIES = (STRICT, ELASTIC, LATENCY)
 
 LEASE_TICKS = 3  # a lease outlives this many ticks: a late tick does not end it, a stopped agent soon does
 FREE_ENTER = 85.0  # device utilization (%) under which active elastic containers may be lent the GPU together
@@ -27,6 +31,11 @@ TRIAL_S = 0.25  # lent together this long, then judged against the baselines
 KEEP_FRAC = 0.95  # a trial goes on only while every container launches at least this part of its baseline
 RECHECK_S = 20.0  # a lending that went on this long goes back to windows for a new baseline and trial
 HISTORY = 64  # (time, launches) samples kept per container: 3.2 s at the default 50 ms tick
+# A latency container counts as present for its neighbours' hold (their bound on work in flight) this long after
+# its last launch: a service between requests must not lose its protection, one idle for long costs them nothing.
+LATENCY_IDLE_S = 2.0
+HOLD_FACTOR = 2.0  # neighbours may be held back up to this many times the latency caps (a request's host gaps)
+HOLD_MAX_PCT = 90  # ... and never more than this part of their time
 
 
 @dataclass
@@ -44,6 +53,11 @@ class Container:
     last_active: float = -1e18  # monotonic s of the last launch or wait
     seen: bool = False
     history: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=HISTORY))  # (s, launches)
+    board_slot: int | None = None  # a latency container's slot on its GPU's board (None: no slot free)
+    held_ns: int = 0  # slot counters, summed, as last read: its launches held back for a latency container
+    holds: int = 0
+    held_s: float = 0.0  # ... their growth since the dispatcher first saw it (for /metrics)
+    held_count: int = 0
 
     def active(self, now: float, idle_s: float) -> bool:
         return now - self.last_active <= idle_s
@@ -181,7 +195,7 @@ def lent(gpu: GpuTurns, containers: list[Container], uncapped_active: bool) -> s
     for c in containers:
         if c.policy != ELASTIC or c.key not in gpu.active:
             continue
-        others = (gpu.active - {c.key})
+        others = gpu.active - {c.key}
         if not others and not uncapped_active:
             out.add(c.key)
         elif gpu.lending:
@@ -211,11 +225,29 @@ def layout(containers: list[Container], period_ns: int) -> dict[str, tuple[int, 
     scale = 100.0 / total if total > 100.0 else 1.0  # caps over 100 (cannot be admitted) still never overlap
     spare = max(0.0, 100.0 - total)
     elastic = sum(caps[c.key] for c in order if c.policy == ELASTIC)
+    reserve = sum(caps[c.key] * scale for c in order if c.policy == LATENCY)
+    turned = sum(caps[c.key] * scale for c in order if c.policy != LATENCY)
     out: dict[str, tuple[int, int]] = {}
     at = 0
     for c in order:
+        if c.policy == LATENCY:
+            out[c.key] = (0, 0)
+            continue
         share = caps[c.key] * scale + (spare * caps[c.key] / elastic if c.policy == ELASTIC and elastic else 0.0)
         length = min(int(period_ns * share / 100.0), period_ns - at)
         out[c.key] = (min(at, period_ns - 1), max(length, 0))
         at += length
+        if reserve and turned:  # its part of the latency containers' time follows it: held back, it runs on there
+            at += int(period_ns * reserve * caps[c.key] * scale / turned / 100.0)
     return out
+
+
+def holds(containers: list[Container]) -> tuple[int, int]:
+    """(hold_mask, hold_pct) for the windowed containers of a GPU whose latency containers hold these board slots
+    (Container.board_slot) and caps."""
+    mask, caps = 0, 0.0
+    for c in containers:
+        if c.policy == LATENCY and c.board_slot is not None:
+            mask |= 1 << c.board_slot
+            caps += c.cap
+    return mask, (min(HOLD_MAX_PCT, round(HOLD_FACTOR * caps)) if mask else 0)

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, TypeVar
 import structlog
 
 from alnair_agent.dispatcher import control as C
+from alnair_agent.node import region_layout as L
 from alnair_agent.node.region import Region, RegionError, Turn, monotonic_ns
 
 if TYPE_CHECKING:
@@ -67,6 +68,10 @@ class Dispatcher:
         self._uncapped: dict[str, tuple[int, float]] = {}  # uncapped allocation -> (launches, monotonic s they grew)
         self._last = time.monotonic()
         self.ticks = 0
+        self._policies: dict[str, str] = {}  # allocation -> policy set by its embedder (set_policy)
+        self.board_slots: dict[str, dict[str, int]] = {}  # GPU -> {latency allocation: its board slot}
+        self._linked: set[str] = set()  # allocations whose run folder has their GPU's board
+        self._board_refused: set[str] = set()  # GPUs whose board could not be made (said once)
 
     async def run(self) -> None:
         log.info("dispatcher_started", interval_s=self.interval_s, policy=self.policy,
@@ -114,6 +119,8 @@ class Dispatcher:
             self._forget(alloc_id)
         for alloc_id in [i for i in self._uncapped if i not in self.ledger.allocations]:
             self._forget(alloc_id)
+        for alloc_id in [i for i in self._policies if i not in self.ledger.allocations]:
+            del self._policies[alloc_id]
         utils = self._device_utils()
         now_ns = monotonic_ns()
         all_lent: set[str] = set()
@@ -125,7 +132,10 @@ class Dispatcher:
             if gpu is None:
                 gpu = self.gpus[gpu_uuid] = C.GpuTurns(epoch_ns=now_ns)
             others = uncapped.get(gpu_uuid, set())
-            active = frozenset(c.key for c in containers if c.active(now, self.idle_s)) | others
+            # Latency containers take no turns: they neither end a lease nor count for lending (their neighbours
+            # hold back for them through the board instead).
+            active = frozenset(c.key for c in containers
+                               if c.policy != C.LATENCY and c.active(now, self.idle_s)) | others
             C.note_active(gpu, active, now)
             if gpu_uuid in utils:
                 C.note_device_util(gpu, *utils[gpu_uuid])
@@ -139,15 +149,67 @@ class Dispatcher:
             lease_end = now_ns + int(C.LEASE_TICKS * self.interval_s * 1e9)
             windows = C.layout(containers, self.period_ns)
             spare = C.spares(windows, self.period_ns)
+            mask, hold_pct = self._latency(gpu_uuid, containers, now)
             for c in containers:
                 offset, length = windows[c.key]
                 turns[c.key] = length / self.period_ns
                 turn = Turn(gpu.epoch_ns, self.period_ns, offset, length, lease_end if c.key in lent else 0,
                             spare[c.key])
                 self._put(c.key, operator.methodcaller("set_turn", turn))
+                if c.policy == C.LATENCY and c.board_slot is not None:
+                    self._put(c.key, operator.methodcaller("set_class", L.CLASS_LATENCY, c.board_slot))
+                else:
+                    self._put(c.key, operator.methodcaller("set_class", L.CLASS_TURNS, 0, mask, hold_pct))
         self.lent, self.turns = all_lent, turns
         for gpu_uuid in [g for g in self.gpus if g not in by_gpu]:
             del self.gpus[gpu_uuid]
+
+    def _latency(self, gpu_uuid: str, containers: list[C.Container], now: float) -> tuple[int, int]:
+        """The GPU's board: linked into every capped container's folder, a slot for each latency container (held
+        while it lives), made whole again if anyone cut it; (hold_mask, hold_pct) for the others, naming the latency
+        containers that launched in the last LATENCY_IDLE_S."""
+        slots = self.board_slots.setdefault(gpu_uuid, {})
+        for key in [k for k in slots if not any(c.key == k and c.policy == C.LATENCY for c in containers)]:
+            del slots[key]
+        latency = [c for c in containers if c.policy == C.LATENCY]
+        if not latency and not slots:
+            for c in containers:
+                c.board_slot = None
+            return 0, 0
+        try:
+            board = self.workspace.board(gpu_uuid)
+            if board.repair():
+                log.warning("board_repaired", gpu=gpu_uuid)
+            for c in containers:
+                if c.key not in self._linked:
+                    self.workspace.link_board(c.key, gpu_uuid)
+                    self._linked.add(c.key)
+        except (OSError, RegionError, ValueError) as e:
+            if gpu_uuid not in self._board_refused:
+                self._board_refused.add(gpu_uuid)
+                log.warning("board_unavailable", gpu=gpu_uuid, error=str(e))  # latency containers take turns
+            for c in containers:
+                c.board_slot = None
+            return 0, 0
+        for c in latency:
+            if c.key not in slots:
+                free = next((k for k in range(L.BOARD_SLOTS) if k not in slots.values()), None)
+                if free is None:
+                    log.warning("latency_slots_full", gpu=gpu_uuid, allocation=c.key, slots=L.BOARD_SLOTS)
+                    c.board_slot = None
+                    continue
+                board.clear(free)
+                slots[c.key] = free
+            c.board_slot = slots[c.key]
+        present = [c for c in latency if c.board_slot is not None and c.active(now, C.LATENCY_IDLE_S)]
+        return C.holds(present)
+
+    def set_policy(self, alloc_id: str, policy: str) -> None:
+        """The allocation's compute policy, for an embedder with no pod watch (benchmarks, the demo): over the pod's
+        annotation and the node's default."""
+        if policy not in C.POLICIES:
+            raise ValueError(f"compute policy {policy!r}: expected one of {', '.join(C.POLICIES)}")
+        self._policies[alloc_id] = policy
 
     def _observe(self, alloc: "Allocation", now: float, dt: float) -> C.Container | None:
         slots = self._read(alloc.id, now, lambda r: r.slots())
@@ -160,6 +222,11 @@ class Dispatcher:
         c.policy = self._policy(alloc)
         C.observe_counters(c, now, dt, sum(s.launches for s in slots), sum(s.wait_ns for s in slots),
                            sum(s.gpu_ns for s in slots))
+        # counted only as they grow (a process's slot goes with it): totals for /metrics that never fall
+        held_ns, holds = sum(s.held_ns for s in slots), sum(s.holds for s in slots)
+        c.held_s += max(0, held_ns - c.held_ns) / 1e9
+        c.held_count += max(0, holds - c.holds)
+        c.held_ns, c.holds = held_ns, holds
         return c
 
     def _uncapped_active(self, alloc: "Allocation", now: float) -> bool:
@@ -233,12 +300,15 @@ class Dispatcher:
 
     def _forget(self, alloc_id: str) -> None:
         self.state.pop(alloc_id, None)
+        self._linked.discard(alloc_id)
         self._uncapped.pop(alloc_id, None)
         region = self._regions.pop(alloc_id, None)
         if region is not None:
             region.close()
 
     def _policy(self, alloc: "Allocation") -> str:
+        if alloc.id in self._policies:
+            return self._policies[alloc.id]
         pod = None
         if self.pods is not None and alloc.identified:
             pod = self.pods.get(alloc.pod_uid) if alloc.pod_uid else self.pods.find(alloc.namespace, alloc.pod_name)
@@ -255,3 +325,4 @@ class Dispatcher:
         for region in self._regions.values():
             region.close()
         self._regions.clear()
+        self.workspace.close_boards()

@@ -24,6 +24,7 @@ from alnair_agent.constants import (
     RESOURCE_COMPUTE,
     RESOURCE_COUNT,
     RESOURCE_MEMORY,
+    RESOURCE_MEMORY_PERCENT,
     RESOURCES,
     USAGE_ANNOTATION,
 )
@@ -84,6 +85,7 @@ class ContainerRequest:
     init: bool = False
     kind: str = KIND_REGULAR  # fit.KIND_INIT (run-once init), KIND_SIDECAR or KIND_REGULAR
     gpus: int = 1  # alnair/vgpu-count: GPUs its units are spread over evenly
+    memory_percent: int = 0  # alnair/vgpu-memory-percent: memory as a share of each GPU (memory_units is then 0)
 
     def units(self, resource: str) -> int:
         """Units requested of `resource` (one of constants.RESOURCES); 0 for anything else."""
@@ -103,7 +105,11 @@ class ContainerRequest:
 
     def need(self) -> Need:
         return Need(self.container, self.memory_units // self.gpus, self.compute_units // self.gpus, self.kind,
-                    self.gpus)
+                    self.gpus, self.memory_percent)
+
+    def memory_on(self, gpu_memory_units: int) -> int:
+        """Memory units this container holds on one of its GPUs, which offers `gpu_memory_units`."""
+        return self.need().memory_on(gpu_memory_units)
 
 
 @dataclass(frozen=True)
@@ -249,17 +255,47 @@ def _container_requests(
             except ValueError:
                 invalid.append(InvalidQuantity(cname, resource, str(raw)))
                 bad = True
+        percent = _memory_percent(cname, limits, requests, units, invalid)
         count = _gpu_count(cname, limits.get(RESOURCE_COUNT, requests.get(RESOURCE_COUNT)), units, invalid)
-        if bad or count is None or not any(units.values()):
+        if bad or count is None or percent is None or not any(units.values()):
             continue
         out.append(ContainerRequest(
             pod_uid=uid, namespace=namespace, pod_name=name, container=cname,
             memory_units=units[RESOURCE_MEMORY], compute_units=units[RESOURCE_COMPUTE],
             scheduled_at=scheduled_at, index=start + offset, init=init,
             kind=(KIND_SIDECAR if spec.get("restartPolicy") == "Always" else KIND_INIT) if init else KIND_REGULAR,
-            gpus=count,
+            gpus=count, memory_percent=percent,
         ))
     return out
+
+
+def _memory_percent(cname: str, limits: Mapping[str, Any], requests: Mapping[str, Any], units: Mapping[str, int],
+                    invalid: list[InvalidQuantity]) -> int | None:
+    """A container's alnair/vgpu-memory-percent (0 when absent); None, with the reason in `invalid`, when it is not
+    a whole number 1..100, comes with alnair/vgpu-memory, or without alnair/vgpu-compute."""
+    raw = limits.get(RESOURCE_MEMORY_PERCENT, requests.get(RESOURCE_MEMORY_PERCENT))
+    if raw is None:
+        return 0
+    try:
+        percent = parse_quantity(raw)
+    except ValueError:
+        invalid.append(InvalidQuantity(cname, RESOURCE_MEMORY_PERCENT, str(raw), "is not a whole number of percent "
+                                       "in 1..100"))
+        return None
+    if not 1 <= percent <= 100:
+        invalid.append(InvalidQuantity(cname, RESOURCE_MEMORY_PERCENT, str(raw), "is not a whole number of percent "
+                                       "in 1..100"))
+        return None
+    if RESOURCE_MEMORY in limits or RESOURCE_MEMORY in requests:
+        invalid.append(InvalidQuantity(cname, RESOURCE_MEMORY_PERCENT, str(raw), f"comes with {RESOURCE_MEMORY}: "
+                                       "ask for memory in units or as a percent of the GPU, not both"))
+        return None
+    if not units.get(RESOURCE_COMPUTE):
+        invalid.append(InvalidQuantity(cname, RESOURCE_MEMORY_PERCENT, str(raw), f"needs {RESOURCE_COMPUTE} on "
+                                       "the same container (at least 1 per GPU): kubelet calls the agent only for "
+                                       "the device plugin resources a container asks for, and this is not one"))
+        return None
+    return percent
 
 
 def _gpu_count(cname: str, raw: Any, units: Mapping[str, int], invalid: list[InvalidQuantity]) -> int | None:
@@ -367,6 +403,14 @@ def parse_pod(obj: Mapping[str, Any]) -> PodInfo:
     invalid: list[InvalidQuantity] = []
     containers = _container_requests(init_specs, invalid, init=True, start=0, **common) + _container_requests(
         _list(spec.get("containers")), invalid, init=False, start=len(init_specs), **common)
+    if any(c.kind == KIND_INIT for c in containers):
+        # kubelet hands a run-once init container's devices on to the next containers of the pod; memory asked as
+        # a percent holds no devices, so the agent could not tell whose it is
+        for c in [c for c in containers if c.memory_percent]:
+            invalid.append(InvalidQuantity(c.container, RESOURCE_MEMORY_PERCENT, str(c.memory_percent),
+                                           "cannot be used in a pod whose init containers ask for Alnair resources "
+                                           f"(kubelet hands their devices on); ask for {RESOURCE_MEMORY} instead"))
+        containers = [c for c in containers if not c.memory_percent]
     phase = status.get("phase")
     node = spec.get("nodeName")
     rv = meta.get("resourceVersion")

@@ -145,7 +145,14 @@ class Allocator:
                 for gpu in gpus:
                     for resource in self._missing(c, record):
                         out[(gpu, resource)] += c.units(resource) // max(1, len(gpus))
+                    if record is None and c.memory_percent:  # held from its record's creation, on each GPU
+                        out[(gpu, RESOURCE_MEMORY)] += c.memory_on(self._memory_units(gpu))
         return out
+
+    def _memory_units(self, gpu_uuid: str) -> int:
+        """The memory units a GPU of this node offers (0 for one it does not have)."""
+        gpu = self.inventory.gpus.get(gpu_uuid)
+        return gpu.units[RESOURCE_MEMORY] if gpu is not None else 0
 
     @staticmethod
     def _gpus_of(record: Allocation) -> tuple[str, ...]:
@@ -306,11 +313,13 @@ class Allocator:
     def _check_room(self, target: _Target, resource: str, handed_on: set[str]) -> None:
         """The shared fit rule against this agent's ledger: the GPU must have room for what is not held yet."""
         c = target.request
-        memory = c.memory_units // c.gpus if target.existing is None or resource == RESOURCE_MEMORY else 0
         compute = c.compute_units // c.gpus if target.existing is None or resource == RESOURCE_COMPUTE else 0
         rooms = {r.uuid: r for r in self.ledger.rooms(handed_on)}
         for gpu_uuid in target.gpus:  # a multi-GPU container: its slice on each of its GPUs
             room = rooms.get(gpu_uuid)
+            # memory asked as a percent is that share of this GPU, held from the first resource on
+            memory = (c.memory_on(room.memory_total if room is not None else 0) if c.memory_percent
+                      else c.memory_units // c.gpus) if target.existing is None or resource == RESOURCE_MEMORY else 0
             if room is None or not room.fits(memory, compute):
                 have = room.describe() if room is not None else f"GPU {gpu_uuid} is not available"
                 raise AllocationError(grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -550,7 +559,9 @@ class Allocator:
         if any(self._missing(c, records.get(c.container)) for c in pod.containers):
             return
         granted = {name: Granted(a.gpu_uuid, a.id, a.memory_limit, a.compute_limit,
-                                 tuple(a.gpus), tuple(p.id for p in self._parts(a)) if a.gpus else ())
+                                 tuple(a.gpus), tuple(p.id for p in self._parts(a)) if a.gpus else (),
+                                 a.memory_percent,
+                                 tuple(p.memory_limit for p in self._parts(a)) if a.gpus and a.memory_percent else ())
                    for name, a in records.items() if pod.request(name) is not None}
         log.info("pod_allocated", pod=f"{pod.namespace}/{pod.name}", containers=len(granted))
         if self.on_pod_allocated is not None:
@@ -598,11 +609,14 @@ class Allocator:
                 c: ContainerRequest | None, part: int = 0, gpus: list[str] | None = None) -> Allocation:
         # per GPU: a multi-GPU container's allocation on one of its GPUs holds 1/N of its units
         wanted = {r: c.units(r) // c.gpus for r in RESOURCES} if c is not None else {resource: len(device_ids)}
+        if c is not None and c.memory_percent:  # that share of this GPU's memory units
+            wanted[RESOURCE_MEMORY] = c.memory_on(self._memory_units(gpu_uuid))
         alloc = Allocation(
             id=new_allocation_id(), gpu_uuid=gpu_uuid, device_ids={resource: list(device_ids)},
             wanted={r: n for r, n in wanted.items() if n}, memory_limit=0, compute_limit=0,
             namespace=pod.namespace if pod else "", pod_name=pod.name if pod else "",
             pod_uid=pod.uid if pod else "", container=c.container if c else "", part=part, gpus=gpus or [],
+            memory_percent=c.memory_percent if c is not None else 0,
         )
         alloc.memory_limit, alloc.compute_limit = self._limits(alloc)
         try:

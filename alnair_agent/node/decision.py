@@ -9,7 +9,8 @@ node agent hand each other through pod annotations. One definition of each; both
   `{"node": "<node>", "containers": {"<container>": {"gpu": "<GPU UUID>", "allocation": "<id>",
   "memoryLimitBytes": n, "computeLimitPercent": n}}}` — what each container really got (a multi-GPU container:
   `gpu` is its first GPU, `gpus` lists them all and `allocations` their allocations, in the same order; the
-  limits are per GPU).
+  limits are per GPU). Memory asked as a percent of the GPU adds `memoryPercent` (memoryLimitBytes is that share
+  of the first GPU, converted there), and for several GPUs `memoryLimitsBytes`, the limit on each.
 - The lock: a node is locked by a pod that has a placement for it, no `allocated` record, is neither finished nor
   being deleted, and was decided less than `LOCK_TTL_S` ago. The extender binds no other pod to a locked node, so
   at most one pod per node is between bind and admission, and the agent knows which pod kubelet is admitting. The
@@ -123,6 +124,9 @@ class Granted:
     compute_limit_percent: int  # per GPU
     gpus: tuple[str, ...] = ()  # a multi-GPU container: every GPU, in the order it sees them (gpu is the first)
     allocations: tuple[str, ...] = ()  # and the allocation on each
+    memory_percent: int = 0  # memory asked as a percent of each GPU (alnair/vgpu-memory-percent), 0: in units
+    # a multi-GPU container with memory as a percent: the limit on each GPU, in `gpus` order (GPUs may differ)
+    memory_limits_bytes: tuple[int, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"gpu": self.gpu, "allocation": self.allocation,
@@ -130,6 +134,10 @@ class Granted:
                                "computeLimitPercent": self.compute_limit_percent}
         if len(self.gpus) > 1:
             out["gpus"], out["allocations"] = list(self.gpus), list(self.allocations)
+        if self.memory_percent:
+            out["memoryPercent"] = self.memory_percent
+            if len(self.memory_limits_bytes) > 1:
+                out["memoryLimitsBytes"] = list(self.memory_limits_bytes)
         return out
 
 
@@ -157,7 +165,14 @@ def parse_allocated(text: Any) -> dict[str, Granted]:
                 or len(gpus) > _MAX_GPUS or not all(isinstance(v, str) for v in gpus + allocs)):
             raise DecisionError(f"{ALLOCATED_ANNOTATION}: container {name!r}: gpus and allocations must be lists of "
                                 "strings of the same length")
-        out[name] = Granted(gpu, alloc, mem, comp, tuple(gpus), tuple(allocs))  # type: ignore[arg-type]
+        percent, limits = item.get("memoryPercent", 0), item.get("memoryLimitsBytes", [])
+        if (isinstance(percent, bool) or not isinstance(percent, int) or not 0 <= percent <= 100
+                or not isinstance(limits, list) or len(limits) > _MAX_GPUS
+                or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in limits)):
+            raise DecisionError(f"{ALLOCATED_ANNOTATION}: container {name!r}: memoryPercent must be 0..100 and "
+                                "memoryLimitsBytes a list of byte counts")
+        out[name] = Granted(gpu, alloc, mem, comp, tuple(gpus), tuple(allocs),  # type: ignore[arg-type]
+                            percent, tuple(limits))
     return out
 
 

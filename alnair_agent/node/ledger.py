@@ -98,6 +98,8 @@ class Ledger:
             elif self.live(a):
                 for r, ids in a.device_ids.items():
                     used[(a.gpu_uuid, r)] += len(ids) - (len(ignore.intersection(ids)) if ignore else 0)
+                if a.memory_percent:  # memory as a percent: held by the record itself, no device IDs count it
+                    used[(a.gpu_uuid, RESOURCE_MEMORY)] += a.wanted.get(RESOURCE_MEMORY, 0)
         return used
 
     @staticmethod

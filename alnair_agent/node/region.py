@@ -70,7 +70,7 @@ def _block_struct(block: str, size: int) -> tuple[struct.Struct, tuple[str, ...]
 _SLOT_STRUCT, _SLOT_NAMES = _block_struct("alnair_region_slot", L.SLOT_SIZE)
 # where each SlotReading field sits in a slot's unpacked tuple
 _SLOT_READ = tuple(_SLOT_NAMES.index(n) for n in ("pid", "start_time", "memory_used", "launches", "gpu_ns",
-                                                   "overrun_ns", "wait_ns", "copy_bytes"))
+                                                   "overrun_ns", "wait_ns", "copy_bytes", "held_ns", "holds"))
 _AGENT_STRUCT, _AGENT_NAMES = _block_struct("alnair_region_agent", L.AGENT_BLOCK_SIZE)
 _TURN = ("turn_epoch_ns", "turn_period_ns", "turn_offset_ns", "turn_length_ns", "turn_free_until_ns", "turn_spare_ns")
 _TURN_OF = operator.itemgetter(*_TURN)  # the turn fields of an agent block's values, in Turn's order
@@ -150,6 +150,8 @@ class SlotReading:
     overrun_ns: int
     wait_ns: int
     copy_bytes: int = 0
+    held_ns: int = 0  # held back for a latency container of its GPU
+    holds: int = 0
 
 
 def monotonic_ns() -> int:
@@ -331,6 +333,18 @@ class Region:
         if compute_limit != self.compute_limit:
             self._aput("compute_limit", compute_limit)
 
+    def set_class(self, compute_class: int, board_slot: int = 0, hold_mask: int = 0, hold_pct: int = 0) -> None:
+        """The container's compute class and what it holds back for (region_layout's agent fields); only what
+        changed is written (the dispatcher sets them every tick)."""
+        if compute_class not in (L.CLASS_TURNS, L.CLASS_LATENCY):
+            raise ValueError(f"compute_class must be {L.CLASS_TURNS} or {L.CLASS_LATENCY}, got {compute_class}")
+        if not 0 <= board_slot < L.BOARD_SLOTS or not 0 <= hold_mask < 1 << L.BOARD_SLOTS or not 0 <= hold_pct <= 100:
+            raise ValueError(f"board slot {board_slot}, hold mask {hold_mask:#x}, hold {hold_pct} %: out of range")
+        for f, v in (("compute_class", compute_class), ("board_slot", board_slot), ("hold_mask", hold_mask),
+                     ("hold_pct", hold_pct)):
+            if self.block.values[f] != v:
+                self._aput(f, v)
+
     def beat(self, now_ns: int | None = None) -> None:
         self._aput("heartbeat_ns", monotonic_ns() if now_ns is None else now_ns)
 
@@ -374,3 +388,62 @@ class Region:
         total = sum(s.memory_used for s in (self.slots() if slots is None else slots))
         limit = self.memory_limit
         return min(total, limit) if limit else total
+
+
+_BOARD_HEADER = _fields("alnair_board_header")
+_BOARD_SLOT = _fields("alnair_board_slot")
+
+
+class Board:
+    """A GPU's board (region_layout's board blocks): created and kept whole by the agent, hard-linked into each
+    capped container's run folder of that GPU. Every container of the GPU may write it, so the agent reads nothing
+    from it that it trusts; it only makes it, clears a slot it hands out, and puts back a file cut short (a shim
+    reading a truncated mapping would fault)."""
+
+    def __init__(self, path: Path, fd: int) -> None:
+        self.path, self._fd = path, fd
+
+    @classmethod
+    def create(cls, path: Path) -> "Board":
+        """The board at `path`, made whole (created when missing, its header and size put back when not)."""
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+        board = cls(path, fd)
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise RegionError(f"board {path}: not a regular file")
+            os.fchmod(fd, 0o666)  # any container uid maps it; its folder keeps host users out
+            board.repair()
+        except BaseException:
+            board.close()
+            raise
+        return board
+
+    def repair(self) -> bool:
+        """Put the size and header back if anyone changed them; True when something was put back."""
+        fixed = False
+        if os.fstat(self._fd).st_size != L.BOARD_SIZE:
+            os.ftruncate(self._fd, L.BOARD_SIZE)
+            fixed = True
+        for f, v in (("magic", L.BOARD_MAGIC), ("version", L.BOARD_VERSION), ("size", L.BOARD_SIZE)):
+            off, fmt = _BOARD_HEADER[f]
+            if struct.unpack(fmt, os.pread(self._fd, struct.calcsize(fmt), off).ljust(struct.calcsize(fmt), b"\0"))[0] != v:
+                os.pwrite(self._fd, struct.pack(fmt, v), off)
+                fixed = True
+        return fixed
+
+    def clear(self, slot: int) -> None:
+        """A slot handed to a new latency container starts idle (its last owner's busy time is not its own)."""
+        off, fmt = _BOARD_SLOT["busy_until_ns"]
+        os.pwrite(self._fd, struct.pack(fmt, 0), L.BOARD_HEADER_SIZE + slot * L.BOARD_SLOT_SIZE + off)
+
+    def busy_until(self, slot: int) -> int:
+        """What slot `slot` says now (untrusted: for people and tests, never for a decision)."""
+        off, fmt = _BOARD_SLOT["busy_until_ns"]
+        data = os.pread(self._fd, 8, L.BOARD_HEADER_SIZE + slot * L.BOARD_SLOT_SIZE + off)
+        return struct.unpack(fmt, data)[0] if len(data) == 8 else 0
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1

@@ -6,7 +6,7 @@ a test fails when the checked-in header differs from what this module generates.
 
 Layout (little-endian, naturally aligned, every field 4 or 8 bytes so plain atomics work on it):
 
-    [header 64 B][agent block 128 B][slot 0 .. MAX_SLOTS-1, 64 B each]
+    [header 64 B][agent block 128 B][slot 0 .. MAX_SLOTS-1, 128 B each]
 
 Writers: the header and the agent block are written by the agent only (the shim only reads them); each slot is
 claimed by one process of the container (compare-and-swap on `pid`) and written by that process only. Counters
@@ -33,11 +33,12 @@ import sys
 from dataclasses import dataclass
 
 MAGIC = 0x524E4C41  # b"ALNR" read as a little-endian u32
-VERSION = 3  # 2: turns (windows in a period) replace the token grant line of version 1; 3: turn_spare_ns
+VERSION = 4  # 2: turns (windows in a period) replace the token grant line of version 1; 3: turn_spare_ns;
+# 4: the latency class (compute_class, board_slot, hold_mask, hold_pct; the slots' held_ns and holds)
 MAX_SLOTS = 64
 HEADER_SIZE = 64
 AGENT_BLOCK_SIZE = 128
-SLOT_SIZE = 64
+SLOT_SIZE = 128
 SLOTS_OFFSET = HEADER_SIZE + AGENT_BLOCK_SIZE
 REGION_SIZE = SLOTS_OFFSET + MAX_SLOTS * SLOT_SIZE
 
@@ -50,6 +51,12 @@ DEFAULT_TURN_PERIOD_NS = 100_000_000
 # No turn period the agent writes is longer (ALNAIR_TURN_PERIOD_S is at most 1 s): a reader takes a longer one, or a
 # window outside its period, for no schedule at all.
 MAX_TURN_PERIOD_NS = 10_000_000_000
+# compute_class values. A latency container launches at once, whatever turn it is, while the other capped
+# containers of its GPU hold back; its GPU time is held to its cap over LATENCY_HORIZON_NS (docs/architecture.md,
+# "The latency class").
+CLASS_TURNS = 0
+CLASS_LATENCY = 1
+LATENCY_HORIZON_NS = 1_000_000_000
 # compute_limit value meaning "no compute cap": launches pass straight through.
 COMPUTE_UNLIMITED = 0
 # memory_limit value meaning "no memory cap".
@@ -88,6 +95,13 @@ AGENT_FIELDS = (
           "(an elastic container lent the GPU; 0 = never)"),
     Field("turn_spare_ns", "uint64_t", 64, "turns: how long after its window's end no other window begins "
           "(<= period - length; work may run that far past the end, owed back by skipping its next windows)"),
+    Field("compute_class", "uint32_t", 72, "CLASS_TURNS (windows, leases) or CLASS_LATENCY (launch at once, the GPU "
+          "time held to the cap over LATENCY_HORIZON_NS, announced in board slot board_slot)"),
+    Field("board_slot", "uint32_t", 76, "a latency container's slot on its GPU's board (0..BOARD_SLOTS-1)"),
+    Field("hold_mask", "uint32_t", 80, "board slots (bit k: slot k) whose latency containers this one holds back "
+          "for; 0 = none on its GPU, the board is not read"),
+    Field("hold_pct", "uint32_t", 84, "at most this percent of LATENCY_HORIZON_NS it is held back (what the latency "
+          "containers of its GPU may take from it, whatever the board says)"),
 )
 
 SLOT_FIELDS = (
@@ -103,12 +117,40 @@ SLOT_FIELDS = (
     Field("wait_ns", "uint64_t", 48, "counter: ns spent waiting for its turn"),
     Field("copy_bytes", "uint64_t", 56, "counter: bytes moved by the owner's memory copies (host<->device, "
           "device<->device)"),
+    Field("held_ns", "uint64_t", 64, "counter: ns its launches were held back for a latency container"),
+    Field("holds", "uint64_t", 72, "counter: launches held back for a latency container"),
+)
+
+# The board: one small file per GPU, shared by every capped container on it (a hard link in each container's run
+# folder, `board` beside its region). A latency container writes its slot (when its queued work is expected to end);
+# the others read the slots their hold_mask names. Any container of the GPU can write the file, so what it says
+# only ever holds a container back within that container's own hold_pct.
+BOARD_MAGIC = 0x424E4C41  # b"ALNB"
+BOARD_VERSION = 1
+BOARD_SLOTS = 8
+BOARD_HEADER_SIZE = 64
+BOARD_SLOT_SIZE = 64
+BOARD_SIZE = BOARD_HEADER_SIZE + BOARD_SLOTS * BOARD_SLOT_SIZE
+BOARD_FILE_NAME = "board"
+
+BOARD_HEADER_FIELDS = (
+    Field("magic", "uint32_t", 0, "BOARD_MAGIC"),
+    Field("version", "uint32_t", 4, "BOARD_VERSION"),
+    Field("size", "uint64_t", 8, "BOARD_SIZE"),
+)
+
+BOARD_SLOT_FIELDS = (
+    Field("busy_until_ns", "uint64_t", 0, "CLOCK_MONOTONIC ns until which the latency container in this slot "
+          "expects its queued work to run (its last launch's estimated end and a grace); 0 = idle"),
+    Field("launches", "uint64_t", 8, "counter: its launches (its writer's; for people reading the board)"),
 )
 
 BLOCKS = (
     ("alnair_region_header", HEADER_FIELDS, HEADER_SIZE, 0),
     ("alnair_region_agent", AGENT_FIELDS, AGENT_BLOCK_SIZE, HEADER_SIZE),
     ("alnair_region_slot", SLOT_FIELDS, SLOT_SIZE, SLOTS_OFFSET),
+    ("alnair_board_header", BOARD_HEADER_FIELDS, BOARD_HEADER_SIZE, 0),
+    ("alnair_board_slot", BOARD_SLOT_FIELDS, BOARD_SLOT_SIZE, BOARD_HEADER_SIZE),
 )
 
 CONSTANTS = (
@@ -124,6 +166,16 @@ CONSTANTS = (
     ("ALNAIR_DEFAULT_TURN_PERIOD_NS", f"{DEFAULT_TURN_PERIOD_NS}ull"),
     ("ALNAIR_MAX_TURN_PERIOD_NS", f"{MAX_TURN_PERIOD_NS}ull"),
     ("ALNAIR_COMPUTE_UNLIMITED", f"{COMPUTE_UNLIMITED}u"),
+    ("ALNAIR_CLASS_TURNS", f"{CLASS_TURNS}u"),
+    ("ALNAIR_CLASS_LATENCY", f"{CLASS_LATENCY}u"),
+    ("ALNAIR_LATENCY_HORIZON_NS", f"{LATENCY_HORIZON_NS}ull"),
+    ("ALNAIR_BOARD_MAGIC", f"0x{BOARD_MAGIC:08X}u"),
+    ("ALNAIR_BOARD_VERSION", f"{BOARD_VERSION}u"),
+    ("ALNAIR_BOARD_SLOTS", f"{BOARD_SLOTS}u"),
+    ("ALNAIR_BOARD_HEADER_SIZE", f"{BOARD_HEADER_SIZE}u"),
+    ("ALNAIR_BOARD_SLOT_SIZE", f"{BOARD_SLOT_SIZE}u"),
+    ("ALNAIR_BOARD_SIZE", f"{BOARD_SIZE}u"),
+    ("ALNAIR_BOARD_FILE", f'"{BOARD_FILE_NAME}"'),
     ("ALNAIR_MEMORY_UNLIMITED", f"{MEMORY_UNLIMITED}ull"),
 )
 
@@ -150,7 +202,7 @@ def absolute_offset(block: str, field: str, slot: int = 0) -> int:
         if name == block:
             for f in fields:
                 if f.name == field:
-                    return base + (slot * size if block == "alnair_region_slot" else 0) + f.offset
+                    return base + (slot * size if block.endswith("_slot") else 0) + f.offset
     raise KeyError(f"{block}.{field}")
 
 
@@ -170,7 +222,8 @@ def c_header() -> str:
         out.append(f"#define {cname} {value}")
     out.append("")
     for name, fields, size, base in BLOCKS:
-        out.append(f"/* {size} bytes at offset {base}{' + slot * size' if 'slot' in name else ''} */")
+        where = "of the board file" if name.startswith("alnair_board") else ""
+        out.append(f"/* {size} bytes at offset {base}{' + slot * size' if name.endswith('_slot') else ''} {where}*/")
         out.append(f"struct {name} {{")
         pos = 0
         for f in fields:
@@ -192,6 +245,12 @@ def c_header() -> str:
         "    struct alnair_region_slot slots[ALNAIR_REGION_MAX_SLOTS];",
         "};",
         "_Static_assert(sizeof(struct alnair_region) == ALNAIR_REGION_SIZE, \"alnair_region size\");",
+        "",
+        "struct alnair_board {",
+        "    struct alnair_board_header header;",
+        "    struct alnair_board_slot slots[ALNAIR_BOARD_SLOTS];",
+        "};",
+        "_Static_assert(sizeof(struct alnair_board) == ALNAIR_BOARD_SIZE, \"alnair_board size\");",
         "",
         "#endif /* ALNAIR_REGION_LAYOUT_H */",
         "",

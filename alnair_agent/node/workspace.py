@@ -31,14 +31,22 @@ from pathlib import Path
 
 import structlog
 
-from alnair_agent.constants import ALLOCATION_FILE_NAME, CONTAINER_FOLDER_NAME, REGION_FILE_NAME, RESOURCES
+from alnair_agent.constants import (
+    ALLOCATION_FILE_NAME,
+    CONTAINER_FOLDER_NAME,
+    REGION_FILE_NAME,
+    RESOURCE_MEMORY,
+    RESOURCES,
+)
 from alnair_agent.node import region_layout as L
-from alnair_agent.node.region import AgentBlock, Region, RegionError
+from alnair_agent.node.region import AgentBlock, Board, Region, RegionError
 
 log = structlog.get_logger(__name__)
 
 _ID_RE = re.compile(r"^[0-9a-f]{16}$")
 SPARES_FOLDER_NAME = ".spares"  # hidden, and never an allocation id
+BOARDS_FOLDER_NAME = ".boards"  # one board per GPU (region_layout's board), named by its UUID
+_UUID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
 def new_allocation_id() -> str:
@@ -88,6 +96,9 @@ class Allocation:
     # one-GPU container) and `part` is this allocation's position in it (its GPU is gpus[part]).
     part: int = 0
     gpus: list[str] = field(default_factory=list)
+    # Memory asked as a percent of the GPU (alnair/vgpu-memory-percent): `wanted`'s memory is that share of this
+    # GPU's units and is held from the record's creation (kubelet allocates no memory devices for it).
+    memory_percent: int = 0
 
     @property
     def identified(self) -> bool:
@@ -99,7 +110,8 @@ class Allocation:
 
     def missing(self) -> list[str]:
         """Resources the container asks for that kubelet has not allocated yet."""
-        return [r for r in RESOURCES if self.wanted.get(r, 0) > len(self.device_ids.get(r, []))]
+        return [r for r in RESOURCES if self.wanted.get(r, 0) > len(self.device_ids.get(r, []))
+                and not (r == RESOURCE_MEMORY and self.memory_percent)]
 
     def all_ids(self) -> set[str]:
         return {i for ids in self.device_ids.values() for i in ids}
@@ -135,6 +147,9 @@ def _record_from_json(data: object) -> Allocation:
         raise ValueError("device_ids must be strings")
     if not all(isinstance(v, int) and v >= 0 for v in alloc.wanted.values()):
         raise ValueError("wanted must be non-negative integers")
+    if isinstance(alloc.memory_percent, bool) or not isinstance(alloc.memory_percent, int) or not (
+            0 <= alloc.memory_percent <= 100):
+        raise ValueError(f"memory_percent {alloc.memory_percent!r} is not 0..100")
     if not isinstance(alloc.gpus, list) or not all(isinstance(g, str) and g for g in alloc.gpus):
         raise ValueError("gpus must be a list of GPU UUIDs")
     if (isinstance(alloc.part, bool) or not isinstance(alloc.part, int)
@@ -208,6 +223,7 @@ class Workspace:
         # What the agent wrote into each region's agent block, by allocation: one record shared by every service's
         # handle on that region, since the file itself is the container's to scribble on (region.py).
         self._blocks: dict[str, AgentBlock] = {}
+        self._boards: dict[str, Board] = {}  # GPU UUID -> its board (the latency class), made on first use
 
     def ensure(self) -> None:
         """Create the root if needed (0700) and check it is a writable folder; WorkspaceError in one line if not."""
@@ -358,6 +374,53 @@ class Workspace:
             self._blocks[alloc_id] = region.block
             return region
 
+    @property
+    def boards_folder(self) -> Path:
+        return self.root / BOARDS_FOLDER_NAME
+
+    def board(self, gpu_uuid: str) -> Board:
+        """The GPU's board, made (or made whole again) on first use; RegionError/OSError when it cannot be."""
+        b = self._boards.get(gpu_uuid)
+        if b is None:
+            if not _UUID_RE.match(gpu_uuid):
+                raise ValueError(f"bad GPU UUID {gpu_uuid!r}")
+            self.boards_folder.mkdir(mode=FOLDER_MODE, exist_ok=True)
+            b = self._boards[gpu_uuid] = Board.create(self.boards_folder / gpu_uuid)
+        return b
+
+    def link_board(self, alloc_id: str, gpu_uuid: str) -> bool:
+        """The GPU's board as `board` in the container's run folder (a hard link: the same file for every container
+        of the GPU). Whatever the container put under that name goes first (unlinked, never followed). True when
+        a link was made now."""
+        board = self.board(gpu_uuid)
+        path = self.container_folder(alloc_id) / L.BOARD_FILE_NAME
+        want = os.stat(board.path)
+        try:
+            st = os.lstat(path)
+            if (st.st_dev, st.st_ino) == (want.st_dev, want.st_ino):
+                return False
+            if stat.S_ISDIR(st.st_mode):
+                self._rmtree(path)
+            else:
+                os.unlink(path)
+        except FileNotFoundError:
+            pass
+        os.link(board.path, path)
+        return True
+
+    def _is_board(self, st: os.stat_result) -> bool:
+        for b in self._boards.values():
+            with contextlib.suppress(OSError):
+                bs = os.stat(b.path)
+                if (bs.st_dev, bs.st_ino) == (st.st_dev, st.st_ino):
+                    return True
+        return False
+
+    def close_boards(self) -> None:
+        for b in self._boards.values():
+            b.close()
+        self._boards.clear()
+
     def sweep(self, alloc_id: str) -> int:
         """Bound what a container keeps in its `run/` (on the workspace filesystem): only `region` belongs there.
         Anything else the container made is emptied (a plain file, through an O_PATH-checked descriptor, so space
@@ -384,6 +447,8 @@ class Workspace:
                 st = os.lstat(path)
             except OSError:
                 continue
+            if name == L.BOARD_FILE_NAME and stat.S_ISREG(st.st_mode) and self._is_board(st):
+                continue  # its GPU's board, linked by the agent
             freed += st.st_blocks * 512
             if stat.S_ISREG(st.st_mode):
                 _truncate_plain(path)

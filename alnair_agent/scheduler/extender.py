@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, NamedTuple
@@ -105,6 +105,16 @@ class FilterResult:
         return {"Nodes": None, "NodeNames": self.node_names, "FailedNodes": self.failed,
                 "FailedAndUnresolvableNodes": self.unresolvable, "Error": self.error}
 
+    def encode(self) -> bytes:
+        """`json.dumps(self.to_json())`, compact, each distinct reason escaped once: thousands of nodes failing the
+        same way share one reason text (and a pod too large for a cluster fails on all of them)."""
+        failed, unresolvable = _reasons_json(self.failed), _reasons_json(self.unresolvable)
+        if failed is None or unresolvable is None:
+            return json.dumps(self.to_json(), separators=(",", ":")).encode()
+        return (f'{{"Nodes":null,"NodeNames":{json.dumps(self.node_names, separators=(",", ":"))},'
+                f'"FailedNodes":{failed},"FailedAndUnresolvableNodes":{unresolvable},'
+                f'"Error":{json.dumps(self.error)}}}').encode()
+
 
 class HostPriority(NamedTuple):
     host: str
@@ -118,7 +128,7 @@ class HostPriority(NamedTuple):
 class PrioritizeResult:
     """HostPriorityList; `error` is not part of the answer (kube-scheduler's has no such field): it is logged."""
 
-    hosts: list[HostPriority] = field(default_factory=list)
+    hosts: Sequence[tuple[str, int]] = field(default_factory=list)  # (host, score): HostPriority or plain pairs
     error: str = ""
     pod: str = ""
 
@@ -126,17 +136,33 @@ class PrioritizeResult:
         return [{"Host": host, "Score": value} for host, value in self.hosts]
 
     def encode(self) -> bytes:
-        """`json.dumps(self.to_json())`, compact, without building thousands of dicts first."""
-        parts = [f'{{"Host":{_quoted(host)},"Score":{int(value)}}}' for host, value in self.hosts]
+        """`json.dumps(self.to_json())`, compact, without building thousands of dicts first. Node names (DNS
+        subdomains) need no escaping, which one match over all of them checks; anything else goes to json.dumps."""
+        hosts = self.hosts
+        if not _PLAIN_NAMES.fullmatch(",".join(host for host, _ in hosts)):
+            return json.dumps(self.to_json(), separators=(",", ":")).encode()
+        tail = _SCORE_TAILS
+        parts = ['{"Host":"' + host + (tail[value] if type(value) is int and 0 <= value <= fit.MAX_SCORE
+                                       else f',"Score":{int(value)}}}') for host, value in hosts]
         return ("[" + ",".join(parts) + "]").encode()
 
 
-_PLAIN_NAME = re.compile(r"[a-z0-9.-]*")
+_PLAIN_NAMES = re.compile(r"[a-z0-9.,-]*")  # names joined by commas; a comma is no DNS subdomain's
 
 
-def _quoted(name: str) -> str:
-    """A JSON string; node names (DNS subdomains) need no escaping, anything else gets json.dumps."""
-    return f'"{name}"' if _PLAIN_NAME.fullmatch(name) else json.dumps(name)
+def _reasons_json(reasons: Mapping[str, str]) -> str | None:
+    """{node: reason} as compact JSON, each distinct reason escaped once; None when a node name needs escaping."""
+    if not _PLAIN_NAMES.fullmatch(",".join(reasons)):
+        return None
+    escaped: dict[str, str] = {}
+    parts = []
+    for node, reason in reasons.items():
+        text = escaped.get(reason)
+        if text is None:
+            text = escaped[reason] = json.dumps(reason)
+        parts.append(f'"{node}":{text}')
+    return "{" + ",".join(parts) + "}"
+_SCORE_TAILS = [f'","Score":{k}}}' for k in range(fit.MAX_SCORE + 1)]
 
 
 def _node_names(args: Mapping[str, Any]) -> list[str]:
@@ -173,18 +199,9 @@ def filter_nodes(args: Any, view: ClusterView, now: datetime | None = None) -> F
         return FilterResult(error=str(e))
     if not request.wants_gpu:
         return FilterResult(node_names=names, pod=request.ref)
-    result = FilterResult(node_names=[], pod=request.ref)
-    assert result.node_names is not None
     now_ts = (now or utcnow()).timestamp()
-    shape, policy, passed = fit.Shape.of(request.needs), request.policy, result.node_names
-    for name, summary, no_fit in view.fits_on(names, shape, policy, now_ts):
-        if summary is not None:  # the node takes no Alnair pods
-            (result.unresolvable if not summary.resolvable else result.failed)[name] = summary.error
-        elif no_fit is None:
-            passed.append(name)
-        else:
-            (result.failed if no_fit.resolvable else result.unresolvable)[name] = no_fit.reason
-    return result
+    passed, failed, unresolvable = view.filter(names, fit.Shape.of(request.needs), now_ts)
+    return FilterResult(passed, failed, unresolvable, pod=request.ref)
 
 
 def prioritize_nodes(args: Any, view: ClusterView, now: datetime | None = None) -> PrioritizeResult:
@@ -203,5 +220,5 @@ def prioritize_nodes(args: Any, view: ClusterView, now: datetime | None = None) 
     if request.scheduler_name not in PROFILES or not request.wants_gpu:
         return PrioritizeResult([HostPriority(n, NEUTRAL_SCORE) for n in names], "", request.ref)
     now_ts = (now or utcnow()).timestamp()
-    hosts = [HostPriority(n, s) for n, s in view.scores_on(names, fit.Shape.of(request.needs), request.policy, now_ts)]
-    return PrioritizeResult(hosts, "", request.ref)
+    scores = view.scores(names, fit.Shape.of(request.needs), request.policy, now_ts)
+    return PrioritizeResult(scores, "", request.ref)

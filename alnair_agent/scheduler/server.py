@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import operator
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -62,7 +63,7 @@ def answer_filter(body: bytes, view: ClusterView) -> Answer:
                "unresolvable": len(result.unresolvable)}
     if result.failed or result.unresolvable:
         log.debug("filter_reasons", pod=result.pod, failed=result.failed, unresolvable=result.unresolvable)
-    return Answer(_encode(result.to_json()), result.pod, result.error, summary)
+    return Answer(result.encode(), result.pod, result.error, summary)
 
 
 def answer_prioritize(body: bytes, view: ClusterView) -> Answer:
@@ -83,8 +84,8 @@ def _answer_scores(body: bytes, verb: Callable[[Any], PrioritizeResult], failed:
     except Exception as e:
         log.exception(failed)
         result = PrioritizeResult(error=f"alnair-scheduler internal error: {type(e).__name__}: {e}")
-    best = max(result.hosts, key=lambda h: h.score, default=None)
-    summary = {"nodes": len(result.hosts), "best": best.host if best else "", "best_score": best.score if best else 0}
+    best = max(result.hosts, key=operator.itemgetter(1), default=None)
+    summary = {"nodes": len(result.hosts), "best": best[0] if best else "", "best_score": best[1] if best else 0}
     return Answer(result.encode(), result.pod, result.error, summary)
 
 

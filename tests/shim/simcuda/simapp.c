@@ -352,7 +352,7 @@ static void *tmain(void *arg)
 
 static void run_op(const char *op, int argc, char **argv, int i)
 {
-    unsigned long long a = 0, b = 0, c = 0, d = 0;
+    unsigned long long a = 0, b = 0, c = 0, d = 0, e6 = 0;
     CUresult rc;
     if (!strcmp(op, "init")) {
         do_init();
@@ -640,6 +640,46 @@ static void run_op(const char *op, int argc, char **argv, int i)
         printf("run launches=%llu bad=%llu gpu_ns=%llu wall_ns=%llu cpu_ns=0 steps=%llu\n", (unsigned long long)n,
                (unsigned long long)bad, (unsigned long long)(n * c), (unsigned long long)wall,
                (unsigned long long)steps);
+    } else if (sscanf(op, "requests:%llu:%llu:%llu:%llu:%llu", &a, &b, &c, &d, &e6) == 5) {
+        /* requests:MS:RATE:K:DUR:THINK  an inference service: requests arrive at RATE per second (Poisson, seeded:
+         * each 10 us an arrival with probability RATE x 10 us) for MS ms; each is K kernels of DUR ns, THINK ns of
+         * host work before each, then a wait for its result. A request that arrives while the last one runs
+         * queues. Prints each request's latency from its arrival to its result (an open-loop client's view). */
+        uint64_t slots = a * 100, n_arr = 0, cap = 1u << 16, x = 0x9E3779B97F4A7C15ull;
+        uint64_t *arr = malloc(cap * sizeof *arr), *lat = malloc(cap * sizeof *lat);
+        uint64_t p = b * 10000ull; /* per 10 us slot, in 1e-9 */
+        for (uint64_t k = 0; arr != NULL && lat != NULL && k < slots && n_arr < cap; k++) {
+            x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+            if (x % 1000000000ull < p)
+                arr[n_arr++] = k * 10000ull;
+        }
+        CUfunction fn = named_fn("request", d);
+        uint64_t t0 = mono(), bad = 0, n = 0;
+        for (uint64_t i = 0; lat != NULL && i < n_arr; i++) {
+            uint64_t at = t0 + arr[i];
+            while (mono() + 300000ull < at) {
+                struct timespec ts = {0, 200000};
+                nanosleep(&ts, NULL);
+            }
+            while (mono() < at) {
+            }
+            for (unsigned long long k = 0; k < c; k++, n++) {
+                for (uint64_t until = mono() + e6; mono() < until;) {
+                }
+                bad += api.Launch(fn, 1, 1, 1, 1, 1, 1, 0, NULL, NULL, NULL) != CUDA_SUCCESS;
+            }
+            api.StreamSync(NULL);
+            lat[i] = mono() - at;
+        }
+        printf("run launches=%llu bad=%llu gpu_ns=%llu wall_ns=%llu cpu_ns=0 requests=%llu\n", (unsigned long long)n,
+               (unsigned long long)bad, (unsigned long long)(n * d), (unsigned long long)(mono() - t0),
+               (unsigned long long)n_arr);
+        printf("latencies");
+        for (uint64_t i = 0; lat != NULL && i < n_arr; i++)
+            printf(" %llu", (unsigned long long)lat[i]);
+        printf("\n");
+        free(arr);
+        free(lat);
     } else if (sscanf(op, "gaps:%llu:%llu:%llu", &a, &b, &c) == 3) {
         /* gaps:MS:DUR:SLEEP  a DUR-ns kernel, wait for it, sleep SLEEP ns, for MS ms: a job that leaves the GPU idle
          * part of the time (an inference server between requests, a training loop waiting for data) */
