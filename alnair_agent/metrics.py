@@ -3,7 +3,8 @@
 /metrics is prometheus-client's own aiohttp handler over a registry holding the agent's collector and
 prometheus-client's process collector (the agent's CPU seconds and resident memory). Per-GPU and per-container
 series are labelled like dcgm-exporter's (`gpu` = index, `UUID`, and `namespace`, `pod`, `container` for a
-container) and in base units: `_bytes`, `_seconds_total`, `_ratio` (0..1), `_watts`, `_hertz`.
+container) and in base units: `_bytes`, `_seconds_total`, `_ratio` (0..1), `_watts`, `_hertz`. A container series
+is per allocation, that is per (container, GPU): a container of several GPUs has one series per GPU, no more.
 """
 
 from __future__ import annotations

@@ -14,6 +14,9 @@ What it does, as the upstream allocator does:
   refused when it violates the policy (over max, or over every valid value) or when the sum of what every allocated
   claim consumes of it plus this exceeds the capacity's value; a request naming a capacity the device does not have
   does not fit it;
+- constraints (spec.devices.constraints): `distinctAttribute` (KEP-5075), the devices of the requests it names (all
+  requests when it names none) each have the attribute, with values that differ (so one multi-allocatable device
+  is not picked twice); any other constraint is refused, never guessed;
 - backtracking: when a later request cannot be satisfied, earlier choices are revisited (the allocator is complete);
 - the result: per device {request, driver, pool, device} and, for a multi-allocatable device, shareID and every
   capacity's consumedCapacity; the allocation's nodeSelector names the node.
@@ -141,6 +144,25 @@ def cel_matches(expression: str, device: _Device) -> bool:
     return True
 
 
+def attribute(device: _Device, qualified: str) -> Any:
+    """A device attribute's value by its fully qualified name ("<domain>/<name>"; a bare name is the driver's)."""
+    domain, _, attr = qualified.rpartition("/")
+    name = attr if domain in ("", device.ref.driver) else qualified
+    value = (device.obj.get("attributes") or {}).get(name)
+    return next(iter(value.values()), None) if isinstance(value, Mapping) else None
+
+
+def _distinct(claim: Mapping[str, Any]) -> list[tuple[frozenset[str] | None, str]]:
+    """The claim's distinctAttribute constraints: (the requests they bind, None for all; the attribute)."""
+    out = []
+    for c in (claim.get("spec") or {}).get("devices", {}).get("constraints") or []:
+        if set(c) - {"requests", "distinctAttribute"} or not c.get("distinctAttribute"):
+            raise AllocationFailed(f"constraint {dict(c)!r} is beyond this allocator stand-in (distinctAttribute only)")
+        names = c.get("requests")
+        out.append((frozenset(names) if names else None, c["distinctAttribute"]))
+    return out
+
+
 def _selectors(obj: Mapping[str, Any] | None) -> list[str]:
     return [s["cel"]["expression"] for s in (obj or {}).get("selectors") or [] if isinstance(s.get("cel"), Mapping)]
 
@@ -255,7 +277,19 @@ class Allocator:
             count = int(alternatives[0][1].get("count") or 1)
             slots += [(req["name"], alternatives)] * count
         results: list[dict[str, Any]] = []
+        picked: list[tuple[str, _Device]] = []  # (main request, device) of each result so far
+        distinct = _distinct(claim)
         chosen_sub: dict[str, str] = {}
+
+        def allowed(main: str, device: _Device) -> bool:
+            for names, attr in distinct:
+                if names is not None and main not in names:
+                    continue
+                value = attribute(device, attr)
+                if value is None or any(attribute(d, attr) == value for m, d in picked
+                                        if names is None or m in names):
+                    return False
+            return True
 
         def search(i: int) -> bool:
             if i == len(slots):
@@ -267,7 +301,7 @@ class Allocator:
                 fresh = main not in chosen_sub
                 chosen_sub[main] = name
                 for device in self._candidates(spec, devices):
-                    consumed = self._fits(device, spec, self.usage)
+                    consumed = self._fits(device, spec, self.usage) if allowed(main, device) else None
                     if consumed is None:
                         continue
                     result: dict[str, Any] = {"request": name, "driver": device.ref.driver,
@@ -277,9 +311,11 @@ class Allocator:
                         result["consumedCapacity"] = {k: _q(v) for k, v in consumed.items()}
                     self.usage.add(result)
                     results.append(result)
+                    picked.append((main, device))
                     if search(i + 1):
                         return True
                     results.pop()
+                    picked.pop()
                     self.usage.remove(result)
                 if fresh:
                     del chosen_sub[main]

@@ -28,7 +28,7 @@ from typing import Any
 import yaml
 
 from alnair_agent.config import Settings
-from alnair_agent.constants import DRA_DEVICE_CLASS, DRA_DRIVER
+from alnair_agent.constants import DRA_ATTR_UUID, DRA_DEVICE_CLASS, DRA_DRIVER
 from alnair_agent.dra.capacity import slice_name
 from alnair_standins.apiserver import FakeApiServer, make_pod
 from alnair_standins.apiserver_process import ApiServerProcess
@@ -52,8 +52,10 @@ def device_class() -> dict[str, Any]:
     return next(d for d in docs if d["kind"] == "DeviceClass" and d["metadata"]["name"] == DRA_DEVICE_CLASS)
 
 
-def claim_spec(requests: list[Mapping[str, Any]]) -> dict[str, Any]:
-    """A claim's spec: each request {"name", "memory"?, "compute"?, "count"?, "selectors"?} of the Alnair class."""
+def claim_spec(requests: list[Mapping[str, Any]], distinct: list[list[str]] | None = None) -> dict[str, Any]:
+    """A claim's spec: each request {"name", "memory"?, "compute"?, "count"?, "selectors"?} of the Alnair class;
+    `distinct`: sets of requests whose devices must be distinct GPUs (a distinctAttribute constraint on the uuid
+    attribute each; [] binds all requests)."""
     out = []
     for r in requests:
         capacity = {k: str(r[k]) for k in ("memory", "compute") if k in r}
@@ -65,13 +67,18 @@ def claim_spec(requests: list[Mapping[str, Any]]) -> dict[str, Any]:
         if "selectors" in r:
             exactly["selectors"] = [{"cel": {"expression": e}} for e in r["selectors"]]
         out.append({"name": r["name"], "exactly": exactly})
-    return {"devices": {"requests": out}}
+    devices: dict[str, Any] = {"requests": out}
+    if distinct is not None:
+        devices["constraints"] = [{**({"requests": names} if names else {}),
+                                   "distinctAttribute": f"{DRA_DRIVER}/{DRA_ATTR_UUID}"} for names in distinct]
+    return {"devices": devices}
 
 
-def make_claim(name: str, requests: list[Mapping[str, Any]], namespace: str = "default") -> dict[str, Any]:
+def make_claim(name: str, requests: list[Mapping[str, Any]], namespace: str = "default",
+               distinct: list[list[str]] | None = None) -> dict[str, Any]:
     return {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
             "metadata": {"name": name, "namespace": namespace, "uid": str(uuid.uuid4())},
-            "spec": claim_spec(requests)}
+            "spec": claim_spec(requests, distinct)}
 
 
 def make_claim_pod(name: str, claims: Mapping[str, str], containers: list[tuple[str, list[tuple[str, str | None]]]],
@@ -151,8 +158,9 @@ class DraNode:
         await self.stop_agent()
         await self.start_agent()
 
-    def claim(self, name: str, requests: list[Mapping[str, Any]], namespace: str = "default") -> dict[str, Any]:
-        return self.api.add_claim(make_claim(name, requests, namespace))
+    def claim(self, name: str, requests: list[Mapping[str, Any]], namespace: str = "default",
+              distinct: list[list[str]] | None = None) -> dict[str, Any]:
+        return self.api.add_claim(make_claim(name, requests, namespace, distinct))
 
     def pod(self, name: str, claims: Mapping[str, str], containers: list[tuple[str, list[tuple[str, str | None]]]],
             namespace: str = "default") -> dict[str, Any]:

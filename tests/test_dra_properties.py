@@ -1,9 +1,10 @@
 """Over many seeds, the whole DRA path as a cluster runs it: pods of 1-3 containers with claims of their own, a claim
-shared by two containers, claims of two requests, memory-only and compute-only claims; kube-scheduler (the allocator
-stand-in) allocating them on the node's ResourceSlice, kubelet (the emulator) preparing, starting and unpreparing
-them in random order, the agent or kubelet restarting between allocation and prepare. After every step:
-  - every running container has exactly its claim's slice: the GPU the allocation names, its consumed memory and
-    compute as limits in its environment, and the region it mounts holds those limits;
+shared by two containers, claims of two requests (a container each, or one container taking both), claims of two
+GPUs (`count: 2`), memory-only and compute-only claims; kube-scheduler (the allocator stand-in) allocating them on
+the node's ResourceSlice, kubelet (the emulator) preparing, starting and unpreparing them in random order, the agent
+or kubelet restarting between allocation and prepare. After every step:
+  - every running container has exactly its claim's slices: the GPUs the allocation names, in GPU index order, each
+    region it mounts holding that GPU's consumed memory and compute, its environment the (tightest) limits;
   - no GPU is over its capacities, neither in kube-scheduler's books (the claims) nor in the agent's ledger;
   - a claim's CDI spec and folders exist while it is prepared and are gone after unprepare;
   - nothing of a live (prepared) claim is ever removed.
@@ -23,6 +24,7 @@ from alnair_agent.constants import (
     CONTAINER_RUN_DIR,
     ENV_COMPUTE_LIMIT,
     ENV_MEMORY_LIMIT,
+    ENV_REGIONS,
     ENV_VISIBLE_DEVICES,
     REGION_FILE_NAME,
 )
@@ -34,6 +36,7 @@ from alnair_standins.kubelet_dra import ContainerView
 
 GiB = 1 << 30
 SEEDS = range(24)
+MULTI_GPU = ("two-gpus", "both-requests")  # claims one container takes whole, over distinct GPUs
 
 
 def random_request(rng: random.Random, name: str) -> dict[str, Any]:
@@ -49,9 +52,23 @@ def random_request(rng: random.Random, name: str) -> dict[str, Any]:
 def random_pod(rng: random.Random, i: int) -> tuple[list[tuple[str, list[dict[str, Any]]]], dict[str, str],
                                                    list[tuple[str, list[tuple[str, str | None]]]]]:
     """(claims to create: (name, requests)), the pod's claim entries, its containers and what each names."""
-    shape = rng.choice(["own", "own", "shared", "two-requests"])
+    shape = rng.choice(["own", "own", "shared", "two-requests", "two-gpus", "both-requests"])
     n = rng.randint(1, 3)
     containers = [f"c{j}" for j in range(n)]
+    if shape in ("two-gpus", "both-requests"):  # one container over two GPUs, the others a claim each
+        claim = f"pod{i}-{shape}"
+        if shape == "two-gpus":
+            requests = [{**random_request(rng, "gpus"), "count": 2}]
+        else:
+            requests = [random_request(rng, "a"), random_request(rng, "b")]
+        claims = [(claim, requests)]
+        entries = {"gpu": claim}
+        refs = [(containers[0], [("gpu", None)])]
+        for c in containers[1:]:
+            claims.append((f"pod{i}-{c}", [random_request(rng, "gpu")]))
+            entries[c] = f"pod{i}-{c}"
+            refs.append((c, [(c, None)]))
+        return claims, entries, refs
     if shape == "shared" and n >= 2:
         claim = f"pod{i}-shared"
         claims = [(claim, [random_request(rng, "gpu")])]
@@ -76,8 +93,9 @@ def random_pod(rng: random.Random, i: int) -> tuple[list[tuple[str, list[dict[st
     return claims, {c: f"pod{i}-{c}" for c in containers}, [(c, [(c, None)]) for c in containers]
 
 
-def expected(node: DraNode, pod: dict[str, Any]) -> dict[str, tuple[str, int, int]]:
-    """Per container: (GPU UUID, memory bytes, compute percent) its claim's allocation result names."""
+def expected(node: DraNode, pod: dict[str, Any]) -> dict[str, list[tuple[str, int, int]]]:
+    """Per container: (GPU UUID, memory bytes, compute percent) of each result of its claim it takes, in GPU index
+    order."""
     uuids = {d["name"]: d["attributes"]["uuid"]["string"] for s in node.slices() for d in s["spec"]["devices"]}
     uuids |= {f"gpu-{g.index}": g.uuid for g in node.running.agent.gpus}  # devices out of the slice since
     ns = pod["metadata"]["namespace"]
@@ -87,24 +105,30 @@ def expected(node: DraNode, pod: dict[str, Any]) -> dict[str, tuple[str, int, in
         [ref] = c["resources"]["claims"]
         claim = node.api.claim(ns, entries[ref["name"]])
         results = claim["status"]["allocation"]["devices"]["results"]
-        [r] = [r for r in results if ref.get("request") in (None, r["request"])]
-        consumed = r["consumedCapacity"]
-        out[c["name"]] = (uuids[r["device"]], int(parse_quantity(consumed["memory"])),
-                          int(parse_quantity(consumed["compute"])))
+        mine = sorted((r for r in results if ref.get("request") in (None, r["request"])),
+                      key=lambda r: int(r["device"].split("-")[1]))
+        out[c["name"]] = [(uuids[r["device"]], int(parse_quantity(r["consumedCapacity"]["memory"])),
+                           int(parse_quantity(r["consumedCapacity"]["compute"]))) for r in mine]
     return out
 
 
-def check_container(view: ContainerView, want: tuple[str, int, int]) -> None:
-    gpu, memory, compute = want
-    assert view.envs[ENV_VISIBLE_DEVICES] == gpu
-    assert view.envs.get(ENV_MEMORY_LIMIT) == (str(memory) if memory else None)
-    cap = compute if 0 < compute < 100 else 0
-    assert view.envs.get(ENV_COMPUTE_LIMIT) == (str(cap) if compute else None)
-    region = Region.open(Path(view.mounts[CONTAINER_RUN_DIR][0]) / REGION_FILE_NAME)
-    try:
-        assert (region.memory_limit, region.compute_limit) == (memory, cap)
-    finally:
-        region.close()
+def check_container(view: ContainerView, want: list[tuple[str, int, int]]) -> None:
+    assert view.envs[ENV_VISIBLE_DEVICES] == ",".join(gpu for gpu, _, _ in want)
+    caps = [compute if 0 < compute < 100 else 0 for _, _, compute in want]
+    memory = min((m for _, m, _ in want if m), default=0)  # one GPU: its own; several: the tightest
+    cap = min((c for c in caps if c), default=0)
+    assert view.envs.get(ENV_MEMORY_LIMIT) == (str(memory) if any(m for _, m, _ in want) else None)
+    assert view.envs.get(ENV_COMPUTE_LIMIT) == (str(cap) if any(c for _, _, c in want) else None)
+    folders = [CONTAINER_RUN_DIR] + [f"{CONTAINER_RUN_DIR}-{k}" for k in range(1, len(want))]
+    if len(want) > 1:
+        assert view.envs[ENV_REGIONS] == ",".join(f"{f}/{REGION_FILE_NAME}" for f in folders)
+    assert len({view.mounts[f][0] for f in folders}) == len(want)
+    for folder, (_, m, _), c in zip(folders, want, caps, strict=True):
+        region = Region.open(Path(view.mounts[folder][0]) / REGION_FILE_NAME)
+        try:
+            assert (region.memory_limit, region.compute_limit) == (m, c)
+        finally:
+            region.close()
 
 
 def check_capacity(node: DraNode) -> None:
@@ -145,7 +169,7 @@ async def test_every_container_gets_exactly_its_claims_slice_whatever_the_order(
         for i in range(rng.randint(4, 7)):
             claims, entries, refs = random_pod(rng, i)
             for name, requests in claims:
-                node.claim(name, requests)
+                node.claim(name, requests, distinct=[[]] if name.endswith(MULTI_GPU) else None)
             pod = node.pod(f"pod{i}", entries, refs)
             try:
                 node.schedule(pod, list(dict.fromkeys(entries.values())))

@@ -244,3 +244,66 @@ async def test_a_capped_containers_utilization_is_the_gpu_time_its_shim_counted(
         assert all(abs(g - w) <= 2 for g, w in zip(got, want, strict=True)), (got, want)
     for r in regions.values():
         r.close()
+
+
+GPU1 = "GPU-7c1d2e3f-0000-4000-8000-000000000001"
+
+
+def part(alloc_id: str, gpu: str, k: int, pod: str = "p", uid: str = "uid-1") -> Allocation:
+    """A container's allocation on the k-th of its two GPUs (GPU, then GPU1)."""
+    return Allocation(alloc_id, gpu, {}, {}, 1 << 30, 0, "default", pod, uid, "main", created_at=1_700_000_000.0,
+                      part=k, gpus=[GPU, GPU1])
+
+
+async def test_a_process_on_two_gpus_counts_on_each_for_its_containers_allocation_there(tmp_path: Path) -> None:
+    """One process of a two-GPU container, placed by its cgroup, seen by NVML on both GPUs: each GPU's figures go to
+    the container's allocation on that GPU (not both to one of them), and the pod's entry holds both, apart."""
+    proc = tmp_path / "proc" / "4242"
+    proc.mkdir(parents=True)
+    uid = "6f8f4f1c-2d0b-4a8e-9f3e-0b1a2c3d4e5f"
+    (proc / "cgroup").write_text(f"0::/kubepods/burstable/pod{uid}/{CID}\n")
+    samples = Samples((GpuSample(GPU, 50.0, 10.0), GpuSample(GPU1, 20.0, 0.0)),
+                      (ProcessSample(GPU, 4242, 40.0, 8.0, 3 << 20), ProcessSample(GPU1, 4242, 15.0, 1.0, 1 << 20)),
+                      2.0)
+    pods = Pods(by_name={("default", "p"): pod_info("p", uid)})
+    # the second GPU's allocation made first: the entry's order is the container's, not the ledger's
+    second, first = part("00000000000000b1", GPU1, 1, uid=uid), part("00000000000000a1", GPU, 0, uid=uid)
+    p, sink = make(tmp_path, pods, [second, first], samples)
+    await p.tick()
+    await p.tick()
+    u0, u1 = p.usage[first.id], p.usage[second.id]
+    assert (u0.gpu_util_max, u0.memory_max_bytes, u0.gpu_seconds) == (40.0, 3 << 20, 1.6)
+    assert (u1.gpu_util_max, u1.memory_max_bytes, u1.gpu_seconds) == (15.0, 1 << 20, 0.6)
+    assert p.unattributed == {GPU: 0, GPU1: 0}
+    p._published.clear()
+    p.seen(first)
+    entry = written(sink)["main"]
+    assert [g["gpu"] for g in entry["gpus"]] == [GPU, GPU1]
+    assert [g["gpu_util_max"] for g in entry["gpus"]] == [40.0, 15.0]
+    assert entry["gpu"] == f"{GPU},{GPU1}" and entry["allocation"] == f"{first.id},{second.id}"
+    assert (entry["gpu_util_max"], entry["memory_max_bytes"], entry["gpu_seconds"]) == (55.0, 4 << 20, 2.2)
+
+
+async def test_a_two_gpu_container_resumes_each_gpu_from_its_own_figures_and_ends_whole(tmp_path: Path) -> None:
+    def earlier(alloc_id: str, gpu: str, observed: float) -> dict:
+        return {"gpu": gpu, "allocation": alloc_id, "observed_seconds": observed, "gpu_util_mean": 50.0,
+                "first_seen": "2026-12-01T00:00:00Z", "last_seen": "2026-12-01T00:00:10Z"}
+    found = {"main": {"gpu": f"{GPU},{GPU1}", "gpus": [earlier("00000000000000a1", GPU, 10.0),
+                                                       earlier("00000000000000b1", GPU1, 4.0)]}}
+    pods = Pods(by_name={("default", "p"): pod_info("p", "uid-1", found)})
+    first, second = part("00000000000000a1", GPU, 0), part("00000000000000b1", GPU1, 1)
+    p, sink = make(tmp_path, pods, [first, second])
+    p.seen(first)
+    entry = written(sink)["main"]
+    assert [g["observed_seconds"] for g in entry["gpus"]] == [10.0, 4.0]  # each carries on from its own
+    assert [g["gpu_seconds"] for g in entry["gpus"]] == [5.0, 2.0] and entry["gpu_seconds"] == 7.0
+    # the container ends: its last figures are written with both GPUs, and stay after the allocations go
+    assert await p.final(first) and await p.final(second)
+    for a in (first, second):
+        p.forget(a)
+        del p.ledger.allocations[a.id]
+    p._published.clear()
+    p._publish(("default", "p"), 0.0)
+    entry = written(sink)["main"]
+    assert entry["state"] == "ended" and [g["state"] for g in entry["gpus"]] == ["ended", "ended"]
+    assert [g["allocation"] for g in entry["gpus"]] == [first.id, second.id]

@@ -35,7 +35,9 @@ class ClaimRef:
 
 @dataclass(frozen=True)
 class PreparedDevice:
-    """One device of a prepared claim, as NodePrepareResources returns it."""
+    """One device of a prepared claim, as NodePrepareResources returns it: `request` as containers name it (a
+    firstAvailable result's main request, as kubelet matches them), and the CDI devices a container naming it gets
+    (none for a device whose group's CDI device another device of the group carries: groups.py)."""
 
     request: str
     pool: str
@@ -140,10 +142,15 @@ class ClaimReader:
         return out
 
     @staticmethod
-    def consumer(claim: Mapping[str, Any]) -> tuple[str, str]:
-        """(pod name, pod UID) of the first pod the claim is reserved for ("" when none)."""
+    def consumers(claim: Mapping[str, Any]) -> list[tuple[str, str]]:
+        """(pod name, pod UID) of every pod the claim is reserved for, in its order."""
         status = claim.get("status") if isinstance(claim.get("status"), Mapping) else {}
-        for entry in (status.get("reservedFor") if isinstance(status, Mapping) else None) or []:
-            if isinstance(entry, Mapping) and entry.get("resource") == "pods" and not entry.get("apiGroup"):
-                return _str(entry.get("name")), _str(entry.get("uid"))
-        return "", ""
+        reserved = status.get("reservedFor") if isinstance(status, Mapping) else None
+        return [(_str(entry.get("name")), _str(entry.get("uid"))) for entry in
+                (reserved if isinstance(reserved, list) else [])
+                if isinstance(entry, Mapping) and entry.get("resource") == "pods" and not entry.get("apiGroup")]
+
+    @classmethod
+    def consumer(cls, claim: Mapping[str, Any]) -> tuple[str, str]:
+        """(pod name, pod UID) of the first pod the claim is reserved for ("" when none)."""
+        return next(iter(cls.consumers(claim)), ("", ""))

@@ -5,12 +5,16 @@ at start and orphans retired, cleanup.py.
 kubelet names a claim (namespace, name, UID); its allocation (which device, how much of each capacity) is on the
 ResourceClaim, read from the API server. Each allocation result of Alnair's driver becomes one allocation record
 with its folder, region and limits, exactly as a device plugin container's (the ledger's records, counted by the
-same rooms, served by the same reconciler heartbeat, dispatcher and profiler), and the claim gets one CDI spec with
-one device per result. Every container using a result shares its slice: one region, one set of limits.
+same rooms, served by the same reconciler heartbeat, dispatcher and profiler). Every container using a result shares
+its slice: one region, one set of limits. Results a container takes together (groups.py: a request of `count: N`,
+or several requests a container names) are a group of GPUs, like a device plugin container of `alnair/vgpu-count`:
+one record per GPU (`Allocation.gpus`, `part`, in GPU index order), each GPU's own limits in its region. The claim
+gets one CDI spec with one device per group, whose edits are the device plugin's (node/edits.py).
 
 - Checked, not trusted: the result must name this node's pool and a published GPU, and its consumed capacity must
   fit the request policy and the agent's own ledger (the GPU's units less every other record on it, whichever
-  front-end made it). A claim that fails is refused whole, naming what was wrong; nothing already held changes.
+  front-end made it); a group's GPUs must be distinct. A claim that fails is refused whole, naming what was wrong;
+  nothing already held changes and nothing of it is left made.
 - Idempotent: kubelet retries. A claim already prepared gets the same devices (its spec rewritten if missing).
 - Restart safe: records and specs are on disk before the answer; at start the specs are rebuilt from the records,
   and specs of claims without records are removed.
@@ -23,10 +27,14 @@ from __future__ import annotations
 import asyncio
 import errno
 import time
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from typing import Any
 
 import structlog
 
-from alnair_agent.constants import RESOURCE_COMPUTE, RESOURCE_MEMORY
+from alnair_agent.constants import DRA_DRIVER, RESOURCE_COMPUTE, RESOURCE_MEMORY
+from alnair_agent.dra import groups
 from alnair_agent.dra.cdi import CdiError, CdiWriter, device_id
 from alnair_agent.dra.claims import (
     ClaimReader,
@@ -39,10 +47,11 @@ from alnair_agent.dra.claims import (
 )
 from alnair_agent.dra.spares import SparePool
 from alnair_agent.kube.pod_source import PodSource
+from alnair_agent.kube.pods import PodInfo
 from alnair_agent.node import edits
 from alnair_agent.node.ledger import Ledger
 from alnair_agent.node.region import RegionError
-from alnair_agent.node.workspace import Allocation, Workspace, new_allocation_id
+from alnair_agent.node.workspace import Allocation, ClaimShare, Workspace, new_allocation_id
 from alnair_agent.profiler.sink import UsageSink
 
 log = structlog.get_logger(__name__)
@@ -50,6 +59,24 @@ log = structlog.get_logger(__name__)
 # Unprepare waits at most this long for a claim's final usage figures (an API outage must not hold kubelet's call:
 # the claim is refused, kubelet calls again, the folders stay meanwhile).
 FINAL_FLUSH_S = 2.0
+# A claim of several Alnair requests is grouped by what its pod's containers name: a prepare waits this long for the
+# pod watch to show the pod (kubelet and the watch learn of it at about the same time) before refusing (kubelet retries)
+POD_WAIT_S = 2.0
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a result goes among the GPUs a container takes together: its group's key, its position, the group's GPUs
+    (empty for a group of one GPU, as a one-GPU container's record)."""
+
+    group: str
+    part: int
+    gpus: tuple[str, ...]
+
+    @classmethod
+    def of(cls, g: groups.Group) -> dict[tuple[str, str, str, str], "Placement"]:
+        gpus = tuple(r.gpu.uuid for r in g.results) if len(g.results) > 1 else ()
+        return {share_key(r.share): cls(g.key, k if gpus else 0, gpus) for k, r in enumerate(g.results)}
 
 
 class ClaimPreparer:
@@ -103,23 +130,91 @@ class ClaimPreparer:
     def claim_uids(self) -> set[str]:
         return {a.claim.uid for a in self.records() if a.claim is not None}
 
-    def _edits(self, alloc: Allocation) -> edits.ContainerEdits:
-        return edits.container_edits(alloc, self.workspace.container_folder(alloc.id), self.shim_dir)
+    def _groups_of(self, claim_uid: str) -> list[list[Allocation]]:
+        """The claim's records by the group of GPUs a container takes together, each in its GPUs' order (a record of
+        one GPU alone), the groups in the order they were made."""
+        out: dict[tuple[str, tuple[str, ...]], list[Allocation]] = {}
+        for a in sorted(self.records(claim_uid), key=lambda r: r.created_at):
+            assert a.claim is not None
+            out.setdefault((a.claim.group, tuple(a.gpus)) if a.gpus else (a.id, ()), []).append(a)
+        return [sorted(parts, key=lambda a: a.part) for parts in out.values()]
+
+    def _edits(self, parts: list[Allocation]) -> edits.ContainerEdits:
+        folders = [self.workspace.container_folder(a.id) for a in parts]
+        if len(parts) == 1 and not parts[0].gpus:
+            return edits.container_edits(parts[0], folders[0], self.shim_dir)
+        return edits.group_edits(parts, folders, self.shim_dir)
 
     def _write_spec(self, claim_uid: str) -> None:
-        records = sorted(self.records(claim_uid), key=lambda a: a.created_at)
-        if records:
+        """The claim's CDI spec: one device per group, named by its first GPU's allocation id."""
+        found = self._groups_of(claim_uid)
+        if found:
             spare = self.spares.take_spec()
-            self.cdi.write(claim_uid, [(a.id, self._edits(a)) for a in records], spare)
+            self.cdi.write(claim_uid, [(parts[0].id, self._edits(parts)) for parts in found], spare)
         else:
             self.cdi.remove(claim_uid)
 
     def _devices(self, claim_uid: str) -> list[PreparedDevice]:
+        """Every result as a device of the answer, a group's CDI device on its first (a container naming a request
+        of the group gets every device of it: the group's CDI device once)."""
         out = []
-        for a in sorted(self.records(claim_uid), key=lambda r: r.created_at):
-            assert a.claim is not None
-            out.append(PreparedDevice(a.claim.request, a.claim.pool, a.claim.device, (device_id(a.id),)))
+        for parts in self._groups_of(claim_uid):
+            for k, a in enumerate(parts):
+                assert a.claim is not None
+                out.append(PreparedDevice(groups.main_request(a.claim.request), a.claim.pool, a.claim.device,
+                                          (device_id(parts[0].id),) if k == 0 else ()))
         return out
+
+    async def _await_pod(self, ref: ClaimRef, claim: Mapping[str, Any], results: list[ClaimResult]) -> None:
+        """A claim of several Alnair requests, not all prepared: wait (POD_WAIT_S at most) until the watch shows a
+        pod it is reserved for, whose containers say how its results are grouped."""
+        if self.pods is None or len(groups.requests_of(results)) < 2:
+            return
+        held = {share_key(a.claim) for a in self.records(ref.uid) if a.claim is not None}
+        if all(share_key(r.share) in held for r in results):
+            return
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + POD_WAIT_S
+        while not self._shown(claim) and loop.time() < deadline:
+            await self.pods.changed(self.pods.generation, timeout=max(0.0, deadline - loop.time()))
+
+    def _shown(self, claim: Mapping[str, Any]) -> list[PodInfo]:
+        """The pods the claim is reserved for that the watch shows."""
+        if self.pods is None or not self.pods.synced:
+            return []
+        return [p for _, uid in self.reader.consumers(claim) if uid and (p := self.pods.get(uid)) is not None]
+
+    def _placements(self, ref: ClaimRef, claim: Mapping[str, Any],
+                    results: list[ClaimResult]) -> dict[tuple[str, str, str, str], Placement]:
+        """Each result's place among the GPUs a container takes together (groups.py); PrepareError when they cannot
+        be grouped, or when the pod that says how is not shown yet."""
+        requests = groups.requests_of(results)
+        named: list[groups.View] = []
+        if len(requests) > 1 and self.pods is not None:
+            shown = self._shown(claim)
+            if not shown:
+                pods = ", ".join(f"{ref.namespace}/{name}" for name, _ in self.reader.consumers(claim)) or "none"
+                raise PrepareError(f"{ref.describe()} has {len(requests)} requests of {DRA_DRIVER} "
+                                   f"({', '.join(requests)}): which of them a container takes together is in the spec "
+                                   f"of the pod it is reserved for ({pods}), which the agent's pod watch does not show "
+                                   "yet; kubelet calls again")
+            named = groups.views(ref.name, shown, requests)
+        out: dict[tuple[str, str, str, str], Placement] = {}
+        for g in groups.group(ref, results, named):
+            out.update(Placement.of(g))
+        return out
+
+    def _place(self, alloc: Allocation, placement: Placement) -> None:
+        """A record held from before (a prepare cut short), placed as this prepare groups the claim."""
+        assert alloc.claim is not None
+        if (alloc.claim.group, alloc.part, tuple(alloc.gpus)) == (placement.group, placement.part, placement.gpus):
+            return
+        alloc.claim = replace(alloc.claim, group=placement.group)
+        alloc.part, alloc.gpus = placement.part, list(placement.gpus)
+        try:
+            self.workspace.save(alloc)
+        except OSError as e:
+            log.warning("allocation_record_write_failed", allocation=alloc.id, error=str(e))
 
     # -- NodePrepareResources --------------------------------------------------------------------------------
     async def prepare(self, ref: ClaimRef) -> list[PreparedDevice]:
@@ -128,6 +223,7 @@ class ClaimPreparer:
         read_s = time.perf_counter() - started
         results = self.reader.results(ref, claim)
         pod_name, pod_uid = self.reader.consumer(claim)
+        await self._await_pod(ref, claim, results)
         async with self._lock:
             held = {share_key(a.claim): a for a in self.records(ref.uid) if a.claim is not None}
             wanted = {share_key(r.share) for r in results}
@@ -142,9 +238,15 @@ class ClaimPreparer:
                 self._drop(alloc)
             created: list[Allocation] = []
             try:
-                for r in results:
-                    if share_key(r.share) not in held:
-                        created.append(self._create(r, pod_name, pod_uid))
+                if any(share_key(r.share) not in held for r in results):
+                    # grouped (and every group checked) before anything is made: a claim refused leaves nothing
+                    placements = self._placements(ref, claim, results)
+                    for r in results:
+                        if share_key(r.share) not in held:
+                            created.append(self._create(r, pod_name, pod_uid, placements[share_key(r.share)]))
+                    for key, alloc in held.items():
+                        if key in placements:
+                            self._place(alloc, placements[key])
                 self._write_spec(ref.uid)
             except (PrepareError, OSError, RegionError) as e:
                 for alloc in created:  # all or nothing: what this call made goes, what was held stays
@@ -162,7 +264,7 @@ class ClaimPreparer:
                  ms=round((time.perf_counter() - started) * 1e3, 2))
         return devices
 
-    def _create(self, r: ClaimResult, pod_name: str, pod_uid: str) -> Allocation:
+    def _create(self, r: ClaimResult, pod_name: str, pod_uid: str, placement: Placement) -> Allocation:
         if not r.gpu.healthy:  # a slice already held stays where it is; a new one never goes on a failing GPU
             raise PrepareError(f"{r.share.describe()}: GPU {r.gpu.uuid} is unhealthy")
         unit = self.inventory.memory_unit_bytes
@@ -175,9 +277,11 @@ class ClaimPreparer:
                                f"free in the agent's ledger: {have}")
         wanted = {k: v for k, v in ((RESOURCE_MEMORY, memory_units), (RESOURCE_COMPUTE, compute_units)) if v}
         memory_limit, compute_limit = edits.limits(memory_units, compute_units, unit)
+        share: ClaimShare = replace(r.share, group=placement.group)
         alloc = Allocation(id=new_allocation_id(), gpu_uuid=r.gpu.uuid, device_ids={}, wanted=wanted,
                            memory_limit=memory_limit, compute_limit=compute_limit, namespace=r.share.namespace,
-                           pod_name=pod_name, pod_uid=pod_uid, claim=r.share)
+                           pod_name=pod_name, pod_uid=pod_uid, claim=share, part=placement.part,
+                           gpus=list(placement.gpus))
         # Its containers named now when the watch shows the pod: the record is then written once, complete.
         alloc.container = self._containers(alloc)
         spare = self.spares.take_folder()

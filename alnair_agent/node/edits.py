@@ -68,12 +68,23 @@ def part_run_dir(part: int) -> str:
     return CONTAINER_RUN_DIR if part == 0 else f"{CONTAINER_RUN_DIR}-{part}"
 
 
+def _tightest(limits: Sequence[int]) -> int:
+    """The smallest limit that is one (0 = none)."""
+    return min((v for v in limits if v > 0), default=0)
+
+
 def group_edits(parts: Sequence[Allocation], run_folders: Sequence[Path], shim_dir: str) -> ContainerEdits:
     """The environment and mounts of a container of several GPUs, one allocation per GPU (in `part` order, with their
     host folders): every GPU in NVIDIA_VISIBLE_DEVICES in that order, each GPU's region in ALNAIR_REGIONS in the
-    same order, the first GPU's region also in ALNAIR_REGION; the limits are per GPU (every part has the same)."""
+    same order, the first GPU's region also in ALNAIR_REGION. Each GPU's limits are in its own region; the limits in
+    the environment (what the shim enforces on a GPU whose region it must refuse) are the tightest of its GPUs', the
+    same on all (a device plugin container's GPUs all have the same; a DRA claim's requests may differ)."""
     first = container_edits(parts[0], run_folders[0], shim_dir)
     envs = dict(first.envs)
+    if any(RESOURCE_MEMORY in p.wanted for p in parts):
+        envs[ENV_MEMORY_LIMIT] = str(_tightest([p.memory_limit for p in parts]))
+    if any(RESOURCE_COMPUTE in p.wanted for p in parts):
+        envs[ENV_COMPUTE_LIMIT] = str(_tightest([p.compute_limit for p in parts]))
     envs[ENV_VISIBLE_DEVICES] = ",".join(p.gpu_uuid for p in parts)
     envs[ENV_REGIONS] = ",".join(f"{part_run_dir(p.part)}/{CONTAINER_REGION_PATH.rsplit('/', 1)[1]}" for p in parts)
     envs[ENV_CUDA_DEVICE_ORDER] = "PCI_BUS_ID"

@@ -56,7 +56,8 @@ def new_allocation_id() -> str:
 @dataclass
 class ClaimShare:
     """DRA front-end: the ResourceClaim allocation result an allocation serves (one per result of Alnair's driver).
-    Its containers share the one slice: one folder, one region, one set of limits."""
+    Its containers share the one slice: one folder, one region, one set of limits. Results a container takes
+    together (several GPUs) are one group: each its own record, listed in `Allocation.gpus` in GPU index order."""
 
     namespace: str
     name: str
@@ -65,6 +66,9 @@ class ClaimShare:
     pool: str
     device: str
     share_id: str = ""  # the result's shareID (consumable capacity), "" where kube-scheduler set none
+    # the claim's requests whose results a container takes together (alnair_agent/dra/groups.py), comma-joined; with
+    # Allocation.gpus and .part it places this result among them ("" in records made before groups)
+    group: str = ""
 
     def describe(self) -> str:
         return f"claim {self.namespace}/{self.name} request {self.request!r} on {self.pool}/{self.device}"

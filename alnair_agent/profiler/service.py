@@ -7,8 +7,12 @@ reconciler awaits before it removes the container's workspace).
 
 The annotation is one JSON object keyed by container name. It is merged: entries of containers this agent does
 not hold in memory (written before a restart, or by anyone else) are kept as found on the pod; only this
-agent's containers' entries are replaced. Figures live in memory keyed by allocation; an ended container's last
-entry is kept until its pod is gone, so later writes for the pod's other containers never drop it.
+agent's containers' entries are replaced. Figures live in memory keyed by allocation, that is per (container, GPU):
+a container of several GPUs has one allocation on each, and its entry is built from all of them (usage.py's
+`container_entry`: combined figures and one entry per GPU), never one GPU's figures over another's. An ended
+allocation's last figures are kept until its pod is gone, so later writes for the pod's other containers never drop
+them. A process is placed per GPU it is seen on: a process of a multi-GPU container counts, on each GPU, for its
+container's allocation on that GPU.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from alnair_agent.constants import USAGE_ANNOTATION
 from alnair_agent.gpu.backend import GpuBackend, GpuBackendError, Samples
 from alnair_agent.node.region import Region, RegionError
 from alnair_agent.profiler.pidmap import PidMapper, ProcReader, SlotPid
-from alnair_agent.profiler.usage import ContainerUsage, parse_usage, render_usage
+from alnair_agent.profiler.usage import ContainerUsage, container_entry, gpu_entry, parse_usage, render_usage
 
 if TYPE_CHECKING:
     from alnair_agent.kube.pod_source import PodSource
@@ -38,6 +42,7 @@ if TYPE_CHECKING:
 log = structlog.get_logger(__name__)
 
 PodKey = tuple[str, str]  # (namespace, pod name)
+Slots = list[tuple[tuple[int, int, int], int]]  # a counter of each region slot: ((index, pid, start_time), value)
 # A pass writing many pods' figures (each a parse and a render of JSON) gives the event loop back after this many: a
 # hundred new pods' first figures in one go held a kubelet call 20-30 ms on a 2-core node.
 PODS_PER_STEP = 8
@@ -48,20 +53,27 @@ class _Snapshot:
     """What a tick's worker thread needs, taken on the event loop (the ledger is not thread-safe)."""
 
     alloc_ids: tuple[str, ...]
-    containers: dict[tuple[str, str], str]  # (pod UID, container ID) -> allocation id
+    # GPU UUID -> (pod UID, container ID) -> the container's allocation on that GPU
+    containers: dict[str, dict[tuple[str, str], str]]
     pod_uids: dict[str, str]  # allocation id -> its pod's UID, where known
+    gpus: dict[str, str]  # allocation id -> its GPU's UUID
 
 
 @dataclass
 class _Collected:
     samples: Samples
-    places: dict[int, str]  # host pid -> allocation id
+    places: dict[tuple[int, str], str]  # (host pid, GPU uuid) -> allocation id
     unattributed: dict[str, int]  # GPU uuid -> processes placed on no allocation
-    waits: dict[str, list[tuple[tuple[int, int, int], int]]]  # allocation -> slots' wait counters
-    copies: dict[str, list[tuple[tuple[int, int, int], int]]]  # allocation -> slots' copy_bytes counters
+    waits: dict[str, Slots]  # allocation -> slots' wait counters
+    copies: dict[str, Slots]  # allocation -> slots' copy_bytes counters
     region_memory: dict[str, int]  # allocation -> bytes its slots claim (fallback when NVML says nothing)
-    gpu_time: dict[str, list[tuple[tuple[int, int, int], int]]]  # allocation -> slots' gpu_ns counters
+    gpu_time: dict[str, Slots]  # allocation -> slots' gpu_ns counters
     at: float = 0.0  # monotonic s the sample was taken (the end of its window), for the dispatcher
+
+
+def _order(alloc: "Allocation") -> tuple[int, float]:
+    """Where an allocation's figures go among its container's: its GPU's position in the container's GPUs."""
+    return (alloc.part, alloc.created_at)
 
 
 class Profiler:
@@ -80,7 +92,9 @@ class Profiler:
         self.last: Samples = Samples()
         self.unattributed: dict[str, int] = {}
         self._regions: dict[str, Region] = {}
-        self._ended: dict[PodKey, dict[str, dict[str, object]]] = {}  # entries of ended containers, per pod
+        # last figures of ended allocations, per pod: allocation id -> (its container key, its order, whether its
+        # container has several GPUs, its entry)
+        self._ended: dict[PodKey, dict[str, tuple[str, tuple[int, float], bool, dict[str, object]]]] = {}
         self._ended_uid: dict[PodKey, str] = {}  # the UID of the pod those entries belong to ("" if unknown)
         self._published: dict[PodKey, float] = {}  # monotonic time of the pod's last write
         # for the dispatcher: samples taken, seconds of window they covered, when the newest was taken
@@ -147,7 +161,7 @@ class Profiler:
 
     def _keep_ended(self, alloc: "Allocation", u: ContainerUsage) -> None:
         key = (alloc.namespace, alloc.pod_name)
-        self._ended.setdefault(key, {})[alloc.container] = u.entry()
+        self._ended.setdefault(key, {})[alloc.id] = (alloc.container, _order(alloc), bool(alloc.gpus), u.entry())
         pod = self._pod(alloc)
         self._ended_uid[key] = alloc.pod_uid or (pod.uid if pod is not None else "")
 
@@ -188,7 +202,7 @@ class Profiler:
         self.unattributed = collected.unattributed
         per_alloc: dict[str, list] = {}
         for p in collected.samples.processes:
-            alloc_id = collected.places.get(p.pid)
+            alloc_id = collected.places.get((p.pid, p.gpu_uuid))
             if alloc_id is not None:
                 per_alloc.setdefault(alloc_id, []).append(p)
         copied: dict[str, int] = {}
@@ -246,7 +260,7 @@ class Profiler:
         room = {g.uuid: g.gpu_util for g in collected.samples.gpus if g.gpu_util is not None
                 and math.isfinite(g.gpu_util)}
         for proc in collected.samples.processes:
-            if proc.gpu_uuid in room and collected.places.get(proc.pid) not in raw:
+            if proc.gpu_uuid in room and collected.places.get((proc.pid, proc.gpu_uuid)) not in raw:
                 room[proc.gpu_uuid] -= proc.sm_util or 0.0
         claimed: dict[str, float] = {}
         for alloc_id, util in raw.items():
@@ -292,7 +306,8 @@ class Profiler:
             # After an agent restart: carry on from what the pod says of this allocation (once, before this run's
             # first write; the pod watch must have listed the pods for that).
             pod = self._pod(alloc)
-            u.resume(parse_usage(pod.usage).get(alloc.container) if pod is not None and alloc.container else None)
+            u.resume(gpu_entry(parse_usage(pod.usage).get(alloc.container), alloc.id)
+                     if pod is not None and alloc.container else None)
         u.memory_limit_bytes, u.compute_limit_percent = alloc.memory_limit, alloc.compute_limit
         return u
 
@@ -305,21 +320,24 @@ class Profiler:
         return self.pods.get(alloc.pod_uid) if alloc.pod_uid else self.pods.find(alloc.namespace, alloc.pod_name)
 
     def _snapshot(self) -> _Snapshot:
-        containers: dict[tuple[str, str], str] = {}
+        containers: dict[str, dict[tuple[str, str], str]] = {}
         pod_uids: dict[str, str] = {}
+        gpus: dict[str, str] = {}
         for alloc in self.ledger.allocations.values():
+            gpus[alloc.id] = alloc.gpu_uuid
             pod = self._pod(alloc)
             if pod is None:
                 if alloc.pod_uid:
                     pod_uids[alloc.id] = alloc.pod_uid
                 continue
             pod_uids[alloc.id] = pod.uid
+            on_gpu = containers.setdefault(alloc.gpu_uuid, {})
             for name, cid in pod.container_ids:
                 if alloc.serves(name):  # a DRA claim's slice may serve several containers
-                    containers[(pod.uid, cid)] = alloc.id
+                    on_gpu[(pod.uid, cid)] = alloc.id
         for alloc_id in [i for i in self._regions if i not in self.ledger.allocations]:
             self._regions.pop(alloc_id).close()
-        return _Snapshot(tuple(self.ledger.allocations), containers, pod_uids)
+        return _Snapshot(tuple(self.ledger.allocations), containers, pod_uids, gpus)
 
     def _region(self, alloc_id: str) -> Region | None:
         region = self._regions.get(alloc_id)
@@ -334,10 +352,10 @@ class Profiler:
         """In a worker thread: sample the GPUs, read the region slots, place every process."""
         samples = self.backend.sample()
         at = time.monotonic()
-        slots: list[SlotPid] = []
-        waits: dict[str, list[tuple[tuple[int, int, int], int]]] = {}
-        copies: dict[str, list[tuple[tuple[int, int, int], int]]] = {}
-        gpu_time: dict[str, list[tuple[tuple[int, int, int], int]]] = {}
+        slots: dict[str, list[SlotPid]] = {}  # GPU uuid -> the slots of its allocations' regions
+        waits: dict[str, Slots] = {}
+        copies: dict[str, Slots] = {}
+        gpu_time: dict[str, Slots] = {}
         region_memory: dict[str, int] = {}
         for alloc_id in snap.alloc_ids:
             region = self._region(alloc_id)
@@ -348,21 +366,23 @@ class Profiler:
                 region_memory[alloc_id] = region.memory_in_use(readings)
             except RegionError:
                 continue
+            on_gpu = slots.setdefault(snap.gpus[alloc_id], [])
             for s in readings:
-                slots.append(SlotPid(alloc_id, s.pid, s.start_time, snap.pod_uids.get(alloc_id, "")))
+                on_gpu.append(SlotPid(alloc_id, s.pid, s.start_time, snap.pod_uids.get(alloc_id, "")))
             waits[alloc_id] = [((s.index, s.pid, s.start_time), s.wait_ns) for s in readings]
             copies[alloc_id] = [((s.index, s.pid, s.start_time), s.copy_bytes) for s in readings]
             gpu_time[alloc_id] = [((s.index, s.pid, s.start_time), s.gpu_ns) for s in readings]
-        places: dict[int, str] = {}
+        places: dict[tuple[int, str], str] = {}
         unattributed: dict[str, int] = {g.uuid: 0 for g in samples.gpus}
         for p in samples.processes:
-            if p.pid in places:
+            # per GPU: a process of a container of several GPUs is on each of them, for its allocation there
+            if (p.pid, p.gpu_uuid) in places:
                 continue
-            place = self.mapper.place(p.pid, snap.containers, slots)
+            place = self.mapper.place(p.pid, snap.containers.get(p.gpu_uuid, {}), slots.get(p.gpu_uuid, []))
             if place is None:
                 unattributed[p.gpu_uuid] = unattributed.get(p.gpu_uuid, 0) + 1
             else:
-                places[p.pid] = place.alloc_id
+                places[(p.pid, p.gpu_uuid)] = place.alloc_id
         return _Collected(samples, places, unattributed, waits, copies, region_memory, gpu_time, at)
 
     def _drop_gone_pods(self) -> None:
@@ -403,9 +423,12 @@ class Profiler:
         pod = self.pods.find(*key) if self.pods is not None else None
         if pod is not None:
             entries.update(parse_usage(pod.usage))
+        # this agent's figures, per allocation (a container's GPU each): its container key, its order among the
+        # container's GPUs, whether that container has several, its entry; a live one's over its kept last ones
+        ours: dict[str, tuple[str, tuple[int, float], bool, dict[str, object]]] = {}
         uid = self._ended_uid.get(key, "")
         if pod is None or not uid or pod.uid == uid:
-            entries.update(self._ended.get(key, {}))
+            ours.update(self._ended.get(key, {}))
         if allocs is None:
             allocs = [a for a in self.ledger.allocations.values()
                       if a.identified and a.container and (a.namespace, a.pod_name) == key]
@@ -414,7 +437,14 @@ class Profiler:
             if alloc.id not in held:
                 continue
             u = self.usage.get(alloc.id) or self._entry(alloc)
-            entries[alloc.container] = u.entry()
+            ours[alloc.id] = (alloc.container, _order(alloc), bool(alloc.gpus), u.entry())
+        by_container: dict[str, list[tuple[tuple[int, float], bool, dict[str, object]]]] = {}
+        for container, order, several, entry in ours.values():
+            by_container.setdefault(container, []).append((order, several, entry))
+        for container, parts in by_container.items():
+            parts.sort(key=lambda p: p[0])
+            entries[container] = container_entry([e for _, _, e in parts],
+                                                 several=len(parts) > 1 or any(f for _, f, _ in parts))
         self._published[key] = now
         self.annotations.set_pod(key[0], key[1], {USAGE_ANNOTATION: render_usage(entries)})
 

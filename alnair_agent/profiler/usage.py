@@ -4,6 +4,10 @@ and one container's figures over its whole life.
 The value is a JSON object keyed by container name; each entry holds the fields of `FIELDS`. Utilizations are
 percent of the whole GPU, as NVML reports them; a container's GPU utilization is its own share (the sum of its
 processes' NVML per-process SM utilization). Means are over the time its processes were on the GPU.
+
+A container of several GPUs has one allocation, and one set of figures, per GPU: its entry holds `FIELDS` combined
+over its GPUs by each field's rule (`Field.several`), plus `gpus`, the list of its GPUs' own entries in the order it
+sees them. A one-GPU container's entry is exactly the fields, as it has always been (no `gpus`).
 """
 
 from __future__ import annotations
@@ -21,12 +25,42 @@ class Field:
     name: str
     unit: str
     meaning: str
+    several: str = "sum"  # how a container of several GPUs combines its GPUs' figures: a key of COMBINE
+
+
+def _numbers(values: list[Any]) -> list[float]:
+    return [float(v) for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)]
+
+
+def _sum(values: list[Any]) -> float | int:
+    ints = [v for v in values if isinstance(v, int) and not isinstance(v, bool)]
+    if len(ints) == len(_numbers(values)):
+        return sum(ints)  # bytes and percent limits stay integers
+    return round(sum(_numbers(values)), 3)
+
+
+def _time(values: list[Any], last: bool) -> str | None:
+    """The earliest (or latest) of RFC 3339 times, as written; None when there is none."""
+    times = sorted((t, v) for v in values if (t := _parse_time(v)) is not None)
+    return (times[-1] if last else times[0])[1] if times else None
+
+
+# The rules a container of several GPUs combines its GPUs' figures by: (the README's words, the function).
+COMBINE: dict[str, tuple[str, Any]] = {
+    "list": ("its GPUs' values, comma-separated, in `gpus` order",
+             lambda vs: ",".join(str(v) for v in vs)),
+    "state": ("`ended` once every GPU's is", lambda vs: "ended" if vs and all(v == "ended" for v in vs) else "running"),
+    "sum": ("the sum over its GPUs", _sum),
+    "max": ("the largest of its GPUs'", lambda vs: max(_numbers(vs), default=0.0)),
+    "earliest": ("the earliest of its GPUs'", lambda vs: _time(vs, last=False)),
+    "latest": ("the latest of its GPUs' (null: none yet)", lambda vs: _time(vs, last=True)),
+}
 
 
 FIELDS: tuple[Field, ...] = (
-    Field("gpu", "UUID", "The GPU the container was given."),
-    Field("allocation", "id", "The agent's allocation id (its workspace folder)."),
-    Field("state", "text", "`running`, or `ended` once the container has ended (final write)."),
+    Field("gpu", "UUID", "The GPU the container was given.", "list"),
+    Field("allocation", "id", "The agent's allocation id (its workspace folder).", "list"),
+    Field("state", "text", "`running`, or `ended` once the container has ended (final write).", "state"),
     Field("memory_limit_bytes", "bytes", "GPU memory limit the shim enforced (0: none)."),
     Field("compute_limit_percent", "%", "Compute cap the shim enforced (0: none)."),
     Field("gpu_util_mean", "% of the GPU", "Mean of the container's own GPU utilization while its processes "
@@ -41,11 +75,16 @@ FIELDS: tuple[Field, ...] = (
     Field("memory_max_bytes", "bytes", "Most GPU memory its processes held at once (NVML, else the shim's count)."),
     Field("gpu_seconds", "s", "GPU time: the integral of its GPU utilization over time (1 s at 100 % = 1)."),
     Field("throttled_seconds", "s", "Time its processes waited for their turn on the GPU (held back by its cap)."),
-    Field("observed_seconds", "s", "Time its processes were seen on the GPU (the means are over this)."),
-    Field("first_seen", "RFC 3339", "When the agent admitted the container."),
-    Field("last_seen", "RFC 3339", "Last sample that saw one of its processes on the GPU (null: none yet)."),
+    Field("observed_seconds", "s", "Time its processes were seen on the GPU (the means are over this).", "max"),
+    Field("first_seen", "RFC 3339", "When the agent admitted the container.", "earliest"),
+    Field("last_seen", "RFC 3339", "Last sample that saw one of its processes on the GPU (null: none yet).", "latest"),
 )
 FIELD_NAMES = tuple(f.name for f in FIELDS)
+assert all(f.several in COMBINE for f in FIELDS)
+# A container of several GPUs only: its GPUs' own entries (each with FIELDS), in the order it sees them.
+GPUS_FIELD = Field("gpus", "list", "Several GPUs only: one entry per GPU, in the order the container sees them "
+                   "(`NVIDIA_VISIBLE_DEVICES`, CUDA device 0 first), each with the fields above for that GPU alone.",
+                   "")
 
 
 def rfc3339(t: float | None) -> str | None:
@@ -195,6 +234,27 @@ class ContainerUsage:
             self.last_seen = _parse_time(entry.get("last_seen"))
 
 
+def container_entry(parts: list[dict[str, object]], several: bool) -> dict[str, object]:
+    """A container's entry from its GPUs' entries (in the order it sees its GPUs): the one entry itself for a
+    one-GPU container; for several, each field combined by its rule, and `gpus`."""
+    if not several and len(parts) == 1:
+        return parts[0]
+    out: dict[str, object] = {f.name: COMBINE[f.several][1]([p.get(f.name) for p in parts]) for f in FIELDS}
+    out[GPUS_FIELD.name] = list(parts)
+    return out
+
+
+def gpu_entry(entry: Any, allocation: str) -> Any:
+    """The figures of one allocation in a container's entry as found on a pod: the entry of its GPU in `gpus` for a
+    container of several GPUs, else the entry itself (None when neither names that allocation)."""
+    if not isinstance(entry, dict):
+        return None
+    gpus = entry.get(GPUS_FIELD.name)
+    if isinstance(gpus, list):
+        return next((g for g in gpus if isinstance(g, dict) and g.get("allocation") == allocation), None)
+    return entry if entry.get("allocation") == allocation else None
+
+
 def parse_usage(text: str) -> dict[str, Any]:
     """The annotation's entries as found on a pod ({} when absent or not a JSON object)."""
     if not text:
@@ -212,12 +272,14 @@ def render_usage(entries: dict[str, Any]) -> str:
 
 def markdown_table() -> str:
     """The README's table of the annotation's fields."""
-    rows = ["| Field | Unit | Meaning |", "| --- | --- | --- |"]
-    rows += [f"| `{f.name}` | {f.unit} | {f.meaning} |" for f in FIELDS]
+    rows = ["| Field | Unit | Meaning | Several GPUs |", "| --- | --- | --- | --- |"]
+    rows += [f"| `{f.name}` | {f.unit} | {f.meaning} | {COMBINE[f.several][0]} |" for f in FIELDS]
+    rows.append(f"| `{GPUS_FIELD.name}` | {GPUS_FIELD.unit} | {GPUS_FIELD.meaning} | |")
     return "\n".join(rows) + "\n"
 
 
-__all__ = ["USAGE_ANNOTATION", "FIELDS", "ContainerUsage", "parse_usage", "render_usage", "markdown_table"]
+__all__ = ["USAGE_ANNOTATION", "FIELDS", "GPUS_FIELD", "ContainerUsage", "container_entry", "gpu_entry",
+           "parse_usage", "render_usage", "markdown_table"]
 
 if __name__ == "__main__":
     import sys

@@ -26,7 +26,8 @@
  *   SIMCUDA_LAUNCH_HOLD_NS: every launch does.
  * - SIMCUDA_STATS=path: at exit, "name count" lines: calls per entry point, busy_ns, peak memory.
  * - SIMCUDA_TIMELINE_DIR=dir: kernels of all processes on one GPU (NVIDIA_VISIBLE_DEVICES) take turns on a shared
- *   timeline file there, which the agent's simulated backend reads (simtimeline.h).
+ *   timeline file there, which the agent's simulated backend reads (simtimeline.h); with SIMCUDA_DEVICES=n, device k's
+ *   kernels go on the k-th GPU's timeline.
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -366,7 +367,7 @@ API CUresult cuDriverGetVersion(int *v)
     return CUDA_SUCCESS;
 }
 /* SIMCUDA_DEVICES=n (1..16, default 1): that many devices, each with its own primary context; contexts know their
- * device (cuCtxGetDevice). Memory and kernel time stay one pool and one timeline for the process. */
+ * device (cuCtxGetDevice). Memory stays one pool for the process; kernel time goes on the device's own timeline. */
 #define SIM_MAX_DEVICES 16
 static int sim_devices(void)
 {
@@ -480,6 +481,24 @@ static uint64_t foreign_slice(void)
     return every && (atomic_fetch_add(&n, 1) + 1) % every == 0 ? ns : 0;
 }
 
+/* The memory a device's timeline reports for this process: all of it with one device (graphs and pools included);
+ * with several, the allocations made in that device's contexts (VMM handles count on device 0). */
+static uint64_t mem_on(int dev)
+{
+    static int devices; /* SIMCUDA_DEVICES, read once: this is on every launch */
+    if (devices == 0)
+        devices = sim_devices();
+    if (devices == 1)
+        return mem_used;
+    uint64_t sum = 0;
+    pthread_mutex_lock(&mmu);
+    for (size_t i = 0; i < nallocs; i++)
+        if ((allocs[i].ctx ? allocs[i].ctx->dev : 0) == dev)
+            sum += allocs[i].size;
+    pthread_mutex_unlock(&mmu);
+    return sum;
+}
+
 static CUresult run_kind(CUstream hs, int pt, uint64_t dur, enum simtl_kind kind);
 static CUresult run(CUstream hs, int pt, uint64_t dur) { return run_kind(hs, pt, dur, SIMTL_KERNEL); }
 static CUresult run_kind(CUstream hs, int pt, uint64_t dur, enum simtl_kind kind)
@@ -501,7 +520,8 @@ static CUresult run_kind(CUstream hs, int pt, uint64_t dur, enum simtl_kind kind
         uint64_t from = s->busy_until > now ? s->busy_until : now;
         if (kind == SIMTL_KERNEL)
             from += foreign_slice();
-        uint64_t start = simtl_book(from, dur, mem_used, kind);
+        int dev = cur_ctx ? cur_ctx->dev : 0;
+        uint64_t start = simtl_book(dev, from, dur, mem_on(dev), kind);
         s->busy_until = start + dur;
         s->ends[s->qpos] = s->busy_until;
         s->qpos = (s->qpos + 1) % QDEPTH;

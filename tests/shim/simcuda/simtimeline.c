@@ -20,18 +20,21 @@
 #define SLOT_WORDS (SLOT_HDR_WORDS + 2u * SIMTL_BUCKETS)
 #define FILE_WORDS (HDR_WORDS + 2u * SIMTL_BUCKETS + SIMTL_SLOTS * SLOT_WORDS)
 
-static uint64_t *tl;      /* the mapped file, or NULL */
-static uint64_t *myslot;  /* this process's slot, or NULL */
-static pid_t mypid;
+/* per device of the process (SIMCUDA_DEVICES): device k books on the timeline of the k-th GPU of
+ * NVIDIA_VISIBLE_DEVICES, as a container of several GPUs sees them */
+#define SIMTL_DEVICES 16
+static uint64_t *tls[SIMTL_DEVICES];     /* the mapped files, or NULL */
+static uint64_t *myslots[SIMTL_DEVICES]; /* this process's slot in each, or NULL */
+static pid_t mypids[SIMTL_DEVICES];
 static pthread_mutex_t tlmu = PTHREAD_MUTEX_INITIALIZER;
-static int tried;
+static int tried[SIMTL_DEVICES];
 static double switch_loss = 0.05; /* SIMCUDA_SWITCH_LOSS: the GPU time lost while contexts are time-sliced */
 
 #define LOAD(p) __atomic_load_n((p), __ATOMIC_ACQUIRE)
 #define STORE(p, v) __atomic_store_n((p), (v), __ATOMIC_RELEASE)
 #define CAS(p, o, n) __atomic_compare_exchange_n((p), (o), (n), 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)
 
-static void open_timeline(void)
+static uint64_t *open_timeline(int dev)
 {
     const char *dir = getenv("SIMCUDA_TIMELINE_DIR"), *gpus = getenv("NVIDIA_VISIBLE_DEVICES");
     const char *loss = getenv("SIMCUDA_SWITCH_LOSS");
@@ -40,44 +43,50 @@ static void open_timeline(void)
         if (v >= 0.0 && v < 1.0)
             switch_loss = v;
     }
-    if (dir == NULL || *dir == 0 || gpus == NULL || *gpus == 0)
-        return;
+    if (dir == NULL || *dir == 0 || gpus == NULL || *gpus == 0 || strchr(gpus, '/') != NULL)
+        return NULL;
+    for (int k = 0; k < dev; k++) { /* the dev-th GPU of the list */
+        gpus = strchr(gpus, ',');
+        if (gpus == NULL)
+            return NULL;
+        gpus++;
+    }
     char uuid[128], path[PATH_MAX];
     size_t n = strcspn(gpus, ",");
-    if (n >= sizeof uuid || strchr(gpus, '/') != NULL)
-        return;
+    if (n == 0 || n >= sizeof uuid)
+        return NULL;
     memcpy(uuid, gpus, n);
     uuid[n] = 0;
     if (snprintf(path, sizeof path, "%s/%s", dir, uuid) >= (int)sizeof path)
-        return;
+        return NULL;
     int fd = open(path, O_RDWR | O_CREAT | O_CLOEXEC, 0666);
     if (fd < 0)
-        return;
+        return NULL;
     struct stat st;
     if (fstat(fd, &st) != 0 || (st.st_size < (off_t)(FILE_WORDS * 8) && ftruncate(fd, FILE_WORDS * 8) != 0)) {
         close(fd);
-        return;
+        return NULL;
     }
     void *m = mmap(NULL, FILE_WORDS * 8, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
     close(fd);
     if (m == MAP_FAILED)
-        return;
+        return NULL;
     uint64_t *h = m;
     /* whoever comes first writes the header; every writer writes the same constants */
     h[1] = SIMTL_VERSION | ((uint64_t)SIMTL_SLOTS << 32);
     h[2] = SIMTL_BUCKET_NS;
     h[3] = SIMTL_BUCKETS;
     STORE(&h[0], SIMTL_MAGIC);
-    tl = h;
+    return h;
 }
 
-static uint64_t *slot_at(unsigned i) { return tl + HDR_WORDS + 2u * SIMTL_BUCKETS + (uint64_t)i * SLOT_WORDS; }
+static uint64_t *slot_at(uint64_t *tl, unsigned i) { return tl + HDR_WORDS + 2u * SIMTL_BUCKETS + (uint64_t)i * SLOT_WORDS; }
 
-static uint64_t *claim_slot(pid_t me)
+static uint64_t *claim_slot(uint64_t *tl, pid_t me)
 {
     for (int pass = 0; pass < 2; pass++) {
         for (unsigned i = 0; i < SIMTL_SLOTS; i++) {
-            uint64_t *s = slot_at(i);
+            uint64_t *s = slot_at(tl, i);
             uint64_t pid = LOAD(&s[0]);
             int dead = pass == 1 && pid != 0 && kill((pid_t)pid, 0) != 0 && errno == ESRCH;
             if ((pid == 0 || dead) && CAS(&s[0], &pid, (uint64_t)me)) {
@@ -121,21 +130,24 @@ static void book(uint64_t *buckets, uint64_t start, uint64_t end, uint64_t ns)
  * over that span, so the events around it see the stretched time a time-sliced kernel shows. A process's own
  * kernels run one after another (its lane_end). Speeds are fixed when a kernel is booked, so a change in who is
  * busy is felt within one in-flight horizon. */
-uint64_t simtl_book(uint64_t earliest, uint64_t dur, uint64_t mem_bytes, enum simtl_kind kind)
+uint64_t simtl_book(int dev, uint64_t earliest, uint64_t dur, uint64_t mem_bytes, enum simtl_kind kind)
 {
     pid_t me = getpid();
-    if (!tried || (tl != NULL && me != mypid)) {
+    if (dev < 0 || dev >= SIMTL_DEVICES)
+        dev = 0;
+    if (!tried[dev] || (tls[dev] != NULL && me != mypids[dev])) {
         pthread_mutex_lock(&tlmu);
-        if (!tried) {
-            open_timeline();
-            tried = 1;
+        if (!tried[dev]) {
+            tls[dev] = open_timeline(dev);
+            tried[dev] = 1;
         }
-        if (tl != NULL && me != mypid) { /* first booking, or a forked child */
-            myslot = claim_slot(me);
-            mypid = me;
+        if (tls[dev] != NULL && me != mypids[dev]) { /* first booking, or a forked child */
+            myslots[dev] = claim_slot(tls[dev], me);
+            mypids[dev] = me;
         }
         pthread_mutex_unlock(&tlmu);
     }
+    uint64_t *tl = tls[dev], *myslot = myslots[dev];
     if (tl == NULL || dur == 0)
         return earliest;
     uint64_t start = earliest, n = 1;
@@ -145,7 +157,7 @@ uint64_t simtl_book(uint64_t earliest, uint64_t dur, uint64_t mem_bytes, enum si
             start = lane;
     }
     for (unsigned i = 0; i < SIMTL_SLOTS; i++) {
-        uint64_t *s = slot_at(i);
+        uint64_t *s = slot_at(tl, i);
         if (s == myslot || LOAD(&s[0]) == 0)
             continue;
         if (LOAD(&s[3]) > start)

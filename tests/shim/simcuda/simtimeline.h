@@ -1,8 +1,8 @@
 /* simtimeline: one shared timeline per simulated GPU, so processes on one GPU take turns on it and the agent's
  * simulated backend sees what each process did (its NVML per-process utilization).
  *
- * A file per GPU, $SIMCUDA_TIMELINE_DIR/<GPU UUID> (the UUID from NVIDIA_VISIBLE_DEVICES, as Alnair's Allocate
- * answer sets it), mmap'd shared by every simulated-driver process and read by the agent
+ * A file per GPU, $SIMCUDA_TIMELINE_DIR/<GPU UUID> (device k's is the k-th UUID of NVIDIA_VISIBLE_DEVICES, as
+ * Alnair's Allocate answer lists a container's GPUs), mmap'd shared by every simulated-driver process and read by the agent
  * (alnair_agent/gpu/simtimeline.py mirrors this layout; keep both in step). Little-endian u64 fields:
  *   header (64 bytes): magic, version|nslots<<32, bucket_ns, nbuckets, gpu_busy_until, reserved x3
  *   GPU busy[nbuckets], GPU copy[nbuckets]
@@ -25,7 +25,7 @@
 
 enum simtl_kind { SIMTL_KERNEL = 0, SIMTL_COPY = 1 };
 
-/* Book `dur` ns of work of this process on its GPU, starting no earlier than `earliest` (CLOCK_MONOTONIC ns);
+/* Book `dur` ns of work of this process on its device `dev` (the dev-th GPU of NVIDIA_VISIBLE_DEVICES), starting no earlier than `earliest` (CLOCK_MONOTONIC ns);
  * `mem_bytes` is the process's device memory now. Returns when the kernel appears to start: it ends at the
  * returned time + dur (later than `earliest` + dur when it waits for its own process or shares the GPU). */
-uint64_t simtl_book(uint64_t earliest, uint64_t dur, uint64_t mem_bytes, enum simtl_kind kind);
+uint64_t simtl_book(int dev, uint64_t earliest, uint64_t dur, uint64_t mem_bytes, enum simtl_kind kind);
