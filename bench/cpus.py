@@ -78,9 +78,9 @@ class CpuPlan:
         self._next += 1
         return {**env, ENV_CPUS: str(cpu)}
 
-    def reset(self) -> None:
-        """A new scenario: its tenants take CPUs from the first again."""
-        self._next = 0
+    def reset(self, skip: int = 0) -> None:
+        """A new scenario: its tenants take CPUs from the first again (`skip` further on)."""
+        self._next = skip
 
     def describe(self) -> dict[str, list[int]]:
         return {"bench": self.bench, "tenants": self.tenants}
