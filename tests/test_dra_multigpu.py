@@ -8,7 +8,9 @@ allocator stand-in as kube-scheduler allocates them, containers made by the emul
 from __future__ import annotations
 
 import json
+import os
 import re
+import struct
 from pathlib import Path
 from typing import Any
 
@@ -263,3 +265,60 @@ async def test_a_first_available_subrequest_of_two_gpus_reaches_the_container_na
         assert regions(view) == [(2 * GiB, 20), (2 * GiB, 20)]
         assert {tuple(d.request_names) for d in node.kubelet.prepared[node.refs(pod)["gpu"].uid]} == {("gpus",)}
         await node.finish(pod)
+
+
+def host_region(view: ContainerView) -> Path:
+    folder, name = view.envs[ENV_REGION].rsplit("/", 1)
+    return Path(view.mounts[folder][0]) / name
+
+
+async def test_a_claims_pod_annotated_latency_gets_the_latency_class_and_its_neighbour_holds_for_it(root, api):
+    """The latency class composes with the DRA front-end: the policy is the pod's annotation, read by the same
+    dispatcher for a claim's slice as for a device plugin container's. A claim's container in a pod annotated
+    `latency` gets no window and a board slot; a strict claim's container on the same GPU gets a window and, once the
+    latency container has launched (its slot's counter, as the shim writes it), the hold mask naming that slot."""
+    from alnair_agent.constants import COMPUTE_POLICY_ANNOTATION
+    from alnair_agent.node.region_layout import (
+        BOARD_FILE_NAME,
+        CLASS_LATENCY,
+        CLASS_TURNS,
+        CTYPES,
+        SLOT_FIELDS,
+        absolute_offset,
+    )
+    from alnair_standins.dra_node import make_claim_pod
+
+    async with dra_node(root, api) as node:
+        sel = [INDEX.format(0)]
+        node.claim("svc", [{"name": "gpu", "memory": "4Gi", "compute": "30", "selectors": sel}])
+        node.claim("trainer", [{"name": "gpu", "memory": "4Gi", "compute": "70", "selectors": sel}])
+        svc = make_claim_pod("svc", {"gpu": "svc"}, [("main", [("gpu", None)])], node=node.node)
+        svc["metadata"]["annotations"] = {COMPUTE_POLICY_ANNOTATION: "latency"}
+        node.pods["svc"] = api.add_pod(svc)
+        trainer = node.pod("trainer", {"gpu": "trainer"}, [("main", [("gpu", None)])])
+        node.schedule(node.pods["svc"], ["svc"])
+        node.schedule(trainer, ["trainer"])
+        views = {"svc": (await node.start(node.pods["svc"]))["main"], "trainer": (await node.start(trainer))["main"]}
+        paths = {k: host_region(v) for k, v in views.items()}
+
+        def agent(name: str) -> dict[str, int]:
+            r = Region.open(paths[name])
+            try:
+                return r.read_agent_block()
+            finally:
+                r.close()
+
+        await wait_until(lambda: agent("svc")["compute_class"] == CLASS_LATENCY, timeout=10)
+        assert agent("svc")["turn_length_ns"] == 0  # no window: it launches at once
+        await wait_until(lambda: agent("trainer")["turn_length_ns"] > 0, timeout=10)
+        assert agent("trainer")["compute_class"] == CLASS_TURNS
+        assert (paths["trainer"].parent / BOARD_FILE_NAME).exists()  # the board it reads, in its own folder
+        # the latency container launches (what its shim counts in its slot): its neighbour holds for its board slot
+        start = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        with open(paths["svc"], "r+b") as f:
+            for field, value in (("pid", os.getpid()), ("start_time", start), ("launches", 10)):
+                ctype = next(x.ctype for x in SLOT_FIELDS if x.name == field)
+                f.seek(absolute_offset("alnair_region_slot", field, 0))
+                f.write(struct.pack("<" + CTYPES[ctype][0], value))
+        await wait_until(lambda: agent("trainer")["hold_mask"] != 0, timeout=10)
+        assert agent("trainer")["hold_pct"] == 60  # twice the latency caps
