@@ -161,10 +161,16 @@ class SimulatedBackend:
 
 
 def _alive(pid: int) -> bool:
+    """Whether the process still has the GPU as NVML would list it: running, not a zombie (the driver tears its
+    contexts down as it exits, before its parent reaps it)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True  # no /proc to tell (or it just went): kill said it was there
+    return stat[stat.rfind(")") + 2:][:1] not in ("Z", "X")

@@ -113,8 +113,8 @@ def check_cluster(c: Cluster, gpu_memory_units: dict[str, int]) -> None:
             assert len({m[part_run_dir(k)] for m in mounts[:1] for k in range(count)}) == count
             assert {e[ENV_VISIBLE_DEVICES] for e in envs} == {",".join(gpus)}
             for e in envs:  # both answers name the same limits (kubelet merges them first-wins)
-                if wanted[MEM] or percent:
-                    assert e[ENV_MEMORY_LIMIT] == str(memory_on[gpus[0]] * GIB)
+                if wanted[MEM] or percent:  # the tightest of its GPUs' (a share differs between GPU sizes)
+                    assert e[ENV_MEMORY_LIMIT] == str(min(memory_on.values()) * GIB)
                 if wanted[SM]:
                     assert e[ENV_COMPUTE_LIMIT] == str(each[SM] if each[SM] < 100 else 0)
             for k in range(count):

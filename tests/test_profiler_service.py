@@ -307,3 +307,30 @@ async def test_a_two_gpu_container_resumes_each_gpu_from_its_own_figures_and_end
     entry = written(sink)["main"]
     assert entry["state"] == "ended" and [g["state"] for g in entry["gpus"]] == ["ended", "ended"]
     assert [g["allocation"] for g in entry["gpus"]] == [first.id, second.id]
+
+
+async def test_a_placed_process_stays_placed_while_it_is_the_same_process(tmp_path: Path) -> None:
+    """A container's process whose evidence goes for a sample (its slot reclaimed as it exits while the driver still
+    lists it) keeps its allocation, never flickers to unattributed; a new process under the same pid (another start
+    time) is placed afresh: unattributed when nothing places it."""
+    proc = tmp_path / "proc" / "4242"
+    proc.mkdir(parents=True)
+    samples = Samples((GpuSample(GPU, 50.0, 10.0),), (ProcessSample(GPU, 4242, 30.0, 8.0, 1 << 20),), 1.0)
+    uid = "6f8f4f1c-2d0b-4a8e-9f3e-0b1a2c3d4e5f"
+    stat = "4242 (app) S " + " ".join(["0"] * 18) + " {start} 0 0\n"  # field 22: start time
+    (proc / "stat").write_text(stat.format(start=777))
+    (proc / "cgroup").write_text(f"0::/kubepods/burstable/pod{uid}/{CID}\n")
+    pods = Pods(by_name={("default", "p"): pod_info("p", uid)})
+    a = alloc("00000000000000a1", "p", uid)
+    p, _ = make(tmp_path, pods, [a], samples)
+    for cgroup, start, want in [
+        (f"0::/kubepods/burstable/pod{uid}/{CID}\n", 777, 0),  # placed by its cgroup
+        ("0::/\n", 777, 0),  # its cgroup says nothing for a moment: the same process stays placed
+        ("0::/\n", 777, 0),
+        ("0::/\n", 778, 1),  # another process under the same pid: nothing places it
+        (f"0::/kubepods/burstable/pod{uid}/{CID}\n", 778, 0),
+    ]:
+        (proc / "cgroup").write_text(cgroup)
+        (proc / "stat").write_text(stat.format(start=start))
+        await p.tick()
+        assert p.unattributed == {GPU: want}, (cgroup, start)

@@ -91,6 +91,8 @@ class Profiler:
         self.usage: dict[str, ContainerUsage] = {}  # allocation id -> figures
         self.last: Samples = Samples()
         self.unattributed: dict[str, int] = {}
+        # (host pid, GPU uuid) -> (allocation, the process's start time) it was placed on in the previous sample
+        self._placed: dict[tuple[int, str], tuple[str, int]] = {}
         self._regions: dict[str, Region] = {}
         # last figures of ended allocations, per pod: allocation id -> (its container key, its order, whether its
         # container has several GPUs, its entry)
@@ -373,16 +375,30 @@ class Profiler:
             copies[alloc_id] = [((s.index, s.pid, s.start_time), s.copy_bytes) for s in readings]
             gpu_time[alloc_id] = [((s.index, s.pid, s.start_time), s.gpu_ns) for s in readings]
         places: dict[tuple[int, str], str] = {}
+        placed: dict[tuple[int, str], tuple[str, int]] = {}
         unattributed: dict[str, int] = {g.uuid: 0 for g in samples.gpus}
         for p in samples.processes:
+            key = (p.pid, p.gpu_uuid)
             # per GPU: a process of a container of several GPUs is on each of them, for its allocation there
-            if (p.pid, p.gpu_uuid) in places:
+            if key in places:
                 continue
             place = self.mapper.place(p.pid, snap.containers.get(p.gpu_uuid, {}), slots.get(p.gpu_uuid, []))
-            if place is None:
+            alloc_id = place.alloc_id if place is not None else None
+            started = self.mapper.proc.start_time(p.pid)
+            before = self._placed.get(key)
+            if alloc_id is None and before is not None and started == before[1] and before[0] in snap.gpus:
+                # The same process (same start time) its allocation's evidence no longer shows for a moment: its
+                # slot reclaimed as it exits while the driver still lists it, its container's status in flux. It
+                # stays where it was rather than flicker to unattributed and back (a process never changes
+                # container).
+                alloc_id = before[0]
+            if alloc_id is None:
                 unattributed[p.gpu_uuid] = unattributed.get(p.gpu_uuid, 0) + 1
-            else:
-                places[(p.pid, p.gpu_uuid)] = place.alloc_id
+                continue
+            places[key] = alloc_id
+            if started is not None:
+                placed[key] = (alloc_id, started)
+        self._placed = placed
         return _Collected(samples, places, unattributed, waits, copies, region_memory, gpu_time, at)
 
     def _drop_gone_pods(self) -> None:
