@@ -383,21 +383,21 @@ class Profiler:
             if key in places:
                 continue
             place = self.mapper.place(p.pid, snap.containers.get(p.gpu_uuid, {}), slots.get(p.gpu_uuid, []))
-            alloc_id = place.alloc_id if place is not None else None
+            owner = place.alloc_id if place is not None else None
             started = self.mapper.proc.start_time(p.pid)
             before = self._placed.get(key)
-            if alloc_id is None and before is not None and started == before[1] and before[0] in snap.gpus:
+            if owner is None and before is not None and started == before[1] and before[0] in snap.gpus:
                 # The same process (same start time) its allocation's evidence no longer shows for a moment: its
                 # slot reclaimed as it exits while the driver still lists it, its container's status in flux. It
                 # stays where it was rather than flicker to unattributed and back (a process never changes
                 # container).
-                alloc_id = before[0]
-            if alloc_id is None:
+                owner = before[0]
+            if owner is None:
                 unattributed[p.gpu_uuid] = unattributed.get(p.gpu_uuid, 0) + 1
                 continue
-            places[key] = alloc_id
+            places[key] = owner
             if started is not None:
-                placed[key] = (alloc_id, started)
+                placed[key] = (owner, started)
         self._placed = placed
         return _Collected(samples, places, unattributed, waits, copies, region_memory, gpu_time, at)
 
