@@ -70,6 +70,7 @@ import shares_gpu as sg
 from benchstats import pct
 from cpus import CpuPlan
 
+from alnair_agent.constants import ENV_ALLOCATION_ID
 from alnair_standins.workloads import Node, NvmlUtilization, plain_env, run_py  # light: heavy imports when used
 
 # -- goals (issue 26) ----------------------------------------------------------------------------------------------
@@ -793,6 +794,18 @@ class Group(sg.Tenants):
             return None
 
 
+def held_back(node: Node, envs: dict[str, dict[str, str]]) -> dict[str, dict[str, float]]:
+    """What /metrics shows as alnair_container_held_back(_seconds)_total, per tenant: how long and how often its
+    launches were held back for a latency container (the dispatcher's counters, read from the agent in process)."""
+    dispatcher = getattr(node.agent, "dispatcher", None)
+    out: dict[str, dict[str, float]] = {}
+    for name, env in envs.items():
+        c = dispatcher.state.get(env.get(ENV_ALLOCATION_ID, "")) if dispatcher is not None else None
+        if c is not None:
+            out[name] = {"held_s": round(c.held_s, 4), "held_count": c.held_count}
+    return out
+
+
 def same_gpu(*envs: dict[str, str]) -> int:
     gpus = {e["CUDA_VISIBLE_DEVICES"] for e in envs}
     if len(gpus) != 1:
@@ -924,6 +937,9 @@ class Bench:
                 so, no = await asyncio.gather(ts.done(stream), ts.done(nb))
             res = analyse_pair(so, plan, no, t, sm.device.mean, sm.samples, pid)
             res["process_nvml_error"] = sm.process_error or (sm.process.error if sm.process else None)
+            if spec.node is not None:
+                res["held_back"] = held_back(node, {"stream": s_env, "neighbour": n_env})
+                say(f"  held back: {res['held_back']}")
             return res
 
     async def flood(self) -> dict:

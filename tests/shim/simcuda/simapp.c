@@ -573,13 +573,18 @@ static void run_op(const char *op, int argc, char **argv, int i)
     } else if (sscanf(op, "loop:%llu:%llu:%llu:%llu", &a, &b, &c, &d) == 4) {
         /* loop:MS:DUR:SYNC:HOST  DUR-ns kernels for MS ms of wall time; every SYNC-th launch waits for the GPU (0:
          * never), and HOST ns of host work (a spin) come before each launch: a loop that synchronizes, a
-         * launch-bound one (small kernels, host time between them) */
-        uint64_t t0 = mono(), n = 0, bad = 0;
+         * launch-bound one (small kernels, host time between them). "steps_at" lists when every LOOP_MARK-th
+         * launch call returned (monotonic ns), so the pace inside a window can be told from the pace outside it. */
+        enum { LOOP_MARK = 50 };
+        uint64_t t0 = mono(), n = 0, bad = 0, nmarks = 0, cap = 1u << 20;
+        uint64_t *marks = malloc(cap * sizeof *marks);
         while (mono() - t0 < a * 1000000ull) {
             for (uint64_t h = mono(); d && mono() - h < d;) {
             }
             bad += launch("launch", b, NULL) != CUDA_SUCCESS;
             n++;
+            if (marks != NULL && n % LOOP_MARK == 0 && nmarks < cap)
+                marks[nmarks++] = mono();
             if (c && n % c == 0)
                 api.StreamSync(NULL);
         }
@@ -587,6 +592,11 @@ static void run_op(const char *op, int argc, char **argv, int i)
         uint64_t wall = mono() - t0;
         printf("run launches=%llu bad=%llu gpu_ns=%llu wall_ns=%llu cpu_ns=0\n", (unsigned long long)n,
                (unsigned long long)bad, (unsigned long long)(n * b), (unsigned long long)wall);
+        printf("steps_at");
+        for (uint64_t i = 0; i < nmarks; i++)
+            printf(" %llu", (unsigned long long)marks[i]);
+        printf("\n");
+        free(marks);
     } else if (sscanf(op, "hsteps:%llu:%llu:%llu:%llu", &a, &b, &c, &d) == 4) {
         /* hsteps:MS:K:DUR:THINK  a host-bound training step: before each of its K distinct kernels of DUR ns the
          * host works THINK ns (Python, autograd: a spin), then it waits for the GPU (loss.item()), for MS ms. Each
