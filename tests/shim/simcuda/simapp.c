@@ -350,6 +350,34 @@ static void *tmain(void *arg)
     return NULL;
 }
 
+/* devices:N:MS:DUR  one thread per device k < N: device k's primary context current (as cudaSetDevice(k) in that
+ * thread), a stream of its own, DUR-ns kernels back to back for MS ms: a program busy on all its GPUs at once */
+struct djob {
+    unsigned long long dev, ms, dur, launched, bad;
+    uint64_t wall;
+};
+static void *dmain(void *arg)
+{
+    struct djob *j = arg;
+    CUcontext c = NULL;
+    CUstream s = NULL;
+    if (api.PrimaryRetain(&c, (CUdevice)j->dev) != CUDA_SUCCESS || api.SetCurrent(c) != CUDA_SUCCESS ||
+        api.StreamCreate(&s, 0) != CUDA_SUCCESS) {
+        j->bad = 1;
+        return NULL;
+    }
+    uint64_t t0 = mono();
+    while (mono() - t0 < j->ms * 1000000ull) {
+        if (launch("launch", j->dur, s) == CUDA_SUCCESS)
+            j->launched++;
+        else
+            j->bad++;
+    }
+    api.StreamSync(s);
+    j->wall = mono() - t0;
+    return NULL;
+}
+
 static void run_op(const char *op, int argc, char **argv, int i)
 {
     unsigned long long a = 0, b = 0, c = 0, d = 0, e6 = 0;
@@ -704,6 +732,18 @@ static void run_op(const char *op, int argc, char **argv, int i)
         uint64_t wall = mono() - t0;
         printf("run launches=%llu bad=%llu gpu_ns=%llu wall_ns=%llu cpu_ns=0\n", (unsigned long long)n,
                (unsigned long long)bad, (unsigned long long)(n * b), (unsigned long long)wall);
+    } else if (sscanf(op, "devices:%llu:%llu:%llu", &c, &a, &b) == 3) {
+        pthread_t th[16];
+        struct djob jobs[16];
+        for (unsigned long long k = 0; k < c && k < 16; k++) {
+            jobs[k] = (struct djob){k, a, b, 0, 0, 0};
+            pthread_create(&th[k], NULL, dmain, &jobs[k]);
+        }
+        for (unsigned long long k = 0; k < c && k < 16; k++) {
+            pthread_join(th[k], NULL);
+            printf("device dev=%llu launches=%llu bad=%llu gpu_ns=%llu wall_ns=%llu\n", k, jobs[k].launched,
+                   jobs[k].bad, jobs[k].launched * b, (unsigned long long)jobs[k].wall);
+        }
     } else if (sscanf(op, "threads:%llu:%llu:%llu", &c, &a, &b) == 3) {
         /* threads:N:MS:DUR  N threads launch DUR-ns kernels on the one legacy stream for MS ms */
         pthread_t th[64];
