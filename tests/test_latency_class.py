@@ -160,3 +160,53 @@ async def test_an_idle_latency_container_costs_its_neighbour_nothing(root, api, 
         assert block["hold_mask"] == 0  # nobody to hold back for: no bound on its queue either
         assert share >= 70 - 3
         assert (busy.region.parent / L.BOARD_FILE_NAME).exists()
+
+
+async def test_with_the_agent_down_requests_still_do_not_wait_and_a_flood_keeps_its_cap(root, api, build, timelines):  # noqa: F811
+    """The agent sets the classes, the neighbour's hold mask and the board, then stops (a crash, an upgrade): what
+    it left in the regions and the board holds on its own. A service process started after it stopped gets its
+    requests through without waiting for the neighbour's window, and a flood is still held to its cap over each
+    second, the neighbour making up what it was held."""
+    settings = settings_for(root, timelines)
+    async with api.api_client() as client:
+        running = running_agent(settings, kubernetes_for(client))
+        await running.__aenter__()
+        stopped = False
+        try:
+            async with KubeletEmulator(settings.device_plugin_dir, settings.pod_resources_socket) as kubelet:
+                await registered(kubelet)
+                svc = await admit(api, kubelet, build, timelines, "svc", 30, policy="latency")
+                busy = await admit(api, kubelet, build, timelines, "busy", 70)
+                await busy.start(9_500)
+                await asyncio.sleep(0.3)
+                await run_op(svc, requests_op(1_500, 100))  # the agent sees it launch: the neighbour's mask is set
+
+                def mask() -> int:
+                    region = Region.open(busy.region)
+                    try:
+                        return region.read_agent_block()["hold_mask"]
+                    finally:
+                        region.close()
+
+                assert mask() != 0
+                await running.__aexit__(None, None, None)  # the agent stops; the containers go on
+                stopped = True
+                lat = (await run_op(svc, requests_op(3_000, 100)))["latencies"]
+                t0 = now_ns()
+                await svc.start(3_500, shape="mm")  # then a flood, still without an agent
+                await asyncio.gather(svc.wait(), busy.wait())
+                busy.recorder.poll()
+                assert mask() != 0  # nobody took it away
+        finally:
+            if not stopped:
+                await running.__aexit__(None, None, None)
+    per_s = svc.series(t0 + 500_000_000, t0 + 3_500_000_000, 1_000_000_000)
+    nb = busy.series(t0 + 500_000_000, t0 + 3_500_000_000, 1_000_000_000)
+    print(f"agent down: p50 {pct(lat, 0.5):.2f} p99 {pct(lat, 0.99):.2f} ms ({len(lat)} requests); flood per s",
+          [round(x, 1) for x in per_s], "neighbour", [round(x, 1) for x in nb])
+    assert len(lat) >= 200
+    # under turns a request waits for its window: p50 >= 10 ms, p99 >= 30 (the first test); here about one
+    # neighbour kernel (0.5 ms) and the request itself (~0.6 ms), the tail this 2-core machine's
+    assert pct(lat, 0.5) <= 0.6 + BUSY_NS / 1e6 + 1.0 and pct(lat, 0.99) <= 20, lat
+    assert all(x <= 30 + 3 for x in per_s), per_s
+    assert all(x >= 35 for x in nb), nb
