@@ -7,10 +7,18 @@ The kernel is reached the way PyTorch reaches it: cuLaunchKernel from cuGetProcA
 Two comparisons, both interleaved:
   in-process   one process under LD_PRELOAD alternates batches through the shim's hook and through the real
                driver function (the shim's own alnair_hook_real), so both see the same process, clocks and caches;
-  processes    processes without the shim and with it (region: memory limit only; and no region at all) alternate.
+               once uncapped (region: memory limit only) and once metered (compute capped, its window all but 1 us
+               of each period, so the gate never holds a launch: every launch takes the metered path);
+  processes    processes without the shim and with it (region: memory limit only; no region at all; capped:
+               metered) alternate, --rounds of each.
+
+Goals (issue 25): uncapped <= +25 ns in-process; metered <= +100 ns across processes. A host's pace moves between
+processes (on the H200 VM by more than 100 ns a launch), so the across-process figure is judged only when the
+processes without the shim agree: the spread of their medians (max - min) is reported, and a spread over the
+goal marks the row UNSTABLE, which counts as failed; the in-process metered figure is printed beside it.
 
 Usage: python3 bench/launch_overhead.py --shim /tmp/shim/libalnair.so [--json out.json]
-Prints a table and writes JSON. Goal: <= 100 ns added per launch.
+Prints a table and writes JSON.
 """
 
 from __future__ import annotations
@@ -103,6 +111,54 @@ def summary(xs: list[float]) -> dict[str, float]:
             "mean_ns": statistics.fmean(xs)}
 
 
+GOAL_UNCAPPED_INPROC_NS = 25
+GOAL_METERED_NS = 100
+
+
+def paired(hook: list[float], real: list[float]) -> float:
+    """Median of the per-batch differences of batches run one after the other in one process."""
+    return statistics.median(h - r for h, r in zip(hook, real, strict=False))
+
+
+def verdict(what: str, added: float, goal: float, spread: float | None = None) -> dict[str, object]:
+    """A figure beside its goal; a reference whose spread is over the goal judges nothing (UNSTABLE: failed)."""
+    if spread is not None and spread > goal:
+        result = f"UNSTABLE (reference spread {spread:.0f} ns > {goal} ns)"
+    else:
+        result = "pass" if added <= goal else "FAIL"
+    return {"what": what, "added_ns": added, "goal_ns": goal, "result": result}
+
+
+def judge(inproc: dict[str, list[float]], inproc_metered: dict[str, list[float]], procs: dict[str, list[float]],
+          per_proc: dict[str, list[list[float]]]) -> dict:
+    """Rows, the paired and across-process figures, each against its goal."""
+    rows = {"in-process: real driver function": summary(inproc["real"]),
+            "in-process: through the shim's hook": summary(inproc["hook"]),
+            "in-process, metered: real driver function": summary(inproc_metered["real"]),
+            "in-process, metered: through the shim's hook": summary(inproc_metered["hook"])}
+    rows.update({f"processes: {k}": summary(v) for k, v in procs.items()})
+    ref = [statistics.median(r) for r in per_proc["no shim"]]
+    spread = max(ref) - min(ref)
+    base = rows["processes: no shim"]["median_ns"]
+    added_inproc = paired(inproc["hook"], inproc["real"])
+    added_inproc_metered = paired(inproc_metered["hook"], inproc_metered["real"])
+    added_procs = rows["processes: shim, region (uncapped)"]["median_ns"] - base
+    added_metered = rows["processes: shim, region (capped: metered)"]["median_ns"] - base
+    verdicts = [
+        verdict("uncapped, in-process (median of paired batches)", added_inproc, GOAL_UNCAPPED_INPROC_NS),
+        verdict("metered, across processes (medians)", added_metered, GOAL_METERED_NS, spread),
+        verdict("metered, in-process (median of paired batches; beside the goal)", added_inproc_metered,
+                GOAL_METERED_NS),
+        verdict("uncapped, across processes (medians)", added_procs, GOAL_METERED_NS, spread),
+    ]
+    return {"rows": rows, "reference_medians_ns": ref, "reference_spread_ns": spread,
+            "added_ns_in_process_median_of_pairs": added_inproc,
+            "added_ns_metered_in_process_median_of_pairs": added_inproc_metered,
+            "added_ns_across_processes_median": added_procs, "added_ns_metered_median": added_metered,
+            "goal_uncapped_in_process_ns": GOAL_UNCAPPED_INPROC_NS, "goal_metered_ns": GOAL_METERED_NS,
+            "verdicts": verdicts}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shim", required=True)
@@ -129,31 +185,24 @@ def main() -> None:
         shim_bare = {"LD_PRELOAD": a.shim, "ALNAIR_REGION": str(tmp / "none")}
         shim_capped = {"LD_PRELOAD": a.shim, "ALNAIR_REGION": str(capped)}
         inproc = run(exe, [str(a.batches), str(a.batch), "inproc"], shim_region)
-        procs: dict[str, list[float]] = {"no shim": [], "shim, region (uncapped)": [], "shim, no region": [],
-                                         "shim, region (capped: metered)": []}
+        inproc_metered = run(exe, [str(a.batches), str(a.batch), "inproc"], shim_capped)
+        envs = {"no shim": {}, "shim, region (uncapped)": shim_region, "shim, no region": shim_bare,
+                "shim, region (capped: metered)": shim_capped}
+        per_proc: dict[str, list[list[float]]] = {k: [] for k in envs}
         for _ in range(a.rounds):  # interleaved processes
-            procs["no shim"] += run(exe, [str(a.batches // a.rounds), str(a.batch)], {})["proc"]
-            procs["shim, region (uncapped)"] += run(exe, [str(a.batches // a.rounds), str(a.batch)], shim_region)["proc"]
-            procs["shim, no region"] += run(exe, [str(a.batches // a.rounds), str(a.batch)], shim_bare)["proc"]
-            procs["shim, region (capped: metered)"] += run(exe, [str(a.batches // a.rounds), str(a.batch)],
-                                                           shim_capped)["proc"]
+            for k, env in envs.items():
+                per_proc[k].append(run(exe, [str(a.batches // a.rounds), str(a.batch)], env)["proc"])
 
-    rows = {"in-process: real driver function": summary(inproc["real"]),
-            "in-process: through the shim's hook": summary(inproc["hook"])}
-    rows.update({f"processes: {k}": summary(v) for k, v in procs.items()})
-    added_inproc = statistics.median(h - r for h, r in zip(inproc["hook"], inproc["real"], strict=False))
-    added_procs = rows["processes: shim, region (uncapped)"]["median_ns"] - rows["processes: no shim"]["median_ns"]
-    added_metered = rows["processes: shim, region (capped: metered)"]["median_ns"] - rows["processes: no shim"]["median_ns"]
-    result = {"batch": a.batch, "rows": rows, "added_ns_in_process_median_of_pairs": added_inproc,
-              "added_ns_across_processes_median": added_procs, "added_ns_metered_median": added_metered,
-              "goal_ns": 100, "goal_metered_ns": 100}
+    procs = {k: [x for run_ in v for x in run_] for k, v in per_proc.items()}
+    result = judge(inproc, inproc_metered, procs, per_proc)
+    result["batch"] = a.batch
     print(f"{'mode':45} {'median ns':>10} {'p10':>8} {'p90':>8} {'n':>6}")
-    for k, v in rows.items():
+    for k, v in result["rows"].items():
         print(f"{k:45} {v['median_ns']:10.1f} {v['p10_ns']:8.1f} {v['p90_ns']:8.1f} {v['n']:6d}")
-    print(f"added per launch (in-process, median of paired batches): {added_inproc:.1f} ns   "
-          f"(across processes, medians): {added_procs:.1f} ns   goal <= 100 ns (uncapped)")
-    print(f"added per launch on the metered path (capped, its turn never holding it; across processes, medians): "
-          f"{added_metered:.1f} ns")
+    print(f"processes without the shim: medians {', '.join(f'{m:.1f}' for m in result['reference_medians_ns'])} ns "
+          f"(spread {result['reference_spread_ns']:.1f} ns)")
+    for v in result["verdicts"]:
+        print(f"{v['what']:62} {v['added_ns']:+8.1f} ns  goal <= {v['goal_ns']:>4}  {v['result']}")
     Path(a.json).write_text(json.dumps(result, indent=2))
 
 
