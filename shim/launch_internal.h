@@ -278,7 +278,9 @@ uint32_t window_procs(uint64_t ws);
  * until the one before it has run: at most two such kernels queued, whatever the estimates say (an estimate too
  * short let a matmul tenant queue milliseconds). Shorter launches are bounded by the estimate alone (an event each
  * would cost the host microseconds a launch). */
+#ifndef HOLD_EVENT_MIN_NS /* diagnostic builds may move it: -DHOLD_EVENT_MIN_NS=UINT64_MAX turns the bound off */
 #define HOLD_EVENT_MIN_NS 50000ull
+#endif
 #define HOLD_ONCE_MAX_NS 50000000ull /* one look at the board holds a launch back this long at most */
 #define HOLD_STEP_NS 200000ull       /* a held thread looks at the board again this often at least */
 #define HOLD_ROUNDS 8                /* holds and turns asked again, for one launch, at most */
