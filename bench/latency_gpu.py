@@ -797,7 +797,7 @@ class Group(sg.Tenants):
 def held_back(node: Node, envs: dict[str, dict[str, str]]) -> dict[str, dict[str, float]]:
     """What /metrics shows as alnair_container_held_back(_seconds)_total, per tenant: how long and how often its
     launches were held back for a latency container (the dispatcher's counters, read from the agent in process)."""
-    dispatcher = getattr(node.agent, "dispatcher", None)
+    dispatcher = getattr(getattr(node, "agent", None), "dispatcher", None)  # a stand-in node may have none
     out: dict[str, dict[str, float]] = {}
     for name, env in envs.items():
         c = dispatcher.state.get(env.get(ENV_ALLOCATION_ID, "")) if dispatcher is not None else None
