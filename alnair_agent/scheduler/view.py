@@ -29,6 +29,7 @@ from alnair_agent.kube.pods import PodError, PodInfo, parse_pod
 from alnair_agent.node import fit
 from alnair_agent.node.decision import LOCK_TTL_S, Decision
 from alnair_agent.node.gpu_devices import STALE_AFTER_S, AnnotationError, NodeReport, report_of_node
+from alnair_agent.scheduler.columns import Columns
 
 log = structlog.get_logger(__name__)
 
@@ -118,6 +119,9 @@ class ClusterView:
     # flat tuple each (fit.FreeSummary), and meet the summary itself only where counting cannot tell.
     _free: dict[str, fit.FreeSummary] = field(default_factory=dict)
     _expiring: list[tuple[float, str]] = field(default_factory=list)  # heap of (valid_until, node) of summaries
+    # The same rooms laid out in columns, one field per node (`columns.Columns`): a question no node was asked yet
+    # is judged for all of them at once there (the rare node whose units need more than 64 bits is not kept).
+    _columns: Columns = field(default_factory=Columns)
     # Per question (a pod's needs), what the nodes asked about answered, until a node changes: a burst of replicas,
     # and prioritize after filter, ask the same question of thousands of unchanged nodes.
     _answers: OrderedDict[tuple[fit.Need, ...], _Answers] = field(default_factory=OrderedDict)
@@ -127,6 +131,7 @@ class ClusterView:
     def _bump(self, node: str) -> None:
         self._cache.pop(node, None)
         self._free.pop(node, None)
+        self._columns.drop(node)
         for answers in self._answers.values():
             answers.forget(node)
 
@@ -259,10 +264,12 @@ class ClusterView:
             return cached
         summary = self._summarize(node, datetime.fromtimestamp(now_ts, timezone.utc))
         self._cache[node] = summary
-        if summary.free is not None:
+        if summary.free is not None and summary.rooms is not None:
             self._free[node] = summary.free
+            self._columns.set(node, summary.rooms)
         else:
             self._free.pop(node, None)
+            self._columns.drop(node)
         if summary.valid_until != float("inf"):
             heapq.heappush(self._expiring, (summary.valid_until, node))
         return summary
@@ -377,9 +384,17 @@ class ClusterView:
         new = [name for name in names if name not in fits and name not in fails]
         if not new:
             return answers, errors
-        counted = [name for name in new if name in frees]
-        for name, judged in zip(counted, fit.judge_all(shape, [frees[name] for name in counted], policy),
-                                strict=True):
+        columns = self._columns
+        counted = [name for name in new if name in columns.pos]
+        judged_all = columns.judge_all(shape, counted, policy)
+        if judged_all is None:  # more distinct answers than the columns' codes tell apart: one by one
+            counted, judged_all = [], []
+        if len(counted) < len(new):  # the nodes not in columns (units beyond 64 bits) that have a summary
+            done = set(counted)
+            rest = [name for name in new if name in frees and name not in done]
+            counted = counted + rest
+            judged_all = judged_all + fit.judge_all(shape, [frees[name] for name in rest], policy)
+        for name, judged in zip(counted, judged_all, strict=True):
             if judged is None:
                 fits.add(name)
             elif not isinstance(judged, fit._Undecided):
