@@ -68,7 +68,7 @@ def test_columns_judge_every_node_as_judge_all_does(seed: int) -> None:
             del rooms[name]
             continue
         rooms[name] = random_rooms(rng, rng.choice(GPU_SETS), scale)
-        assert columns.set(name, rooms[name])
+        assert columns.set(name, rooms[name], fit.FreeSummary.of(rooms[name]))
     assert set(columns.pos) == set(rooms)
     names = list(rooms)
     rng.shuffle(names)
@@ -82,6 +82,18 @@ def test_columns_judge_every_node_as_judge_all_does(seed: int) -> None:
         shape = fit.Shape.of(needs)
         expected = fit.judge_all(fit.Shape.of(needs), [fit.FreeSummary.of(rooms[n]) for n in asked], policy)
         assert columns.judge_all(shape, asked, policy) == expected, needs
+        # prioritize's scores where the pod fits: score_added's, or None (left to it) only where it caps the units
+        # or memory as a percent meets GPUs of several sizes
+        fitting = [n for n, judged in zip(asked, expected, strict=True) if judged is None]
+        for name, value in zip(fitting, columns.packed(shape, fitting), strict=True):
+            free = fit.FreeSummary.of(rooms[name])
+            if shape.per_gpu and free.memory_each < 0:
+                assert value is None
+                continue
+            sized = shape.on(free.memory_each) if shape.per_gpu else shape
+            added = (sized.steady_memory, sized.steady_compute)
+            capped = free[9] is None or added[0] > free[7] or added[1] > free[8]
+            assert value == (None if capped else fit.score_added(added, free, fit.PACK)), (name, needs)
 
 
 @pytest.mark.parametrize(("free", "total", "kept", "width"), [
@@ -94,9 +106,10 @@ def test_columns_judge_every_node_as_judge_all_does(seed: int) -> None:
 ])
 def test_fields_widen_for_large_units(free: int, total: int, kept: bool, width: int) -> None:
     columns = Columns()
-    assert columns.set("small", [fit.Room("a", 0, 10, 50, 80, 100)])
+    small = [fit.Room("a", 0, 10, 50, 80, 100)]
+    assert columns.set("small", small, fit.FreeSummary.of(small))
     big = [fit.Room("b", 0, free, 100, total, 100), fit.Room("c", 1, 0, 0, total, 100)]
-    assert columns.set("big", big) is kept
+    assert columns.set("big", big, fit.FreeSummary.of(big)) is kept
     assert columns.width == width
     for needs in ((fit.Need("x", 10, 50),), (fit.Need("x", free, 100),), (fit.Need("x", free + 1, 10),),
                   (fit.Need("x", 1, 1, count=2),)):
@@ -110,17 +123,18 @@ def test_a_dropped_node_leaves_no_trace_and_its_position_is_reused() -> None:
     columns = Columns()
     full = [fit.Room("a", 0, 80, 100, 80, 100)]
     empty = [fit.Room("a", 0, 0, 0, 80, 100)]
-    columns.set("x", full)
-    columns.set("y", empty)
+    columns.set("x", full, fit.FreeSummary.of(full))
+    columns.set("y", empty, fit.FreeSummary.of(empty))
     shape = fit.Shape.of((fit.Need("c", 40, 50),))
     assert columns.judge_all(shape, ["x", "y"], fit.PACK) == [None, (True, shape.whys[0])]
     where = columns.pos["x"]
     columns.drop("x")
-    columns.set("z", empty)
+    columns.set("z", empty, fit.FreeSummary.of(empty))
     assert columns.pos["z"] == where
     assert columns.judge_all(shape, ["z", "y"], fit.PACK) == [(True, shape.whys[0])] * 2
-    columns.set("z", full)  # the same node changed: judged on its new units
+    columns.set("z", full, fit.FreeSummary.of(full))  # the same node changed: judged on its new units
     assert columns.judge_all(shape, ["z"], fit.PACK) == [None]
+    assert columns.packed(shape, ["z"]) == [fit.score_added((40, 50), fit.FreeSummary.of(full), fit.PACK)] == [5]  # (40/80 + 50/100) / 2
 
 
 # -- the view: a changed node's answer is judged anew ---------------------------------------------------------------

@@ -31,6 +31,8 @@ _FITS = 1
 _UNDECIDED = 2
 
 Totals = tuple[tuple[int, int], ...]
+_Row = tuple[Totals, tuple[tuple[int, int], ...], tuple[int, int, int] | None]  # totals, rooms' fields, scores'
+_LIMIT = 1 << 63  # what a field of 64 bits holds beside its guard bit
 
 
 @dataclass
@@ -46,68 +48,99 @@ class _Ints:
 
 
 @dataclass
+class _Wide:
+    """Prioritize's columns as integers (64-bit fields), rebuilt after a change."""
+
+    ones: int
+    guard: int
+    base: int  # | guard, as the rest but `scorable` and `classes`
+    left_memory: int
+    left_compute: int
+    scorable: int  # 1 where the three above hold
+    classes: dict[Totals, int]  # 1 in the fields of each class's nodes
+
+
+@dataclass
 class Columns:
     width: int = _WIDTHS[0]
     pos: dict[str, int] = field(default_factory=dict)  # node -> position
-    _rows: dict[str, tuple[Totals, tuple[tuple[int, int], ...]]] = field(default_factory=dict)  # stored values
+    _rows: dict[str, _Row] = field(default_factory=dict)  # what is stored for each node
     _spare: list[int] = field(default_factory=list)  # positions freed by dropped nodes
     _size: int = 0  # positions in use or spare
     _cap: int = 0  # positions the columns have room for
     _memory: list[bytearray] = field(default_factory=list)  # per slot
     _compute: list[bytearray] = field(default_factory=list)
     _classes: dict[Totals, bytearray] = field(default_factory=dict)
+    # Prioritize's columns, 64-bit fields whatever `width`: score_added's numerator part, memory and compute free
+    # (+ 1), and 1 where those hold (see `set`)
+    _scores: list[bytearray] = field(default_factory=list)
     _members: dict[Totals, int] = field(default_factory=dict)  # how many nodes each class has
     _ints: _Ints | None = None
+    _wide: _Wide | None = None
 
     # -- feeding -------------------------------------------------------------------------------------------------
-    def set(self, node: str, rooms: Sequence[fit.Room]) -> bool:
-        """Keep `node`'s rooms (in their order); False (and the node not kept) when a value needs more than a
-        64-bit field."""
+    def set(self, node: str, rooms: Sequence[fit.Room], free: fit.FreeSummary) -> bool:
+        """Keep `node`'s rooms (in their order) and `free`, their summary; False (and the node not kept) when a
+        value needs more than a 64-bit field."""
         totals = tuple((r.memory_total, r.compute_total) for r in rooms)
         values = tuple((r.memory_free + 1 if r.memory_free >= 0 else 0, r.compute_free + 1 if r.compute_free >= 0
                         else 0) for r in rooms)
         top = max((max(v) for v in values), default=0)
-        if top >= 1 << (8 * _WIDTHS[-1] - 1):
+        if top >= _LIMIT:
             self.drop(node)
             return False
-        if self._rows.get(node) == (totals, values):
+        # prioritize's score: the node's part of score_added's numerator, and the memory and compute free on it
+        # (+ 1, as above); none where score_added takes another way (see `packed`)
+        base, left_m, left_c = free[9], free[7] + 1, free[8] + 1
+        scores = (base, max(0, left_m), max(0, left_c)) if base is not None and 0 <= base < _LIMIT and max(
+            left_m, left_c) < _LIMIT else None
+        row = (totals, values, scores)
+        if self._rows.get(node) == row:
             return True
         self.drop(node)
         if top >= 1 << (8 * self.width - 1):
             self._relay(next(w for w in _WIDTHS if top < 1 << (8 * w - 1)))
         p = self._spare.pop() if self._spare else self._grow()
         self.pos[node] = p
-        self._rows[node] = (totals, values)
-        self._write(p, totals, values, 1)
+        self._rows[node] = row
+        self._write(p, row, 1)
         return True
 
     def drop(self, node: str) -> None:
         p = self.pos.pop(node, None)
         if p is None:
             return
-        totals, values = self._rows.pop(node)
-        self._write(p, totals, tuple((0, 0) for _ in values), 0)
+        totals, values, _ = self._rows.pop(node)
+        self._write(p, (totals, tuple((0, 0) for _ in values), None), 0)
         self._spare.append(p)
 
     def _grow(self) -> int:
         p = self._size
         self._size += 1
         if self._size > self._cap:
-            extra = max(64, self._cap) * self.width
+            extra = max(64, self._cap)
             for column in (*self._memory, *self._compute, *self._classes.values()):
-                column.extend(bytes(extra))
-            self._cap += extra // self.width
+                column.extend(bytes(extra * self.width))
+            for column in self._scores:
+                column.extend(bytes(extra * 8))
+            self._cap += extra
         return p
 
-    def _write(self, p: int, totals: Totals, values: tuple[tuple[int, int], ...], member: int) -> None:
+    def _write(self, p: int, row: _Row, member: int) -> None:
+        totals, values, scores = row
         w = self.width
         while len(self._memory) < len(values):
             self._memory.append(bytearray(self._cap * w))
             self._compute.append(bytearray(self._cap * w))
+        while len(self._scores) < 4:
+            self._scores.append(bytearray(self._cap * 8))
         at = slice(p * w, (p + 1) * w)
         for j, (m, c) in enumerate(values):
             self._memory[j][at] = m.to_bytes(w, "little")
             self._compute[j][at] = c.to_bytes(w, "little")
+        wide = slice(p * 8, (p + 1) * 8)
+        for column, value in zip(self._scores, (*scores, 1) if scores else (0, 0, 0, 0), strict=True):
+            column[wide] = value.to_bytes(8, "little")
         flags = self._classes.get(totals)
         if flags is None:
             flags = self._classes[totals] = bytearray(self._cap * w)
@@ -115,15 +148,15 @@ class Columns:
         count = self._members[totals] = self._members.get(totals, 0) + (1 if member else -1)
         if count <= 0:  # no node of these GPUs any more: forget the class
             del self._members[totals], self._classes[totals]
-        self._ints = None
+        self._ints = self._wide = None
 
     def _relay(self, width: int) -> None:
         """Lay every column out again with `width`-byte fields."""
-        rows = [(self.pos[node], *self._rows[node]) for node in self.pos]
+        rows = [(self.pos[node], self._rows[node]) for node in self.pos]
         self.width = width
         self._memory, self._compute, self._classes, self._members = [], [], {}, {}
-        for p, totals, values in rows:
-            self._write(p, totals, values, 1)
+        for p, row in rows:
+            self._write(p, row, 1)
 
     def _as_ints(self) -> _Ints:
         ints = self._ints
@@ -137,6 +170,21 @@ class Columns:
                                       [int.from_bytes(c, "little") | guard for c in self._compute],
                                       {t: int.from_bytes(c, "little") for t, c in self._classes.items()})
         return ints
+
+    def _as_wide(self) -> _Wide:
+        wide = self._wide
+        if wide is None:
+            n, w = self._cap, self.width
+            ones = int.from_bytes(b"\x01".ljust(8, b"\x00") * n, "little")
+            guard = ones << 63
+            base, left_m, left_c, scorable = (int.from_bytes(c, "little") for c in self._scores)
+            classes = {}
+            for totals, flags in self._classes.items():
+                spread = bytearray(n * 8)
+                spread[::8] = flags[::w]  # one byte per position, from `width`-byte fields to 8-byte ones
+                classes[totals] = int.from_bytes(spread, "little")
+            wide = self._wide = _Wide(ones, guard, base | guard, left_m | guard, left_c | guard, scorable, classes)
+        return wide
 
     # -- judging -------------------------------------------------------------------------------------------------
     def judge_all(self, shape: fit.Shape, names: Sequence[str], policy: str) -> list[fit.Judged] | None:
@@ -205,6 +253,54 @@ class Columns:
         for m, c, k in shape.apart(empty):
             ok &= q.holds(m, c, k)
         return out + ok * _FITS + (rest ^ ok) * _UNDECIDED
+
+    # -- scoring -------------------------------------------------------------------------------------------------
+    def packed(self, shape: fit.Shape, names: Sequence[str]) -> list[int | None]:
+        """`fit.score_added(added, node's FreeSummary, PACK)` for `names`, every one kept here and fitting the pod,
+        `added` being the units its steady containers hold there; None where score_added takes another way (units
+        capped at what the node offers) or `added` depends on where the pod goes (memory as a percent on GPUs of
+        several sizes), for the caller to work out. The same integers as score_added: a node's score is how many of
+        s = 1..MAX_SCORE have numerator >= s x denominator, which is the floor of their ratio, clipped."""
+        wide = self._as_wide()
+        ones, guard = wide.ones, wide.guard
+        codes = 0
+        for totals, members in wide.classes.items():
+            members &= wide.scorable
+            if not members:
+                continue
+            sized = shape
+            if shape.per_gpu:
+                each = totals[0][0] if totals and all(m == totals[0][0] for m, _ in totals) else -1
+                if each < 0:
+                    continue
+                sized = shape.on(each)
+            am, ac = sized.steady_memory, sized.steady_compute
+            b, d = sum(m for m, _ in totals), sum(c for _, c in totals)  # FreeSummary's memory and compute offered
+            if am + 1 >= _LIMIT or ac + 1 >= _LIMIT:
+                continue
+            ok = members & _at_least(wide.left_memory, am + 1, ones, guard) & _at_least(
+                wide.left_compute, ac + 1, ones, guard)
+            if not ok:
+                continue
+            denominator, added = 2 * b * d, fit.MAX_SCORE * (am * d + ac * b)
+            score = 0
+            for s in range(1, fit.MAX_SCORE + 1):
+                threshold = s * denominator - added  # numerator >= s x denominator: base >= this
+                if threshold <= 0:
+                    score += ones
+                elif threshold < _LIMIT:
+                    score += _at_least(wide.base, threshold, ones, guard)
+            codes += (score + ones) & (ok * 0xF)  # score + 1 (at most 11) where `ok`, else 0
+        per_position = codes.to_bytes(self._cap * 8, "little")[::8]
+        return list(map(_SCORES.__getitem__, map(per_position.__getitem__, map(self.pos.__getitem__, names))))
+
+
+_SCORES: list[int | None] = [None, *range(fit.MAX_SCORE + 1)]  # code -> score
+
+
+def _at_least(column: int, threshold: int, ones: int, guard: int) -> int:
+    """1 in every field of `column` (with its guard bits set) holding at least `threshold` (0 < it < _LIMIT)."""
+    return ((column - ones * threshold) & guard) >> 63
 
 
 @dataclass

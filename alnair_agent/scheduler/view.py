@@ -21,7 +21,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
-from typing import Any
+from typing import Any, cast
 
 import structlog
 
@@ -103,6 +103,11 @@ class _Answers:
         self.fails.pop(node, None)
         self.packed.pop(node, None)
 
+
+# `scores`: a score under PACK (0..MAX_SCORE), or _NO_FIT, to the policy's score
+_NO_FIT = fit.MAX_SCORE + 1
+_AS_PACKED = [*range(fit.MAX_SCORE + 1), 0]
+_AS_SPREAD = [*(fit.MAX_SCORE - k for k in range(fit.MAX_SCORE + 1)), 0]
 
 MAX_QUESTIONS = 64  # questions whose answers are kept (at 5,000 nodes about 0.5 MB each)
 
@@ -266,7 +271,7 @@ class ClusterView:
         self._cache[node] = summary
         if summary.free is not None and summary.rooms is not None:
             self._free[node] = summary.free
-            self._columns.set(node, summary.rooms)
+            self._columns.set(node, summary.rooms, summary.free)
         else:
             self._free.pop(node, None)
             self._columns.drop(node)
@@ -333,39 +338,37 @@ class ClusterView:
                 (failed if known[0] else unresolvable)[name] = known[1]
         return passed, failed, unresolvable
 
-    def scores(self, names: Sequence[str], shape: fit.Shape, policy: str, now_ts: float) -> list[tuple[str, int]]:
-        """(node, score) for each name (0 where the pod does not fit or the node takes no pods)."""
+    def scores(self, names: Sequence[str], shape: fit.Shape, policy: str, now_ts: float) -> list[int]:
+        """Each name's score, in order (0 where the pod does not fit or the node takes no pods). Built with
+        C-level maps over the names: the per-node work is in the columns (or, for the few nodes they leave, below)."""
         answers, _ = self._answered(names, shape, now_ts)
         fits, packed, frees = answers.fits, answers.packed, self._free
-        am, ac = added = (shape.steady_memory, shape.steady_compute)
-        pack = policy == fit.PACK
-        top = fit.MAX_SCORE
-        out: list[tuple[str, int]] = []
-        for name in names:
+        todo = [name for name in names if name in fits and name not in packed]
+        if todo:  # the nodes' scores under PACK, all at once in columns
+            columns = self._columns
+            kept = [name for name in todo if name in columns.pos]
+            for name, value in zip(kept, columns.packed(shape, kept), strict=True):
+                if value is not None:
+                    packed[name] = value
+        raw: list[int | None] = list(map(packed.get, names))  # the score under PACK; None: not known yet
+        i = -1
+        while True:
+            try:
+                i = raw.index(None, i + 1)
+            except ValueError:
+                break
+            name = names[i]
             if name not in fits:
-                out.append((name, 0))
+                raw[i] = _NO_FIT
                 continue
-            value = packed.get(name)
-            if value is None:  # fit.score_added(added, f, PACK), its common case written out
-                f = frees[name]
-                if shape.per_gpu:  # memory as a percent: the units it holds depend on the node's GPUs
-                    if f[11] < 0:  # GPUs of several sizes: which ones it gets depends on the profile
-                        out.append((name, fit.score_added(
-                            shape.added(f, self.summary_at(name, now_ts).rooms or (), policy), f, policy)))
-                        continue
-                    sized = shape.on(f[11])  # f.memory_each; shape.added's answer for one size
-                    am, ac = added = sized.steady_memory, sized.steady_compute
-                if f[9] is not None and am <= f[7] and ac <= f[8]:
-                    value = (f[9] + top * (am * f[3] + ac * f[1])) // f[10]
-                    if value < 0:
-                        value = 0
-                    elif value > top:
-                        value = top
-                else:
-                    value = fit.score_added(added, f, fit.PACK)
-                packed[name] = value
-            out.append((name, value if pack else top - value))
-        return out
+            f = frees[name]
+            if shape.per_gpu and f[11] < 0:  # GPUs of several sizes: which ones it gets depends on the profile
+                raw[i] = fit.score_added(shape.added(f, self.summary_at(name, now_ts).rooms or (), policy), f,
+                                         fit.PACK)  # (not kept: another profile puts the pod elsewhere)
+                continue
+            sized = shape.on(f[11]) if shape.per_gpu else shape  # memory as a percent: in units of its GPUs
+            raw[i] = packed[name] = fit.score_added((sized.steady_memory, sized.steady_compute), f, fit.PACK)
+        return list(map((_AS_PACKED if policy == fit.PACK else _AS_SPREAD).__getitem__, cast(list[int], raw)))
 
     def _answered(self, names: Sequence[str], shape: fit.Shape, now_ts: float
                   ) -> tuple[_Answers, dict[str, tuple[bool, str]]]:
