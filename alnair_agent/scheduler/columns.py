@@ -26,13 +26,16 @@ from alnair_agent.node import fit
 
 _WIDTHS = (2, 4, 8)  # bytes per field; widened (everything re-laid) when a node's units need more
 MAX_CODES = 250  # distinct answers one question may have (a code per position is one byte)
-_NOT_JUDGED = 0  # a position no class judged (not in the view): judged as UNDECIDED, i.e. placed
-_FITS = 1
-_UNDECIDED = 2
+# A question's answer per node, one byte: these three, or the index of a (resolvable, why) in its table.
+NOT_JUDGED = 0  # a position no class judged (no node there): as UNDECIDED, i.e. placed
+FITS = 1
+UNDECIDED = 2
+_TABLE: list[fit.Judged] = [fit.UNDECIDED, None, fit.UNDECIDED]
 
 Totals = tuple[tuple[int, int], ...]
 _Row = tuple[Totals, tuple[tuple[int, int], ...], tuple[int, int, int] | None]  # totals, rooms' fields, scores'
 _LIMIT = 1 << 63  # what a field of 64 bits holds beside its guard bit
+_HALF = 1 << 62  # prioritize adds two such numbers in a field
 
 
 @dataclass
@@ -53,7 +56,7 @@ class _Wide:
 
     ones: int
     guard: int
-    base: int  # | guard, as the rest but `scorable` and `classes`
+    base: int  # without the guard bits, unlike the two below
     left_memory: int
     left_compute: int
     scorable: int  # 1 where the three above hold
@@ -92,7 +95,7 @@ class Columns:
         # prioritize's score: the node's part of score_added's numerator, and the memory and compute free on it
         # (+ 1, as above); none where score_added takes another way (see `packed`)
         base, left_m, left_c = free[9], free[7] + 1, free[8] + 1
-        scores = (base, max(0, left_m), max(0, left_c)) if base is not None and 0 <= base < _LIMIT and max(
+        scores = (base, max(0, left_m), max(0, left_c)) if base is not None and 0 <= base < _HALF and max(
             left_m, left_c) < _LIMIT else None
         row = (totals, values, scores)
         if self._rows.get(node) == row:
@@ -118,7 +121,7 @@ class Columns:
         p = self._size
         self._size += 1
         if self._size > self._cap:
-            extra = max(64, self._cap)
+            extra = max(64, self._cap // 4)  # every question's work is in proportion to the room: keep it tight
             for column in (*self._memory, *self._compute, *self._classes.values()):
                 column.extend(bytes(extra * self.width))
             for column in self._scores:
@@ -183,20 +186,26 @@ class Columns:
                 spread = bytearray(n * 8)
                 spread[::8] = flags[::w]  # one byte per position, from `width`-byte fields to 8-byte ones
                 classes[totals] = int.from_bytes(spread, "little")
-            wide = self._wide = _Wide(ones, guard, base | guard, left_m | guard, left_c | guard, scorable, classes)
+            wide = self._wide = _Wide(ones, guard, base, left_m | guard, left_c | guard, scorable, classes)
         return wide
 
     # -- judging -------------------------------------------------------------------------------------------------
     def judge_all(self, shape: fit.Shape, names: Sequence[str], policy: str) -> list[fit.Judged] | None:
         """`fit.judge_all(shape, [each node's FreeSummary], policy)` for `names`, every one of them kept here;
         None when the question has more distinct answers than a byte tells apart (the caller asks fit.judge_all)."""
+        coded = self.codes(shape, names, policy)
+        return None if coded is None else list(map(coded[1].__getitem__, coded[0]))
+
+    def codes(self, shape: fit.Shape, names: Sequence[str], policy: str) -> tuple[bytes, list[fit.Judged]] | None:
+        """`judge_all` as one byte per name, and what each byte means (FITS: None, UNDECIDED, or an answer): the
+        caller sorts thousands of names by answer with C-level maps over the bytes."""
         if not shape.needs:
-            return [None] * len(names)
+            return bytes([FITS]) * len(names), _TABLE[:]
         if shape.has_init:
-            return [fit.UNDECIDED] * len(names)
+            return bytes([UNDECIDED]) * len(names), _TABLE[:]
         ints = self._as_ints()
         question = _Question(ints)
-        table: list[fit.Judged] = [fit.UNDECIDED, None, fit.UNDECIDED]
+        table = _TABLE[:]
         index: dict[tuple[bool, str], int] = {}
 
         def code(answer: tuple[bool, str]) -> int:
@@ -213,7 +222,7 @@ class Columns:
                 return None
         w = self.width
         per_position = codes.to_bytes(self._cap * w, "little")[::w]
-        return list(map(table.__getitem__, map(per_position.__getitem__, map(self.pos.__getitem__, names))))
+        return bytes(map(per_position.__getitem__, map(self.pos.__getitem__, names))), table
 
     def _judge_class(self, shape: fit.Shape, totals: Totals, members: int, policy: str, q: _Question,
                      code: Callable[[tuple[bool, str]], int]) -> int:
@@ -222,10 +231,10 @@ class Columns:
         if shape.per_gpu:
             each = totals[0][0] if totals and all(m == totals[0][0] for m, _ in totals) else -1  # memory_each
             if each < 0:  # GPUs of several sizes: placed
-                return members * _UNDECIDED
+                return members * UNDECIDED
             shape = shape.on(each)
         if len(totals) < shape.gpus:  # too few GPUs: place's own words
-            return members * _UNDECIDED
+            return members * UNDECIDED
         # The shared summary of these GPUs empty, as the nodes' own summaries hold it (Shape keeps `never` and
         # `apart` by its identity, so it must be the long-lived one, not a copy).
         empty = fit.empty_summary(totals)
@@ -239,9 +248,9 @@ class Columns:
             else:
                 answer = (False, fit._why_too_big(shape.steady[0], max(x for x, _ in totals),
                                                   max(y for _, y in totals)))
-            return fits * _FITS + (members ^ fits) * code(answer)
+            return fits * FITS + (members ^ fits) * code(answer)
         together = q.holds(*shape.together) & members
-        out = together * _FITS
+        out = together * FITS
         rest = members ^ together
         never = shape.never(empty, policy)
         for (m, c, k), why in zip(shape.each, shape.whys, strict=True):
@@ -252,7 +261,7 @@ class Columns:
         ok = rest
         for m, c, k in shape.apart(empty):
             ok &= q.holds(m, c, k)
-        return out + ok * _FITS + (rest ^ ok) * _UNDECIDED
+        return out + ok * FITS + (rest ^ ok) * UNDECIDED
 
     # -- scoring -------------------------------------------------------------------------------------------------
     def packed(self, shape: fit.Shape, names: Sequence[str]) -> list[int | None]:
@@ -260,7 +269,7 @@ class Columns:
         `added` being the units its steady containers hold there; None where score_added takes another way (units
         capped at what the node offers) or `added` depends on where the pod goes (memory as a percent on GPUs of
         several sizes), for the caller to work out. The same integers as score_added: a node's score is how many of
-        s = 1..MAX_SCORE have numerator >= s x denominator, which is the floor of their ratio, clipped."""
+        score is the floor of numerator / denominator, clipped to 0..MAX_SCORE, as there."""
         wide = self._as_wide()
         ones, guard = wide.ones, wide.guard
         codes = 0
@@ -283,13 +292,16 @@ class Columns:
             if not ok:
                 continue
             denominator, added = 2 * b * d, fit.MAX_SCORE * (am * d + ac * b)
+            if added >= _HALF or 16 * denominator >= _HALF:
+                continue
+            # floor(numerator / denominator) by binary search, every field at once (score <= acc + step when
+            # numerator >= (acc + step) x denominator); the numerator is below 2^63: base and added below 2^62 each
+            numerator = (wide.base + ones * added) | guard
             score = 0
-            for s in range(1, fit.MAX_SCORE + 1):
-                threshold = s * denominator - added  # numerator >= s x denominator: base >= this
-                if threshold <= 0:
-                    score += ones
-                elif threshold < _LIMIT:
-                    score += _at_least(wide.base, threshold, ones, guard)
+            for step in (8, 4, 2, 1):
+                score += step * ((((numerator - (score + ones * step) * denominator) & guard)) >> 63)
+            over = (((score | guard) - ones * (fit.MAX_SCORE + 1)) & guard) >> 63  # clipped at MAX_SCORE
+            score = (score & ((ones * 0xF) ^ (over * 0xF))) | (over * fit.MAX_SCORE)
             codes += (score + ones) & (ok * 0xF)  # score + 1 (at most 11) where `ok`, else 0
         per_position = codes.to_bytes(self._cap * 8, "little")[::8]
         return list(map(_SCORES.__getitem__, map(per_position.__getitem__, map(self.pos.__getitem__, names))))

@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import asyncio
 import heapq
+import operator
 import time
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
+from itertools import compress
 from typing import Any, cast
 
 import structlog
@@ -327,13 +329,12 @@ class ClusterView:
         GPUs would not), `names` in order. A node that takes no pods at all gives its summary's error."""
         answers, errors = self._answered(names, shape, now_ts)
         fits, fails = answers.fits, answers.fails
-        passed: list[str] = []
+        inside = list(map(fits.__contains__, names))
+        passed = list(compress(names, inside))
         failed: dict[str, str] = {}
         unresolvable: dict[str, str] = {}
-        for name in names:
-            if name in fits:
-                passed.append(name)
-            else:
+        if len(passed) < len(names):
+            for name in compress(names, map(operator.not_, inside)):
                 known = fails.get(name) or errors[name]
                 (failed if known[0] else unresolvable)[name] = known[1]
         return passed, failed, unresolvable
@@ -343,13 +344,17 @@ class ClusterView:
         C-level maps over the names: the per-node work is in the columns (or, for the few nodes they leave, below)."""
         answers, _ = self._answered(names, shape, now_ts)
         fits, packed, frees = answers.fits, answers.packed, self._free
-        todo = [name for name in names if name in fits and name not in packed]
+        todo = list(compress(names, map(fits.__contains__, names)))
+        if packed:
+            todo = [name for name in todo if name not in packed]
         if todo:  # the nodes' scores under PACK, all at once in columns
             columns = self._columns
             kept = [name for name in todo if name in columns.pos]
-            for name, value in zip(kept, columns.packed(shape, kept), strict=True):
-                if value is not None:
-                    packed[name] = value
+            values = columns.packed(shape, kept)
+            if None in values:
+                packed.update((name, value) for name, value in zip(kept, values, strict=True) if value is not None)
+            else:
+                packed.update(zip(kept, cast(list[int], values), strict=True))
         raw: list[int | None] = list(map(packed.get, names))  # the score under PACK; None: not known yet
         i = -1
         while True:
@@ -389,19 +394,26 @@ class ClusterView:
             return answers, errors
         columns = self._columns
         counted = [name for name in new if name in columns.pos]
-        judged_all = columns.judge_all(shape, counted, policy)
-        if judged_all is None:  # more distinct answers than the columns' codes tell apart: one by one
-            counted, judged_all = [], []
+        coded = columns.codes(shape, counted, policy)
+        if coded is None:  # more distinct answers than the columns' codes tell apart: one by one
+            counted = []
+        else:  # sorted by answer with C-level passes over the codes (a few distinct ones)
+            codes, table = coded
+            for value in set(codes):
+                answer = table[value]
+                if answer is None:
+                    fits.update(compress(counted, map(value.__eq__, codes)))
+                elif not isinstance(answer, fit._Undecided):
+                    fails.update(dict.fromkeys(compress(counted, map(value.__eq__, codes)), answer))
         if len(counted) < len(new):  # the nodes not in columns (units beyond 64 bits) that have a summary
             done = set(counted)
             rest = [name for name in new if name in frees and name not in done]
-            counted = counted + rest
-            judged_all = judged_all + fit.judge_all(shape, [frees[name] for name in rest], policy)
-        for name, judged in zip(counted, judged_all, strict=True):
-            if judged is None:
-                fits.add(name)
-            elif not isinstance(judged, fit._Undecided):
-                fails[name] = judged
+            for name, judged in zip(rest, fit.judge_all(shape, [frees[name] for name in rest], policy),
+                                    strict=True):
+                if judged is None:
+                    fits.add(name)
+                elif not isinstance(judged, fit._Undecided):
+                    fails[name] = judged
         for name in new:
             if name in fits or name in fails:
                 continue
