@@ -209,3 +209,16 @@ def test_filter_answers_follow_every_change_of_a_node(seed: int) -> None:
             continue
         changes[kind] += 1
     assert changes["report"] and changes["reserve"]
+
+
+def test_a_node_beyond_the_columns_is_judged_one_by_one() -> None:
+    """A node whose units need more than 64 bits is not in columns; filter judges it as bind would place."""
+    huge = 2**64
+    nodes = [node("small", [gpu(0, mem=16, mem_free=16)]), node("huge", [gpu(0, mem=huge, mem_free=huge // 2)]),
+             node("full", [gpu(0, mem=huge, mem_free=0)])]
+    view = view_of(nodes)
+    result = filter_nodes(args(pod(containers=[("train", 8, 50)]), nodes), view)
+    assert result.node_names == ["small", "huge"] and set(result.failed) == {"full"}
+    assert "huge" not in view._columns.pos and "small" in view._columns.pos
+    result = filter_nodes(args(pod(containers=[("train", 8, 50)]), nodes), view)  # its answer kept, asked again
+    assert result.node_names == ["small", "huge"] and set(result.failed) == {"full"}

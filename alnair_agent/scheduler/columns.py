@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from itertools import repeat
 
 from alnair_agent.node import fit
 
@@ -198,7 +199,8 @@ class Columns:
 
     def codes(self, shape: fit.Shape, names: Sequence[str], policy: str) -> tuple[bytes, list[fit.Judged]] | None:
         """`judge_all` as one byte per name, and what each byte means (FITS: None, UNDECIDED, or an answer): the
-        caller sorts thousands of names by answer with C-level maps over the bytes."""
+        caller sorts thousands of names by answer with C-level maps over the bytes. A name not kept here gets
+        NOT_JUDGED (to be judged some other way)."""
         if not shape.needs:
             return bytes([FITS]) * len(names), _TABLE[:]
         if shape.has_init:
@@ -220,9 +222,9 @@ class Columns:
             codes += self._judge_class(shape, totals, members, policy, question, code)
             if len(table) > MAX_CODES:  # at most one answer per container and set of GPU sizes: a pod of hundreds
                 return None
-        w = self.width
-        per_position = codes.to_bytes(self._cap * w, "little")[::w]
-        return bytes(map(per_position.__getitem__, map(self.pos.__getitem__, names))), table
+        w, cap = self.width, self._cap
+        per_position = codes.to_bytes(cap * w, "little")[::w] + bytes([NOT_JUDGED])  # a name not kept: position cap
+        return bytes(map(per_position.__getitem__, map(self.pos.get, names, repeat(cap)))), table
 
     def _judge_class(self, shape: fit.Shape, totals: Totals, members: int, policy: str, q: _Question,
                      code: Callable[[tuple[bool, str]], int]) -> int:

@@ -27,6 +27,7 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
+from itertools import repeat
 from typing import Any, NamedTuple, overload
 
 from alnair_agent.kube.pods import PodError, parse_pod
@@ -190,14 +191,10 @@ def _reasons_json(reasons: Mapping[str, str]) -> str | None:
     """{node: reason} as compact JSON, each distinct reason escaped once; None when a node name needs escaping."""
     if not _PLAIN_NAMES.fullmatch(",".join(reasons)):
         return None
-    escaped: dict[str, str] = {}
-    parts = []
-    for node, reason in reasons.items():
-        text = escaped.get(reason)
-        if text is None:
-            text = escaped[reason] = json.dumps(reason)
-        parts.append(f'"{node}":{text}')
-    return "{" + ",".join(parts) + "}"
+    # '"node' + '":"reason"' per node, joined by C-level maps (thousands of nodes, a few distinct reasons)
+    escaped = {reason: '":' + json.dumps(reason) for reason in set(reasons.values())}
+    return "{" + ",".join(map(str.__add__, map('"'.__add__, reasons), map(escaped.__getitem__,
+                                                                         reasons.values()))) + "}"
 _SCORE_TAILS = [f'","Score":{k}}}' for k in range(fit.MAX_SCORE + 1)]
 _HOST = '{"Host":"'
 
@@ -205,9 +202,9 @@ _HOST = '{"Host":"'
 def _node_names(args: Mapping[str, Any]) -> list[str]:
     names = _field(args, "NodeNames")
     if isinstance(names, list):
-        if not all(isinstance(n, str) for n in names):
+        if not all(map(isinstance, names, repeat(str))):  # (a C-level pass: thousands of names per request)
             raise RequestError("ExtenderArgs.NodeNames must be a list of strings")
-        return list(names)
+        return names
     node_list = _field(args, "Nodes")
     if isinstance(node_list, Mapping):
         items = _field(node_list, "items")

@@ -31,7 +31,7 @@ from alnair_agent.kube.pods import PodError, PodInfo, parse_pod
 from alnair_agent.node import fit
 from alnair_agent.node.decision import LOCK_TTL_S, Decision
 from alnair_agent.node.gpu_devices import STALE_AFTER_S, AnnotationError, NodeReport, report_of_node
-from alnair_agent.scheduler.columns import Columns
+from alnair_agent.scheduler.columns import NOT_JUDGED, UNDECIDED, Columns
 
 log = structlog.get_logger(__name__)
 
@@ -105,6 +105,8 @@ class _Answers:
         self.fails.pop(node, None)
         self.packed.pop(node, None)
 
+
+_OPEN = bytes((NOT_JUDGED, UNDECIDED))  # the columns' codes that leave a node to `Summary.verdict`
 
 # `scores`: a score under PACK (0..MAX_SCORE), or _NO_FIT, to the policy's score
 _NO_FIT = fit.MAX_SCORE + 1
@@ -377,8 +379,9 @@ class ClusterView:
 
     def _answered(self, names: Sequence[str], shape: fit.Shape, now_ts: float
                   ) -> tuple[_Answers, dict[str, tuple[bool, str]]]:
-        """The question's answers, with every node of `names` in them: judged by counting (`fit.judge_all`, all
-        the nodes not asked yet at once), placed (`Summary.verdict`) where counting cannot tell. Nodes that take
+        """The question's answers, with every node of `names` in them: judged by counting (`fit.judge_all`'s
+        answers, for all the nodes not asked yet at once in `columns`), placed (`Summary.verdict`) where counting
+        cannot tell. Nodes that take
         no pods at all come back apart, with their summary's error (cached with the summary).
 
         Whether a pod fits does not depend on its profile (`place` tries the other policy before giving up), so
@@ -387,36 +390,25 @@ class ClusterView:
         self._expire(now_ts)
         policy = fit.PACK
         answers = self._answers_for(shape)
-        fits, fails, frees = answers.fits, answers.fails, self._free
+        fits, fails = answers.fits, answers.fails
         errors: dict[str, tuple[bool, str]] = {}
-        new = [name for name in names if name not in fits and name not in fails]
+        new = [name for name in names if name not in fits and name not in fails] if fits or fails else names
         if not new:
             return answers, errors
-        columns = self._columns
-        counted = [name for name in new if name in columns.pos]
-        coded = columns.codes(shape, counted, policy)
-        if coded is None:  # more distinct answers than the columns' codes tell apart: one by one
-            counted = []
-        else:  # sorted by answer with C-level passes over the codes (a few distinct ones)
+        coded = self._columns.codes(shape, new, policy)
+        left: Iterable[str] = new  # placed (or their summaries' errors) below
+        if coded is not None:  # sorted by answer with C-level passes over the codes (a few distinct ones)
             codes, table = coded
             for value in set(codes):
                 answer = table[value]
                 if answer is None:
-                    fits.update(compress(counted, map(value.__eq__, codes)))
+                    fits.update(compress(new, map(value.__eq__, codes)))
                 elif not isinstance(answer, fit._Undecided):
-                    fails.update(dict.fromkeys(compress(counted, map(value.__eq__, codes)), answer))
-        if len(counted) < len(new):  # the nodes not in columns (units beyond 64 bits) that have a summary
-            done = set(counted)
-            rest = [name for name in new if name in frees and name not in done]
-            for name, judged in zip(rest, fit.judge_all(shape, [frees[name] for name in rest], policy),
-                                    strict=True):
-                if judged is None:
-                    fits.add(name)
-                elif not isinstance(judged, fit._Undecided):
-                    fails[name] = judged
-        for name in new:
-            if name in fits or name in fails:
-                continue
+                    fails.update(dict.fromkeys(compress(new, map(value.__eq__, codes)), answer))
+            # counting cannot tell, or the node is not in columns (its units need more than 64 bits, or it has no
+            # summary now): its summary's verdict (`quick`: judge_all on the one node, else placing)
+            left = list(compress(new, map(_OPEN.__contains__, codes)))
+        for name in left:
             summary = self.summary_at(name, now_ts)
             if summary.free is None:
                 errors[name] = (summary.resolvable, summary.error)
