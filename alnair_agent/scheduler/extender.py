@@ -27,7 +27,7 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
-from itertools import repeat
+from itertools import chain, repeat
 from typing import Any, NamedTuple, overload
 
 from alnair_agent.kube.pods import PodError, parse_pod
@@ -174,8 +174,12 @@ class PrioritizeResult:
             values = hosts.values
             if (_PLAIN_NAMES.fullmatch(",".join(hosts.names)) and all(type(v) is int for v in values)
                     and (not values or (min(values) >= 0 and max(values) <= fit.MAX_SCORE))):
-                return ("[" + ",".join(map(str.__add__, map(_HOST.__add__, hosts.names),
-                                           map(_SCORE_TAILS.__getitem__, values))) + "]").encode()
+                if not values:
+                    return b"[]"
+                # name, '","Score":k},{"Host":"', name, ...: one join, no string made per node
+                body = "".join(chain.from_iterable(zip(hosts.names, map(_SCORE_JOINS.__getitem__, values),
+                                                       strict=True)))
+                return ('[{"Host":"' + body[:-len(_NEXT_HOST)] + "]").encode()
         if not _PLAIN_NAMES.fullmatch(",".join(host for host, _ in hosts)):
             return json.dumps(self.to_json(), separators=(",", ":")).encode()
         tail = _SCORE_TAILS
@@ -196,7 +200,8 @@ def _reasons_json(reasons: Mapping[str, str]) -> str | None:
     return "{" + ",".join(map(str.__add__, map('"'.__add__, reasons), map(escaped.__getitem__,
                                                                          reasons.values()))) + "}"
 _SCORE_TAILS = [f'","Score":{k}}}' for k in range(fit.MAX_SCORE + 1)]
-_HOST = '{"Host":"'
+_NEXT_HOST = ',{"Host":"'
+_SCORE_JOINS = [tail + _NEXT_HOST for tail in _SCORE_TAILS]
 
 
 def _node_names(args: Mapping[str, Any]) -> list[str]:

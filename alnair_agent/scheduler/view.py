@@ -22,7 +22,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
-from itertools import compress
+from itertools import compress, filterfalse
 from typing import Any, cast
 
 import structlog
@@ -392,7 +392,7 @@ class ClusterView:
         answers = self._answers_for(shape)
         fits, fails = answers.fits, answers.fails
         errors: dict[str, tuple[bool, str]] = {}
-        new = [name for name in names if name not in fits and name not in fails] if fits or fails else names
+        new = list(filterfalse(fails.__contains__, filterfalse(fits.__contains__, names))) if fits or fails else names
         if not new:
             return answers, errors
         coded = self._columns.codes(shape, new, policy)
