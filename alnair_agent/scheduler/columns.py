@@ -4,11 +4,12 @@ Each node kept here has a position; per GPU slot (a node's rooms in their order)
 memory free and one its compute free, a fixed-width field per position inside one big integer. "Do k GPUs have m
 memory and c compute free" is then a handful of big-integer operations over all the nodes together (fields
 compared in parallel, SWAR), not a Python loop per node: a question no node was asked before (the slowest
-requests, bench/RESULTS.md) costs a fraction of a millisecond at 5,000 nodes where the loop took several.
+requests, bench/RESULTS.md) costs about a millisecond at 5,000 nodes, most of it mapping the request's names to
+positions, where the loop took 3-7. Prioritize's PACK score is worked out the same way (`packed`).
 
 The answers are exactly `fit.judge_all`'s (the same facts, the same words; tests/test_columns.py compares them over
 many seeded clusters and pods), which answers as `fit.place` decides: this is a faster way to count, not a second
-fit rule. A node whose units do not fit a 64-bit field is not kept here (the caller judges it with `fit.judge_all`).
+fit rule. A node whose units do not fit a 64-bit field is not kept here (the caller judges it one by one).
 
 Field layout, `width` bytes per field, little-endian, position p at bits [8·width·p, 8·width·(p+1)): a room's free
 units v are stored as v + 1 (0: no room there, or a negative free that holds nothing), so that "v >= m" is
@@ -66,6 +67,8 @@ class _Wide:
 
 @dataclass
 class Columns:
+    """The kept nodes' rooms in columns; written when a node is summarized (`set`), dropped when it changes."""
+
     width: int = _WIDTHS[0]
     pos: dict[str, int] = field(default_factory=dict)  # node -> position
     _rows: dict[str, _Row] = field(default_factory=dict)  # what is stored for each node
