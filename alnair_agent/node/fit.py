@@ -473,6 +473,11 @@ class FreeSummary(tuple):  # a flat tuple of ints (and two parts), laid out belo
         return count <= 0 or (p >= count and self[start + n + (p * (p - 1) >> 1) + count - 1] <= -compute)
 
 
+def empty_summary(totals: tuple[tuple[int, int], ...]) -> FreeSummary:
+    """The summary of GPUs offering `totals`, all empty: the one object every node's summary of such GPUs holds."""
+    return _empty_summary(totals)
+
+
 @functools.lru_cache(maxsize=256)
 def _empty_summary(totals: tuple[tuple[int, int], ...]) -> FreeSummary:
     return FreeSummary.of([Room("", i, m, c, m, c) for i, (m, c) in enumerate(totals)], empty=True)

@@ -22,11 +22,13 @@ or a pod asking for no Alnair resources: every node scores 0 (no opinion). A nod
 from __future__ import annotations
 
 import json
+import operator
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any, NamedTuple
+from itertools import chain, repeat
+from typing import Any, NamedTuple, overload
 
 from alnair_agent.kube.pods import PodError, parse_pod
 from alnair_agent.node import fit
@@ -124,6 +126,27 @@ class HostPriority(NamedTuple):
         return {"Host": self.host, "Score": self.score}
 
 
+@dataclass(frozen=True)
+class Scores(Sequence[tuple[str, int]]):
+    """(host, score) pairs kept as two lists (the view's answer for thousands of nodes): no tuple per node is made
+    unless asked for, so a request leaves the cyclic GC nothing new to scan, and `encode` joins the lists."""
+
+    names: Sequence[str]
+    values: list[int]
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+    @overload
+    def __getitem__(self, i: int) -> tuple[str, int]: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[tuple[str, int]]: ...
+    def __getitem__(self, i: int | slice) -> tuple[str, int] | list[tuple[str, int]]:
+        if isinstance(i, slice):
+            return list(zip(self.names[i], self.values[i], strict=True))
+        return self.names[i], self.values[i]
+
+
 @dataclass
 class PrioritizeResult:
     """HostPriorityList; `error` is not part of the answer (kube-scheduler's has no such field): it is logged."""
@@ -135,10 +158,28 @@ class PrioritizeResult:
     def to_json(self) -> list[dict[str, Any]]:
         return [{"Host": host, "Score": value} for host, value in self.hosts]
 
+    def best(self) -> tuple[str, int] | None:
+        """The first host of the highest score (for the log line)."""
+        hosts = self.hosts
+        if isinstance(hosts, Scores):
+            values = hosts.values
+            return (hosts.names[values.index(max(values))], max(values)) if values else None
+        return max(hosts, key=operator.itemgetter(1), default=None)
+
     def encode(self) -> bytes:
         """`json.dumps(self.to_json())`, compact, without building thousands of dicts first. Node names (DNS
         subdomains) need no escaping, which one match over all of them checks; anything else goes to json.dumps."""
         hosts = self.hosts
+        if isinstance(hosts, Scores):
+            values = hosts.values
+            if (_PLAIN_NAMES.fullmatch(",".join(hosts.names)) and all(type(v) is int for v in values)
+                    and (not values or (min(values) >= 0 and max(values) <= fit.MAX_SCORE))):
+                if not values:
+                    return b"[]"
+                # name, '","Score":k},{"Host":"', name, ...: one join, no string made per node
+                body = "".join(chain.from_iterable(zip(hosts.names, map(_SCORE_JOINS.__getitem__, values),
+                                                       strict=True)))
+                return ('[{"Host":"' + body[:-len(_NEXT_HOST)] + "]").encode()
         if not _PLAIN_NAMES.fullmatch(",".join(host for host, _ in hosts)):
             return json.dumps(self.to_json(), separators=(",", ":")).encode()
         tail = _SCORE_TAILS
@@ -154,23 +195,21 @@ def _reasons_json(reasons: Mapping[str, str]) -> str | None:
     """{node: reason} as compact JSON, each distinct reason escaped once; None when a node name needs escaping."""
     if not _PLAIN_NAMES.fullmatch(",".join(reasons)):
         return None
-    escaped: dict[str, str] = {}
-    parts = []
-    for node, reason in reasons.items():
-        text = escaped.get(reason)
-        if text is None:
-            text = escaped[reason] = json.dumps(reason)
-        parts.append(f'"{node}":{text}')
-    return "{" + ",".join(parts) + "}"
+    # '"node' + '":"reason"' per node, joined by C-level maps (thousands of nodes, a few distinct reasons)
+    escaped = {reason: '":' + json.dumps(reason) for reason in set(reasons.values())}
+    return "{" + ",".join(map(str.__add__, map('"'.__add__, reasons), map(escaped.__getitem__,
+                                                                         reasons.values()))) + "}"
 _SCORE_TAILS = [f'","Score":{k}}}' for k in range(fit.MAX_SCORE + 1)]
+_NEXT_HOST = ',{"Host":"'
+_SCORE_JOINS = [tail + _NEXT_HOST for tail in _SCORE_TAILS]
 
 
 def _node_names(args: Mapping[str, Any]) -> list[str]:
     names = _field(args, "NodeNames")
     if isinstance(names, list):
-        if not all(isinstance(n, str) for n in names):
+        if not all(map(isinstance, names, repeat(str))):  # (a C-level pass: thousands of names per request)
             raise RequestError("ExtenderArgs.NodeNames must be a list of strings")
-        return list(names)
+        return names
     node_list = _field(args, "Nodes")
     if isinstance(node_list, Mapping):
         items = _field(node_list, "items")
@@ -221,4 +260,4 @@ def prioritize_nodes(args: Any, view: ClusterView, now: datetime | None = None) 
         return PrioritizeResult([HostPriority(n, NEUTRAL_SCORE) for n in names], "", request.ref)
     now_ts = (now or utcnow()).timestamp()
     scores = view.scores(names, fit.Shape.of(request.needs), request.policy, now_ts)
-    return PrioritizeResult(scores, "", request.ref)
+    return PrioritizeResult(Scores(names, scores), "", request.ref)

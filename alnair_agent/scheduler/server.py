@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import operator
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -84,7 +83,7 @@ def _answer_scores(body: bytes, verb: Callable[[Any], PrioritizeResult], failed:
     except Exception as e:
         log.exception(failed)
         result = PrioritizeResult(error=f"alnair-scheduler internal error: {type(e).__name__}: {e}")
-    best = max(result.hosts, key=operator.itemgetter(1), default=None)
+    best = result.best()
     summary = {"nodes": len(result.hosts), "best": best[0] if best else "", "best_score": best[1] if best else 0}
     return Answer(result.encode(), result.pod, result.error, summary)
 

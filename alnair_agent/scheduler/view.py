@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import asyncio
 import heapq
+import operator
 import time
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
-from typing import Any
+from itertools import compress, filterfalse
+from typing import Any, cast
 
 import structlog
 
@@ -29,6 +31,7 @@ from alnair_agent.kube.pods import PodError, PodInfo, parse_pod
 from alnair_agent.node import fit
 from alnair_agent.node.decision import LOCK_TTL_S, Decision
 from alnair_agent.node.gpu_devices import STALE_AFTER_S, AnnotationError, NodeReport, report_of_node
+from alnair_agent.scheduler.columns import NOT_JUDGED, UNDECIDED, Columns
 
 log = structlog.get_logger(__name__)
 
@@ -103,6 +106,13 @@ class _Answers:
         self.packed.pop(node, None)
 
 
+_OPEN = bytes((NOT_JUDGED, UNDECIDED))  # the columns' codes that leave a node to `Summary.verdict`
+
+# `scores`: a score under PACK (0..MAX_SCORE), or _NO_FIT, to the policy's score
+_NO_FIT = fit.MAX_SCORE + 1
+_AS_PACKED = [*range(fit.MAX_SCORE + 1), 0]
+_AS_SPREAD = [*(fit.MAX_SCORE - k for k in range(fit.MAX_SCORE + 1)), 0]
+
 MAX_QUESTIONS = 64  # questions whose answers are kept (at 5,000 nodes about 0.5 MB each)
 
 
@@ -118,6 +128,9 @@ class ClusterView:
     # flat tuple each (fit.FreeSummary), and meet the summary itself only where counting cannot tell.
     _free: dict[str, fit.FreeSummary] = field(default_factory=dict)
     _expiring: list[tuple[float, str]] = field(default_factory=list)  # heap of (valid_until, node) of summaries
+    # The same rooms laid out in columns, one field per node (`columns.Columns`): a question no node was asked yet
+    # is judged for all of them at once there (the rare node whose units need more than 64 bits is not kept).
+    _columns: Columns = field(default_factory=Columns)
     # Per question (a pod's needs), what the nodes asked about answered, until a node changes: a burst of replicas,
     # and prioritize after filter, ask the same question of thousands of unchanged nodes.
     _answers: OrderedDict[tuple[fit.Need, ...], _Answers] = field(default_factory=OrderedDict)
@@ -127,6 +140,7 @@ class ClusterView:
     def _bump(self, node: str) -> None:
         self._cache.pop(node, None)
         self._free.pop(node, None)
+        self._columns.drop(node)
         for answers in self._answers.values():
             answers.forget(node)
 
@@ -259,10 +273,12 @@ class ClusterView:
             return cached
         summary = self._summarize(node, datetime.fromtimestamp(now_ts, timezone.utc))
         self._cache[node] = summary
-        if summary.free is not None:
+        if summary.free is not None and summary.rooms is not None:
             self._free[node] = summary.free
+            self._columns.set(node, summary.rooms, summary.free)
         else:
             self._free.pop(node, None)
+            self._columns.drop(node)
         if summary.valid_until != float("inf"):
             heapq.heappush(self._expiring, (summary.valid_until, node))
         return summary
@@ -315,55 +331,57 @@ class ClusterView:
         GPUs would not), `names` in order. A node that takes no pods at all gives its summary's error."""
         answers, errors = self._answered(names, shape, now_ts)
         fits, fails = answers.fits, answers.fails
-        passed: list[str] = []
+        inside = list(map(fits.__contains__, names))
+        passed = list(compress(names, inside))
         failed: dict[str, str] = {}
         unresolvable: dict[str, str] = {}
-        for name in names:
-            if name in fits:
-                passed.append(name)
-            else:
+        if len(passed) < len(names):
+            for name in compress(names, map(operator.not_, inside)):
                 known = fails.get(name) or errors[name]
                 (failed if known[0] else unresolvable)[name] = known[1]
         return passed, failed, unresolvable
 
-    def scores(self, names: Sequence[str], shape: fit.Shape, policy: str, now_ts: float) -> list[tuple[str, int]]:
-        """(node, score) for each name (0 where the pod does not fit or the node takes no pods)."""
+    def scores(self, names: Sequence[str], shape: fit.Shape, policy: str, now_ts: float) -> list[int]:
+        """Each name's score, in order (0 where the pod does not fit or the node takes no pods). Built with
+        C-level maps over the names: the per-node work is in the columns (or, for the few nodes they leave, below)."""
         answers, _ = self._answered(names, shape, now_ts)
         fits, packed, frees = answers.fits, answers.packed, self._free
-        am, ac = added = (shape.steady_memory, shape.steady_compute)
-        pack = policy == fit.PACK
-        top = fit.MAX_SCORE
-        out: list[tuple[str, int]] = []
-        for name in names:
+        todo = list(compress(names, map(fits.__contains__, names)))
+        if packed:
+            todo = [name for name in todo if name not in packed]
+        if todo:  # the nodes' scores under PACK, all at once in columns
+            columns = self._columns
+            kept = [name for name in todo if name in columns.pos]
+            values = columns.packed(shape, kept)
+            if None in values:
+                packed.update((name, value) for name, value in zip(kept, values, strict=True) if value is not None)
+            else:
+                packed.update(zip(kept, cast(list[int], values), strict=True))
+        raw: list[int | None] = list(map(packed.get, names))  # the score under PACK; None: not known yet
+        i = -1
+        while True:
+            try:
+                i = raw.index(None, i + 1)
+            except ValueError:
+                break
+            name = names[i]
             if name not in fits:
-                out.append((name, 0))
+                raw[i] = _NO_FIT
                 continue
-            value = packed.get(name)
-            if value is None:  # fit.score_added(added, f, PACK), its common case written out
-                f = frees[name]
-                if shape.per_gpu:  # memory as a percent: the units it holds depend on the node's GPUs
-                    if f[11] < 0:  # GPUs of several sizes: which ones it gets depends on the profile
-                        out.append((name, fit.score_added(
-                            shape.added(f, self.summary_at(name, now_ts).rooms or (), policy), f, policy)))
-                        continue
-                    sized = shape.on(f[11])  # f.memory_each; shape.added's answer for one size
-                    am, ac = added = sized.steady_memory, sized.steady_compute
-                if f[9] is not None and am <= f[7] and ac <= f[8]:
-                    value = (f[9] + top * (am * f[3] + ac * f[1])) // f[10]
-                    if value < 0:
-                        value = 0
-                    elif value > top:
-                        value = top
-                else:
-                    value = fit.score_added(added, f, fit.PACK)
-                packed[name] = value
-            out.append((name, value if pack else top - value))
-        return out
+            f = frees[name]
+            if shape.per_gpu and f[11] < 0:  # GPUs of several sizes: which ones it gets depends on the profile
+                raw[i] = fit.score_added(shape.added(f, self.summary_at(name, now_ts).rooms or (), policy), f,
+                                         fit.PACK)  # (not kept: another profile puts the pod elsewhere)
+                continue
+            sized = shape.on(f[11]) if shape.per_gpu else shape  # memory as a percent: in units of its GPUs
+            raw[i] = packed[name] = fit.score_added((sized.steady_memory, sized.steady_compute), f, fit.PACK)
+        return list(map((_AS_PACKED if policy == fit.PACK else _AS_SPREAD).__getitem__, cast(list[int], raw)))
 
     def _answered(self, names: Sequence[str], shape: fit.Shape, now_ts: float
                   ) -> tuple[_Answers, dict[str, tuple[bool, str]]]:
-        """The question's answers, with every node of `names` in them: judged by counting (`fit.judge_all`, all
-        the nodes not asked yet at once), placed (`Summary.verdict`) where counting cannot tell. Nodes that take
+        """The question's answers, with every node of `names` in them: judged by counting (`fit.judge_all`'s
+        answers, for all the nodes not asked yet at once in `columns`), placed (`Summary.verdict`) where counting
+        cannot tell. Nodes that take
         no pods at all come back apart, with their summary's error (cached with the summary).
 
         Whether a pod fits does not depend on its profile (`place` tries the other policy before giving up), so
@@ -372,21 +390,25 @@ class ClusterView:
         self._expire(now_ts)
         policy = fit.PACK
         answers = self._answers_for(shape)
-        fits, fails, frees = answers.fits, answers.fails, self._free
+        fits, fails = answers.fits, answers.fails
         errors: dict[str, tuple[bool, str]] = {}
-        new = [name for name in names if name not in fits and name not in fails]
+        new = list(filterfalse(fails.__contains__, filterfalse(fits.__contains__, names))) if fits or fails else names
         if not new:
             return answers, errors
-        counted = [name for name in new if name in frees]
-        for name, judged in zip(counted, fit.judge_all(shape, [frees[name] for name in counted], policy),
-                                strict=True):
-            if judged is None:
-                fits.add(name)
-            elif not isinstance(judged, fit._Undecided):
-                fails[name] = judged
-        for name in new:
-            if name in fits or name in fails:
-                continue
+        coded = self._columns.codes(shape, new, policy)
+        left: Iterable[str] = new  # placed (or their summaries' errors) below
+        if coded is not None:  # sorted by answer with C-level passes over the codes (a few distinct ones)
+            codes, table = coded
+            for value in set(codes):
+                answer = table[value]
+                if answer is None:
+                    fits.update(compress(new, map(value.__eq__, codes)))
+                elif not isinstance(answer, fit._Undecided):
+                    fails.update(dict.fromkeys(compress(new, map(value.__eq__, codes)), answer))
+            # counting cannot tell, or the node is not in columns (its units need more than 64 bits, or it has no
+            # summary now): its summary's verdict (`quick`: judge_all on the one node, else placing)
+            left = list(compress(new, map(_OPEN.__contains__, codes)))
+        for name in left:
             summary = self.summary_at(name, now_ts)
             if summary.free is None:
                 errors[name] = (summary.resolvable, summary.error)
