@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Issues 25 and 26's open questions on the H200, in one device call (at most ~9.3 min: each step has its timeout, and a cut run keeps its JSON; results and logs into $OUT, else
-# bench/out; bench/RESULTS.md says what each answers):
+# Issues 25 and 26's open questions on the H200, in one device call (at most ~9.3 min: each step has its
+# timeout, and a run cut short keeps its JSON; results and logs into $OUT, else bench/out):
 #   bash bench/gpu_pace_latency.sh
 # 1. Where the small-kernel loop's time goes at caps 50 / 70 (45 / 63 % judged in one process, 2026-12-03):
 #    bench/turn_trace.py --profile, the loop alone uncapped, through the agent uncapped, and at 50 and 70.
