@@ -96,15 +96,15 @@ static void make_exit_key(void)
 /* ---- events of our own --------------------------------------------------------------------------------------- */
 void drop_events(void)
 {
-    CUevent *evs[NFENCE + 5];
+    CUevent *evs[NFENCE + 3 + HOLD_EVENT_DEPTH];
     unsigned n = 0;
     for (unsigned i = 0; i < NFENCE; i++)
         evs[n++] = &T.f[i].ev;
     evs[n++] = &T.s_start;
     evs[n++] = &T.s_end;
     evs[n++] = &T.d_ev;
-    evs[n++] = &T.q_ev[0];
-    evs[n++] = &T.q_ev[1];
+    for (unsigned i = 0; i < HOLD_EVENT_DEPTH; i++)
+        evs[n++] = &T.q_ev[i];
     T.q_n = 0;
     for (unsigned i = 0; i < n; i++) {
         if (*evs[i] != NULL && alnair_aux.cuEventDestroy != NULL)

@@ -185,13 +185,14 @@ static uint64_t board_until(struct alnair_board *b, uint32_t mask, uint64_t now)
     return until > now + HOLD_ONCE_MAX_NS ? now + HOLD_ONCE_MAX_NS : until;
 }
 
-/* The long launch before the last one has run (hold_mark's events): wait for it, measured, not estimated.
+/* The long launch HOLD_EVENT_DEPTH - 1 before the last one has run (hold_mark's events; at the default 2: the one
+ * before the last): wait for it, measured, not estimated.
  * Returns 1 when it waited. */
 static int queue_short(uint64_t now)
 {
-    if (T.q_n < 2 || !queries_ok())
+    if (T.q_n < HOLD_EVENT_DEPTH || !queries_ok())
         return 0;
-    CUevent ev = T.q_ev[(T.q_n - 2) & 1u];
+    CUevent ev = T.q_ev[(T.q_n - HOLD_EVENT_DEPTH) & (HOLD_EVENT_DEPTH - 1u)];
     if (ev == NULL || query(ev) != CUDA_ERROR_NOT_READY)
         return 0;
     uint64_t t0 = now;
@@ -206,7 +207,7 @@ static int queue_short(uint64_t now)
 void hold_mark(CUstream s, int pt, uint64_t cost)
 {
     (void)cost;
-    CUevent *ev = &T.q_ev[T.q_n & 1u];
+    CUevent *ev = &T.q_ev[T.q_n & (HOLD_EVENT_DEPTH - 1u)];
     if (ensure_ctx() != 0 || get_event(ev) != 0 || record(*ev, s, pt) != 0)
         return;
     T.q_n++;

@@ -167,6 +167,14 @@ struct stream_ctr {
 #define STREAM_SLOTS 1024u
 extern struct stream_ctr g_streams[STREAM_SLOTS];
 
+/* Beside a latency container, at most this many launches estimated at HOLD_EVENT_MIN_NS or more are queued (the
+ * next waits until the one this many before it has run): a power of two from 2 to 16. Diagnostic builds may raise
+ * it (-DHOLD_EVENT_DEPTH=4) to weigh a neighbour's overlap against a request's wait (bench/gpu_pace_latency.sh). */
+#ifndef HOLD_EVENT_DEPTH
+#define HOLD_EVENT_DEPTH 2u
+#endif
+_Static_assert(HOLD_EVENT_DEPTH >= 2 && HOLD_EVENT_DEPTH <= 16 && (HOLD_EVENT_DEPTH & (HOLD_EVENT_DEPTH - 1)) == 0,
+               "HOLD_EVENT_DEPTH: a power of two from 2 to 16");
 struct tstate {
     unsigned gen;
     CUcontext ctx;
@@ -174,8 +182,8 @@ struct tstate {
     unsigned since_fence;
     CUevent s_start, s_end;
     CUevent d_ev; /* the gate's drain event: recorded when its estimate of the queue refuses a launch */
-    CUevent q_ev[2]; /* beside a latency container: after each of its last two long launches (latency.c) */
-    unsigned q_n;    /* ... how many were recorded (q_ev[q_n & 1] is the next) */
+    CUevent q_ev[HOLD_EVENT_DEPTH]; /* beside a latency container: after each of its last long launches (latency.c) */
+    unsigned q_n; /* ... how many were recorded (q_ev[q_n % HOLD_EVENT_DEPTH] is the next) */
     uint64_t s_key, s_cost, s_idx, s_host;
     unsigned s_ahead; /* launches of unknown kernels charged a guess since the sample in flight was taken */
     int s_busy, s_guess;
