@@ -3,6 +3,7 @@
 # timeout; a run cut short keeps its JSON); results and logs into $OUT, else bench/out:
 #   bash bench/gpu_pace_latency.sh pace       1. + 3.
 #   bash bench/gpu_pace_latency.sh latency    2.
+#   bash bench/gpu_pace_latency.sh events     4.
 # 1. Where the small-kernel loop's time goes at caps 50 / 70 (45 / 63 % judged in one process, 2026-12-03):
 #    bench/turn_trace.py --profile, the loop alone uncapped, through the agent uncapped, and at 50 and 70; then
 #    bench/turn_pace.py for the small loop and the training step with more rounds.
@@ -11,6 +12,10 @@
 #    (-DHOLD_EVENT_DEPTH=4) and one without the bound (-DHOLD_EVENT_MIN_NS=UINT64_MAX); each pair run records the
 #    neighbour's held-back time and count.
 # 3. bench/launch_overhead.py: the metered path in process and across processes, judged.
+# 4. What the meter's event calls cost (each ~3.3 us on the H200 VM): launch overhead and turn_pace (train, small,
+#    mm-sync at caps 30 / 70) with a build that polls a sample only once it is due (-DPOLL_WHEN_DUE=1: 9x fewer
+#    queries behind a deep queue on the simulated driver, the same samples) and one with 4x fewer samples and
+#    fences (-DSAMPLE_EVERY=1024u -DFENCE_EVERY=1024u -DPOLL_EVERY_MASK=31u), beside the shipped shim.
 # Run from the repo root with PYTHONPATH holding the carried wheels (bench/gpu_session.sh has the set-up).
 set -u -o pipefail
 cd "$(dirname "$0")/.."
@@ -41,8 +46,23 @@ latency)
   done
   tail -n 30 "$OUT"/latency_*.log
   ;;
+events)
+  make -s -C shim BUILD=/tmp/shim-due CC=cc CFLAGS="-O2 -DPOLL_WHEN_DUE=1" || exit 1
+  make -s -C shim BUILD=/tmp/shim-few CC=cc \
+    CFLAGS="-O2 -DSAMPLE_EVERY=1024u -DFENCE_EVERY=1024u -DPOLL_EVERY_MASK=31u" || exit 1
+  for build in shim shim-due shim-few; do
+    timeout 90 python3 bench/launch_overhead.py --shim /tmp/$build/libalnair.so --json "$OUT/overhead_$build.json" \
+      > "$OUT/overhead_$build.log" 2>&1 || rc=1
+  done
+  for build in shim-due shim-few; do
+    timeout 110 python3 bench/turn_pace.py --pin --shim /tmp/$build/libalnair.so --shapes train,small,mm-sync \
+      --caps 30,70 --rounds 2 --seconds 0.6 --settle 0.2 --json "$OUT/turn_pace_$build.json" \
+      > "$OUT/turn_pace_$build.log" 2>&1 || rc=1
+  done
+  tail -n 12 "$OUT"/overhead_*.log "$OUT"/turn_pace_*.log
+  ;;
 *)
-  echo "usage: $0 pace|latency" >&2
+  echo "usage: $0 pace|latency|events" >&2
   exit 2
   ;;
 esac

@@ -94,6 +94,7 @@ static __attribute__((noinline)) void post_launch(struct pre *p, CUresult rc)
     if (p->sampled && record(T.s_end, p->stream, p->pt) == 0) {
         T.s_busy = 1;
         T.s_host = alnair_now_ns() - p->t_host;
+        T.s_due = POLL_WHEN_DUE && sc != NULL ? atomic_load_explicit(&sc->vft, memory_order_relaxed) : 0;
         T.s_ahead = 0;
         T.s_key = p->key;
         T.s_cost = p->cost;
@@ -118,7 +119,7 @@ static __attribute__((noinline)) void post_launch(struct pre *p, CUresult rc)
         hold_mark(p->stream, p->pt, p->cost);
     if (T.since_fence >= FENCE_EVERY || T.charged - T.last_fence_charged >= FENCE_EVERY_NS)
         record_fence(p->stream, p->pt, sc);
-    if (T.s_busy && (T.launches & POLL_EVERY_MASK) == 0)
+    if (T.s_busy && (T.launches & POLL_EVERY_MASK) == 0 && (!POLL_WHEN_DUE || alnair_now_ns() >= T.s_due))
         poll_sample();
 }
 

@@ -45,6 +45,13 @@
 #ifndef POLL_EVERY_MASK
 #define POLL_EVERY_MASK 7u /* a sample in flight is polled every 8 launches */
 #endif
+/* Diagnostic builds (-DPOLL_WHEN_DUE=1): ... and only once the GPU is estimated to have reached it (its stream's
+ * estimated queue when it was taken). Behind a deep queue a query almost always says not ready, and each costs the
+ * H200 VM's driver ~3.3 us: 118 queries per 1,000 launches of back-to-back small kernels on the simulated driver
+ * (bench/RESULTS.md, 2026-12-04). Not the default until the H200 says what it does to the estimates. */
+#ifndef POLL_WHEN_DUE
+#define POLL_WHEN_DUE 0
+#endif
 /* A sample whose launch call held the host this long measured the host, not the GPU: its start event ran on an idle
  * GPU that then waited for the launch (a kernel's first launch loads its module: 1-5 ms on the H200, which, taken
  * as its estimate, held every later turn of a training step back by milliseconds). It is dropped and taken again. */
@@ -185,6 +192,7 @@ struct tstate {
     CUevent q_ev[HOLD_EVENT_DEPTH]; /* beside a latency container: after each of its last long launches (latency.c) */
     unsigned q_n; /* ... how many were recorded (q_ev[q_n % HOLD_EVENT_DEPTH] is the next) */
     uint64_t s_key, s_cost, s_idx, s_host;
+    uint64_t s_due; /* POLL_WHEN_DUE: when the sample in flight is estimated to have run */
     unsigned s_ahead; /* launches of unknown kernels charged a guess since the sample in flight was taken */
     int s_busy, s_guess;
     struct fence f[NFENCE];

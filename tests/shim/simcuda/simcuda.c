@@ -23,7 +23,8 @@
  * - cuGetProcAddress(_v2) maps (symbol, cudaVersion, per-thread flag) to variants like the real driver does,
  *   from its own table (never through dlsym).
  * - SIMCUDA_FIRST_LAUNCH_NS: a function's first launch holds the host that long (lazy module loading);
- *   SIMCUDA_LAUNCH_HOLD_NS: every launch does.
+ *   SIMCUDA_LAUNCH_HOLD_NS: every launch does. SIMCUDA_EVENT_NS: each cuEventRecord and cuEventQuery holds the
+ *   host that long (the H200 VM's driver: 3.3-3.4 us each), read once.
  * - SIMCUDA_STATS=path: at exit, "name count" lines: calls per entry point, busy_ns, peak memory.
  * - SIMCUDA_TIMELINE_DIR=dir: kernels of all processes on one GPU (NVIDIA_VISIBLE_DEVICES) take turns on a shared
  *   timeline file there, which the agent's simulated backend reads (simtimeline.h); with SIMCUDA_DEVICES=n, device k's
@@ -857,8 +858,22 @@ API CUresult cuMemPoolDestroy(CUmemoryPool pl)
 struct CUevent_st { uint64_t t; int recorded; };
 API CUresult cuEventCreate(CUevent *e, unsigned f) { (void)f; CALLED(); *e = calloc(1, sizeof **e); return CUDA_SUCCESS; }
 API CUresult cuEventDestroy_v2(CUevent e) { CALLED(); free(e); return CUDA_SUCCESS; }
+/* SIMCUDA_EVENT_NS: the host time an event call costs the real driver (read once; 0 by default). */
+static void event_cost(void)
+{
+    static int64_t ns = -1;
+    if (ns < 0) {
+        const char *v = getenv("SIMCUDA_EVENT_NS");
+        ns = v ? (int64_t)strtoull(v, NULL, 10) : 0;
+    }
+    if (ns > 0)
+        for (uint64_t until = now_ns() + (uint64_t)ns; now_ns() < until;) {
+        }
+}
+
 static CUresult event_record(CUevent e, CUstream hs, int pt)
 {
+    event_cost();
     if (e == NULL)
         return CUDA_ERROR_INVALID_VALUE;
     struct CUstream_st *s = S(hs, pt);
@@ -871,7 +886,16 @@ static CUresult event_record(CUevent e, CUstream hs, int pt)
 }
 API CUresult cuEventRecord(CUevent e, CUstream s) { CALLED(); return event_record(e, s, 0); }
 API CUresult cuEventRecord_ptsz(CUevent e, CUstream s) { CALLED(); return event_record(e, s, 1); }
-API CUresult cuEventQuery(CUevent e) { CALLED(); if (!e) return CUDA_ERROR_INVALID_VALUE; if (query_forbidden()) return 900; return e->t <= now_ns() ? CUDA_SUCCESS : CUDA_ERROR_NOT_READY; }
+API CUresult cuEventQuery(CUevent e)
+{
+    CALLED();
+    if (!e)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (query_forbidden())
+        return 900;
+    event_cost();
+    return e->t <= now_ns() ? CUDA_SUCCESS : CUDA_ERROR_NOT_READY;
+}
 API CUresult cuEventSynchronize(CUevent e) { CALLED(); sleep_until(e->t); return CUDA_SUCCESS; }
 API CUresult cuEventElapsedTime(float *ms, CUevent a, CUevent b)
 {
