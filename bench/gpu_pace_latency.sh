@@ -16,15 +16,10 @@
 #    mm-sync at caps 30 / 70) with a build that polls a sample only once it is due (-DPOLL_WHEN_DUE=1: 9x fewer
 #    queries behind a deep queue on the simulated driver, the same samples) and one with 4x fewer samples and
 #    fences (-DSAMPLE_EVERY=1024u -DFENCE_EVERY=1024u -DPOLL_EVERY_MASK=31u), beside the shipped shim.
-# Run from the repo root with PYTHONPATH holding the carried wheels (bench/gpu_session.sh has the set-up).
-set -u -o pipefail
-cd "$(dirname "$0")/.."
-OUT=${OUT:-$PWD/bench/out}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-export PYTHONPATH=$PWD:$PWD/bench${PYTHONPATH:+:$PYTHONPATH}
+# Run with PYTHONPATH holding the carried wheels (bench/device_prelude.sh sets up the rest).
+source "$(dirname "$0")/device_prelude.sh"
 part=${1:-pace}
-make -s -C shim BUILD=/tmp/shim CC=cc || exit 1
+build_shim /tmp/shim || exit 1
 rc=0
 case $part in
 pace)
@@ -37,8 +32,8 @@ pace)
   tail -n 40 "$OUT/trace_small.log" "$OUT/turn_pace.log" "$OUT/launch_overhead.log"
   ;;
 latency)
-  make -s -C shim BUILD=/tmp/shim-depth4 CC=cc CFLAGS="-O2 -DHOLD_EVENT_DEPTH=4" || exit 1
-  make -s -C shim BUILD=/tmp/shim-nobound CC=cc CFLAGS="-O2 -DHOLD_EVENT_MIN_NS=UINT64_MAX" || exit 1
+  build_shim /tmp/shim-depth4 "-O2 -DHOLD_EVENT_DEPTH=4" || exit 1
+  build_shim /tmp/shim-nobound "-O2 -DHOLD_EVENT_MIN_NS=UINT64_MAX" || exit 1
   for build in shim shim-depth4 shim-nobound; do
     timeout 170 python3 bench/latency_gpu.py --pin --shim /tmp/$build/libalnair.so --neighbours train \
       --only latency,latency-elastic --rates 200,500 --seconds 3 --json "$OUT/latency_$build.json" \
@@ -47,9 +42,8 @@ latency)
   tail -n 30 "$OUT"/latency_*.log
   ;;
 events)
-  make -s -C shim BUILD=/tmp/shim-due CC=cc CFLAGS="-O2 -DPOLL_WHEN_DUE=1" || exit 1
-  make -s -C shim BUILD=/tmp/shim-few CC=cc \
-    CFLAGS="-O2 -DSAMPLE_EVERY=1024u -DFENCE_EVERY=1024u -DPOLL_EVERY_MASK=31u" || exit 1
+  build_shim /tmp/shim-due "-O2 -DPOLL_WHEN_DUE=1" || exit 1
+  build_shim /tmp/shim-few "-O2 -DSAMPLE_EVERY=1024u -DFENCE_EVERY=1024u -DPOLL_EVERY_MASK=31u" || exit 1
   for build in shim shim-due shim-few; do
     timeout 90 python3 bench/launch_overhead.py --shim /tmp/$build/libalnair.so --json "$OUT/overhead_$build.json" \
       > "$OUT/overhead_$build.log" 2>&1 || rc=1

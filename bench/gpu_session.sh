@@ -5,14 +5,7 @@
 # bench/shares_gpu.py (issue 18's table, ~7.5 min), bench/launch_overhead.py, bench/cuda_startup.py and
 # bench/shim_startup.py. pytest runs without this repo's setup.cfg (-c /dev/null):
 # the device has no pytest-asyncio, and tests/gpu need none. Exit status: non-zero if any step failed.
-set -u -o pipefail
-cd "$(dirname "$0")/.."
-OUT=${OUT:-$PWD/bench/out}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-# The device runs the checkout uninstalled: alnair_agent and alnair_standins from here, the benchmarks' modules
-# (which tests/gpu import) from bench/.
-export PYTHONPATH=$PWD:$PWD/bench${PYTHONPATH:+:$PYTHONPATH}
+source "$(dirname "$0")/device_prelude.sh"
 {
   date -u
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
@@ -21,8 +14,7 @@ export PYTHONPATH=$PWD:$PWD/bench${PYTHONPATH:+:$PYTHONPATH}
 } > "$OUT/machine.txt" 2>&1
 cat "$OUT/machine.txt"
 
-# the pinned toolchain (zig cc, glibc 2.17) when `ziglang` is installed, else the host compiler
-make -s -C shim BUILD=/tmp/shim PYTHON=python3 2>/dev/null || make -s -C shim BUILD=/tmp/shim CC=cc || exit 1
+build_shim /tmp/shim || exit 1
 export ALNAIR_SHIM=/tmp/shim/libalnair.so ALNAIR_GPU_RESULTS="$OUT"
 rc=0
 timeout 540 python3 -m pytest -c /dev/null --rootdir=. --confcutdir=tests/gpu -p no:cacheprovider -m gpu tests/gpu \
