@@ -129,9 +129,11 @@ def verdict(what: str, added: float, goal: float, spread: float | None = None) -
     return {"what": what, "added_ns": added, "goal_ns": goal, "result": result}
 
 
-def judge(inproc: dict[str, list[float]], inproc_metered: dict[str, list[float]], procs: dict[str, list[float]],
+def judge(inproc: dict[str, list[float]], inproc_metered: dict[str, list[float]],
           per_proc: dict[str, list[list[float]]]) -> dict:
-    """Rows, the paired and across-process figures, each against its goal."""
+    """Rows, the paired and across-process figures, each against its goal; `per_proc`: per mode, each process's
+    batches."""
+    procs = {k: [x for run_ in v for x in run_] for k, v in per_proc.items()}
     rows = {"in-process: real driver function": summary(inproc["real"]),
             "in-process: through the shim's hook": summary(inproc["hook"]),
             "in-process, metered: real driver function": summary(inproc_metered["real"]),
@@ -193,8 +195,7 @@ def main() -> None:
             for k, env in envs.items():
                 per_proc[k].append(run(exe, [str(a.batches // a.rounds), str(a.batch)], env)["proc"])
 
-    procs = {k: [x for run_ in v for x in run_] for k, v in per_proc.items()}
-    result = judge(inproc, inproc_metered, procs, per_proc)
+    result = judge(inproc, inproc_metered, per_proc)
     result["batch"] = a.batch
     print(f"{'mode':45} {'median ns':>10} {'p10':>8} {'p90':>8} {'n':>6}")
     for k, v in result["rows"].items():

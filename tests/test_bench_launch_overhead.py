@@ -7,12 +7,11 @@ import launch_overhead as lo
 import pytest
 
 
-def procs(ref_medians: list[float], uncapped: float, metered: float) -> tuple[dict, dict]:
-    per_proc = {"no shim": [[m] * 5 for m in ref_medians],
-                "shim, region (uncapped)": [[uncapped] * 5 for _ in ref_medians],
-                "shim, no region": [[uncapped] * 5 for _ in ref_medians],
-                "shim, region (capped: metered)": [[metered] * 5 for _ in ref_medians]}
-    return {k: [x for r in v for x in r] for k, v in per_proc.items()}, per_proc
+def procs(ref_medians: list[float], uncapped: float, metered: float) -> dict[str, list[list[float]]]:
+    return {"no shim": [[m] * 5 for m in ref_medians],
+            "shim, region (uncapped)": [[uncapped] * 5 for _ in ref_medians],
+            "shim, no region": [[uncapped] * 5 for _ in ref_medians],
+            "shim, region (capped: metered)": [[metered] * 5 for _ in ref_medians]}
 
 
 @pytest.mark.parametrize(("refs", "hook", "metered_hook", "metered", "want"), [
@@ -29,7 +28,6 @@ def test_figures_are_judged_against_their_goals_and_a_moving_reference_judges_no
         refs, hook, metered_hook, metered, want):
     inproc = {"real": [4000.0] * 8, "hook": [float(hook)] * 8}
     inproc_metered = {"real": [4000.0] * 8, "hook": [float(metered_hook)] * 8}
-    flat, per_proc = procs(refs, 4005.0, float(metered))
-    result = lo.judge(inproc, inproc_metered, flat, per_proc)
+    result = lo.judge(inproc, inproc_metered, procs(refs, 4005.0, float(metered)))
     assert [v["result"].split()[0] for v in result["verdicts"]] == want, result["verdicts"]
     assert result["reference_spread_ns"] == max(refs) - min(refs)
