@@ -291,9 +291,9 @@ uint32_t window_procs(uint64_t ws);
 #define HOLD_QUEUE_NS 100000ull
 #endif
 /* Beside a latency container a launch estimated this long or longer is followed by an event, and the next waits
- * until the one before it has run: at most two such kernels queued, whatever the estimates say (an estimate too
- * short let a matmul tenant queue milliseconds). Shorter launches are bounded by the estimate alone (an event each
- * would cost the host microseconds a launch). */
+ * until the one HOLD_EVENT_DEPTH - 1 before it has run: at most HOLD_EVENT_DEPTH (2) such kernels queued, whatever
+ * the estimates say (an estimate too short let a matmul tenant queue milliseconds). Shorter launches are bounded by
+ * the estimate alone (an event each would cost the host microseconds a launch). */
 #ifndef HOLD_EVENT_MIN_NS /* diagnostic builds may move it: -DHOLD_EVENT_MIN_NS=UINT64_MAX turns the bound off */
 #define HOLD_EVENT_MIN_NS 50000ull
 #endif
