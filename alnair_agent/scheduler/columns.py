@@ -234,7 +234,7 @@ class Columns:
         """The codes (one per field) of the nodes whose GPUs offer `totals`: judge_all's steps, class by class
         (what depends on the GPUs' sizes is the same for all of them)."""
         if shape.per_gpu:
-            each = totals[0][0] if totals and all(m == totals[0][0] for m, _ in totals) else -1  # memory_each
+            each = _memory_each(totals)
             if each < 0:  # GPUs of several sizes: placed
                 return members * UNDECIDED
             shape = shape.on(each)
@@ -273,8 +273,8 @@ class Columns:
         """`fit.score_added(added, node's FreeSummary, PACK)` for `names`, every one kept here and fitting the pod,
         `added` being the units its steady containers hold there; None where score_added takes another way (units
         capped at what the node offers) or `added` depends on where the pod goes (memory as a percent on GPUs of
-        several sizes), for the caller to work out. The same integers as score_added: a node's score is how many of
-        score is the floor of numerator / denominator, clipped to 0..MAX_SCORE, as there."""
+        several sizes), for the caller to work out. The same integers as score_added: the floor of its numerator /
+        denominator, clipped to 0..MAX_SCORE, as there."""
         wide = self._as_wide()
         ones, guard = wide.ones, wide.guard
         codes = 0
@@ -284,7 +284,7 @@ class Columns:
                 continue
             sized = shape
             if shape.per_gpu:
-                each = totals[0][0] if totals and all(m == totals[0][0] for m, _ in totals) else -1
+                each = _memory_each(totals)
                 if each < 0:
                     continue
                 sized = shape.on(each)
@@ -313,6 +313,12 @@ class Columns:
 
 
 _SCORES: list[int | None] = [None, *range(fit.MAX_SCORE + 1)]  # code -> score
+
+
+def _memory_each(totals: Totals) -> int:
+    """The memory units each of these GPUs offers when they are all the same size (FreeSummary's memory_each),
+    else -1: memory asked as a percent is in those units."""
+    return totals[0][0] if totals and all(m == totals[0][0] for m, _ in totals) else -1
 
 
 def _at_least(column: int, threshold: int, ones: int, guard: int) -> int:
