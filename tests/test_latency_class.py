@@ -7,6 +7,7 @@ itself from its arrival to its result; what the busy tenant got is read from the
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 
 import pytest
@@ -168,38 +169,31 @@ async def test_with_the_agent_down_requests_still_do_not_wait_and_a_flood_keeps_
     requests through without waiting for the neighbour's window, and a flood is still held to its cap over each
     second, the neighbour making up what it was held."""
     settings = settings_for(root, timelines)
-    async with api.api_client() as client:
-        running = running_agent(settings, kubernetes_for(client))
-        await running.__aenter__()
-        stopped = False
-        try:
-            async with KubeletEmulator(settings.device_plugin_dir, settings.pod_resources_socket) as kubelet:
-                await registered(kubelet)
-                svc = await admit(api, kubelet, build, timelines, "svc", 30, policy="latency")
-                busy = await admit(api, kubelet, build, timelines, "busy", 70)
-                await busy.start(9_500)
-                await asyncio.sleep(0.3)
-                await run_op(svc, requests_op(1_500, 100))  # the agent sees it launch: the neighbour's mask is set
+    async with api.api_client() as client, contextlib.AsyncExitStack() as agent:
+        await agent.enter_async_context(running_agent(settings, kubernetes_for(client)))
+        async with KubeletEmulator(settings.device_plugin_dir, settings.pod_resources_socket) as kubelet:
+            await registered(kubelet)
+            svc = await admit(api, kubelet, build, timelines, "svc", 30, policy="latency")
+            busy = await admit(api, kubelet, build, timelines, "busy", 70)
+            await busy.start(9_500)
+            await asyncio.sleep(0.3)
+            await run_op(svc, requests_op(1_500, 100))  # the agent sees it launch: the neighbour's mask is set
 
-                def mask() -> int:
-                    region = Region.open(busy.region)
-                    try:
-                        return region.read_agent_block()["hold_mask"]
-                    finally:
-                        region.close()
+            def mask() -> int:
+                region = Region.open(busy.region)
+                try:
+                    return region.read_agent_block()["hold_mask"]
+                finally:
+                    region.close()
 
-                assert mask() != 0
-                await running.__aexit__(None, None, None)  # the agent stops; the containers go on
-                stopped = True
-                lat = (await run_op(svc, requests_op(3_000, 100)))["latencies"]
-                t0 = now_ns()
-                await svc.start(3_500, shape="mm")  # then a flood, still without an agent
-                await asyncio.gather(svc.wait(), busy.wait())
-                busy.recorder.poll()
-                assert mask() != 0  # nobody took it away
-        finally:
-            if not stopped:
-                await running.__aexit__(None, None, None)
+            assert mask() != 0
+            await agent.aclose()  # the agent stops; the containers go on
+            lat = (await run_op(svc, requests_op(3_000, 100)))["latencies"]
+            t0 = now_ns()
+            await svc.start(3_500, shape="mm")  # then a flood, still without an agent
+            await asyncio.gather(svc.wait(), busy.wait())
+            busy.recorder.poll()
+            assert mask() != 0  # nobody took it away
     per_s = svc.series(t0 + 500_000_000, t0 + 3_500_000_000, 1_000_000_000)
     nb = busy.series(t0 + 500_000_000, t0 + 3_500_000_000, 1_000_000_000)
     print(f"agent down: p50 {pct(lat, 0.5):.2f} p99 {pct(lat, 0.99):.2f} ms ({len(lat)} requests); flood per s",
