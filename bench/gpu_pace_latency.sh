@@ -5,8 +5,9 @@
 #   bash bench/gpu_pace_latency.sh latency    2.
 #   bash bench/gpu_pace_latency.sh events     4.
 # 1. Where the small-kernel loop's time goes at caps 50 / 70 (45 / 63 % judged in one process, 2026-12-03):
-#    bench/turn_trace.py --profile, the loop alone uncapped, through the agent uncapped, and at 50 and 70; then
-#    bench/turn_pace.py for the small loop and the training step with more rounds.
+#    bench/turn_pace.py for the small loop and the training step with more rounds, then again with the trace build
+#    (each phase's gate refusals, drains, true-ups owed, window starts: bench/shim_trace.py); then
+#    bench/turn_trace.py --profile, the loop alone uncapped, through the agent uncapped, and at 50 and 70.
 # 2. What the latency class's event bound costs a host-bound training neighbour and gives a request beside it:
 #    bench/latency_gpu.py beside train with the shipped shim (at most 2 long launches queued), a build allowing 4
 #    (-DHOLD_EVENT_DEPTH=4) and one without the bound (-DHOLD_EVENT_MIN_NS=UINT64_MAX); each pair run records the
@@ -23,13 +24,18 @@ build_shim /tmp/shim || exit 1
 rc=0
 case $part in
 pace)
-  timeout 170 python3 bench/turn_trace.py --pin --shim /tmp/shim/libalnair.so --shapes small --caps 0,-1,50,70 \
+  build_shim /tmp/shim-trace "-O2 -DALNAIR_TRACE" || exit 1
+  timeout 180 python3 bench/turn_pace.py --pin --shim /tmp/shim/libalnair.so --shapes small,train --caps 50,70 \
+    --rounds 3 --seconds 0.6 --settle 0.2 --json "$OUT/turn_pace.json" > "$OUT/turn_pace.log" 2>&1 || rc=1
+  timeout 120 python3 bench/turn_pace.py --pin --shim /tmp/shim-trace/libalnair.so --shapes small,train --caps 50,70 \
+    --rounds 2 --seconds 0.6 --settle 0.2 --trace-dir /tmp/pace-traces --json "$OUT/turn_pace_trace.json" \
+    > "$OUT/turn_pace_trace.log" 2>&1 || rc=1
+  tar -czf "$OUT/pace_traces.tgz" -C /tmp pace-traces 2>/dev/null
+  timeout 150 python3 bench/turn_trace.py --pin --shim /tmp/shim/libalnair.so --shapes small --caps 0,-1,50,70 \
     --seconds 2 --profile 0.5 --json "$OUT/trace_small.json" > "$OUT/trace_small.log" 2>&1 || rc=1
-  timeout 250 python3 bench/turn_pace.py --pin --shim /tmp/shim/libalnair.so --shapes small,train --caps 50,70 \
-    --rounds 4 --seconds 0.6 --settle 0.2 --json "$OUT/turn_pace.json" > "$OUT/turn_pace.log" 2>&1 || rc=1
-  timeout 100 python3 bench/launch_overhead.py --shim /tmp/shim/libalnair.so --json "$OUT/launch_overhead.json" \
+  timeout 90 python3 bench/launch_overhead.py --shim /tmp/shim/libalnair.so --json "$OUT/launch_overhead.json" \
     > "$OUT/launch_overhead.log" 2>&1 || rc=1
-  tail -n 40 "$OUT/trace_small.log" "$OUT/turn_pace.log" "$OUT/launch_overhead.log"
+  tail -n 40 "$OUT/turn_pace.log" "$OUT/turn_pace_trace.log" "$OUT/trace_small.log" "$OUT/launch_overhead.log"
   ;;
 latency)
   build_shim /tmp/shim-depth4 "-O2 -DHOLD_EVENT_DEPTH=4" || exit 1

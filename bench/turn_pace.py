@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import shim_trace
 from benchstats import machine, write_json
 from cpus import APPLY as APPLY_CPUS
 from cpus import CpuPlan
@@ -77,6 +78,8 @@ class Phase:
     t0: float  # wall s
     t1: float
     shown: bool  # the tenant's region showed the phase's state before it was timed
+    m0: int = 0  # the same span, CLOCK_MONOTONIC ns (the shim's clock: its trace's times)
+    m1: int = 0
 
 
 def judge(cap: int, phases: list[Phase], rate: Any) -> list[dict[str, Any]]:
@@ -121,11 +124,14 @@ def lent_now(region: Path) -> bool:
 async def one(shim: Path, shape: str, cap: int, a: argparse.Namespace, cpus: CpuPlan | None) -> dict[str, Any]:
     n_phases = 2 * a.rounds + 1
     loop_s = n_phases * (a.settle + a.seconds + 0.6) + 3.0
-    async with Node(shim, "elastic") as node, Tenants(cpus) as ts:
+    trace_dir: Path | None = a.trace_dir
+    async with Node(shim, "elastic") as node, Tenants(cpus, trace_dir) as ts:
         env = await node.admit(cap, 12)
         switch_env = await node.admit(100 - cap, 4, policy="strict")
         if cpus is not None:
             switch_env = cpus.env(switch_env)
+        if trace_dir is not None:
+            switch_env = {**switch_env, "ALNAIR_TRACE_FILE": str(trace_dir / f"switch-{shape}-{cap}.trace")}
         on, stop, ready = (ts.folder / f"switch.{w}" for w in ("on", "stop", "ready"))
         switch = asyncio.create_task(run_py(SWITCH, switch_env, str(on), str(stop), str(ready)))
         t = ts.start(f"{shape}-{cap}", shape, env, loop_s)
@@ -150,16 +156,24 @@ async def one(shim: Path, shape: str, cap: int, a: argparse.Namespace, cpus: Cpu
                     break
                 await asyncio.sleep(0.01)
             await asyncio.sleep(a.settle)
-            t0 = time.time()
+            t0, m0 = time.time(), time.monotonic_ns()
             await asyncio.sleep(a.seconds)
-            phases.append(Phase(kind, t0, time.time(), shown))
+            phases.append(Phase(kind, t0, time.time(), shown, m0, time.monotonic_ns()))
         on.unlink(missing_ok=True)
         stop.write_text("1")
         out = await t.task
         await switch
     p = Progress(out["marks"])
     rows = judge(cap, phases, p.rate)
-    return {"shape": shape, "cap": cap, "phases": [vars(x) for x in phases], "rows": rows,
+    traces: list[dict[str, Any]] = []
+    if trace_dir is not None:  # where each phase's time went in the shim (a trace build)
+        recs = {who: shim_trace.read(trace_dir / f"{name}.trace")
+                for who, name in (("tenant", f"{shape}-{cap}"), ("switch", f"switch-{shape}-{cap}"))}
+        traces = [{who: shim_trace.summarise(r, x.m0, x.m1) for who, r in recs.items() if r} for x in phases]
+        for x, tr in zip(phases, traces, strict=True):
+            if "tenant" in tr:
+                say(f"  {shape} cap {cap} {x.kind:7}: {json.dumps(tr['tenant'])}")
+    return {"shape": shape, "cap": cap, "phases": [vars(x) for x in phases], "rows": rows, "traces": traces,
             "lent_rates": [round(p.rate(x.t0, x.t1), 2) for x in phases if x.kind == "lent"],
             "verdict": verdict(cap, shape, rows)}
 
@@ -196,7 +210,11 @@ def main() -> None:
     ap.add_argument("--settle", type=float, default=0.3, help="each phase, after its state shows, before it is timed")
     ap.add_argument("--pin", action="store_true", help="a CPU of its own for each process (bench/cpus.py)")
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--trace-dir", type=Path, help="with a shim built -DALNAIR_TRACE: each process's trace there, "
+                    "and each phase's summary (bench/shim_trace.py) in the JSON")
     a = ap.parse_args()
+    if a.trace_dir is not None:
+        a.trace_dir.mkdir(parents=True, exist_ok=True)
     import logging
 
     import structlog
