@@ -4,6 +4,7 @@
 #   bash bench/gpu_pace_latency.sh pace       1. + 3.
 #   bash bench/gpu_pace_latency.sh latency    2.
 #   bash bench/gpu_pace_latency.sh events     4.
+#   bash bench/gpu_pace_latency.sh host       5.
 # 1. Where the small-kernel loop's time goes at caps 50 / 70 (45 / 63 % judged in one process, 2026-12-03):
 #    bench/turn_pace.py for the small loop and the training step with more rounds, then again with the trace build
 #    (each phase's gate refusals, drains, true-ups owed, window starts: bench/shim_trace.py); then
@@ -17,6 +18,10 @@
 #    mm-sync at caps 30 / 70) with a build that polls a sample only once it is due (-DPOLL_WHEN_DUE=1: 9x fewer
 #    queries behind a deep queue on the simulated driver, the same samples) and one with 4x fewer samples and
 #    fences (-DSAMPLE_EVERY=1024u -DFENCE_EVERY=1024u -DPOLL_EVERY_MASK=31u), beside the shipped shim.
+# 5. Whether a host-bound program's pace in its windows is lost to its thread's sleep between windows (the pace
+#    call of 2026-12-04 found no wait in the shim while the small loop ran at 75-83 % of its lent pace, its launch
+#    calls slower): pace_probe and turn_pace with builds that spin the whole wait (-DWAKE_EARLY_NS=1000000000ull)
+#    or its last 2 ms (-DWAKE_EARLY_NS=2000000ull) instead of the last 0.1 ms.
 # Run with PYTHONPATH holding the carried wheels (bench/device_prelude.sh sets up the rest).
 source "$(dirname "$0")/device_prelude.sh"
 part=${1:-pace}
@@ -61,8 +66,20 @@ events)
   done
   tail -n 12 "$OUT"/overhead_*.log "$OUT"/turn_pace_*.log
   ;;
+host)
+  build_shim /tmp/shim-spin "-O2 -DWAKE_EARLY_NS=1000000000ull" || exit 1
+  build_shim /tmp/shim-early "-O2 -DWAKE_EARLY_NS=2000000ull" || exit 1
+  timeout 300 python3 bench/pace_probe.py --build ship=/tmp/shim/libalnair.so --build spin=/tmp/shim-spin/libalnair.so \
+    --build early=/tmp/shim-early/libalnair.so --shapes small,train,infer --phases u,f,u,w50,u,w70,u,w20,u,w50,u,w70,u --rounds 2 \
+    --json "$OUT/pace_probe_host.json" > "$OUT/pace_probe_host.log" 2>&1 || rc=1
+  for build in shim-spin shim-early; do
+    timeout 110 python3 bench/turn_pace.py --pin --shim /tmp/$build/libalnair.so --shapes small,train --caps 50,70 \
+      --rounds 3 --seconds 0.6 --settle 0.2 --json "$OUT/turn_pace_$build.json" > "$OUT/turn_pace_$build.log" 2>&1 || rc=1
+  done
+  tail -n 30 "$OUT/pace_probe_host.log" "$OUT"/turn_pace_shim-*.log
+  ;;
 *)
-  echo "usage: $0 pace|latency|events" >&2
+  echo "usage: $0 pace|latency|events|host" >&2
   exit 2
   ;;
 esac
