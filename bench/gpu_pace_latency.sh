@@ -5,6 +5,7 @@
 #   bash bench/gpu_pace_latency.sh latency    2.
 #   bash bench/gpu_pace_latency.sh events     4.
 #   bash bench/gpu_pace_latency.sh host       5.
+#   bash bench/gpu_pace_latency.sh class      6.
 # 1. Where the small-kernel loop's time goes at caps 50 / 70 (45 / 63 % judged in one process, 2026-12-03):
 #    bench/turn_pace.py for the small loop and the training step with more rounds, then again with the trace build
 #    (each phase's gate refusals, drains, true-ups owed, window starts: bench/shim_trace.py); then
@@ -22,6 +23,8 @@
 #    call of 2026-12-04 found no wait in the shim while the small loop ran at 75-83 % of its lent pace, its launch
 #    calls slower): pace_probe and turn_pace with builds that spin the whole wait (-DWAKE_EARLY_NS=1000000000ull)
 #    or its last 2 ms (-DWAKE_EARLY_NS=2000000ull) instead of the last 0.1 ms.
+# 6. The latency class beside train and mm once a neighbour no longer queries an event seen to have run (each
+#    short launch asked again), and the launch overhead of the POLL_WHEN_DUE build.
 # Run with PYTHONPATH holding the carried wheels (bench/device_prelude.sh sets up the rest).
 source "$(dirname "$0")/device_prelude.sh"
 part=${1:-pace}
@@ -78,8 +81,17 @@ host)
   done
   tail -n 30 "$OUT/pace_probe_host.log" "$OUT"/turn_pace_shim-*.log
   ;;
+class)
+  build_shim /tmp/shim-due "-O2 -DPOLL_WHEN_DUE=1" || exit 1
+  timeout 190 python3 bench/latency_gpu.py --pin --shim /tmp/shim/libalnair.so --neighbours train,mm \
+    --only latency,latency-elastic --rates 200,500 --seconds 3 --json "$OUT/latency_class.json" \
+    > "$OUT/latency_class.log" 2>&1 || rc=1
+  timeout 90 python3 bench/launch_overhead.py --shim /tmp/shim-due/libalnair.so --json "$OUT/overhead_due.json" \
+    > "$OUT/overhead_due.log" 2>&1 || rc=1
+  tail -n 40 "$OUT/latency_class.log" "$OUT/overhead_due.log"
+  ;;
 *)
-  echo "usage: $0 pace|latency|events|host" >&2
+  echo "usage: $0 pace|latency|events|host|class" >&2
   exit 2
   ;;
 esac

@@ -191,6 +191,7 @@ struct tstate {
     CUevent d_ev; /* the gate's drain event: recorded when its estimate of the queue refuses a launch */
     CUevent q_ev[HOLD_EVENT_DEPTH]; /* beside a latency container: after each of its last long launches (latency.c) */
     unsigned q_n; /* ... how many were recorded (q_ev[q_n % HOLD_EVENT_DEPTH] is the next) */
+    unsigned q_done; /* ... the first q_n - HOLD_EVENT_DEPTH + 1 of them seen to have run: not queried again */
     uint64_t s_key, s_cost, s_idx, s_host;
     uint64_t s_due; /* POLL_WHEN_DUE: when the sample in flight is estimated to have run */
     unsigned s_ahead; /* launches of unknown kernels charged a guess since the sample in flight was taken */
