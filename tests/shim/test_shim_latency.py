@@ -104,3 +104,27 @@ def test_a_board_cut_short_under_a_neighbour_does_not_kill_it(runner: Runner, tm
     finally:
         region.close()
         board.close()
+
+
+def test_beside_a_latency_container_short_launches_do_not_query_an_event_already_seen_done(runner: Runner,
+                                                                                           tmp_path: Path):
+    """The bound on a neighbour's long launches (each followed by an event; the next waits for the one before it)
+    asks the driver only while that event may still be pending. Each query costs the H200 VM's driver ~3.3 us of
+    host: asked again by every short launch after it, a training step (79 launches, a few long) lost ~20 % of its
+    pace beside a latency container (bench/RESULTS.md, 2026-12-04)."""
+    path, region, board = neighbour(tmp_path, 0b1, 90)  # the board honoured, nobody announcing: nothing holds it
+    try:
+        # one long launch (8 waves of 20 us: 160 us, over HOLD_EVENT_MIN_NS) in every 8, the rest 20 us
+        r = runner.run("init", "mix:400:20000:8:8", region=path, env=one_gpu(tmp_path))
+        assert r.returncode == 0, r.stderr
+        run = r.line("run")
+        launches, queries = int(run["launches"]), r.stats.get("cuEventQuery", 0)
+        long_ones = launches // 8
+        print("launches", launches, "long", long_ones, "event queries", queries, "records",
+              r.stats.get("cuEventRecord", 0))
+        assert launches > 1000
+        # the meter's own samples and fences, and the long launches' events (a few polls each while one runs)
+        assert queries < 0.5 * launches, (queries, launches)
+    finally:
+        region.close()
+        board.close()
