@@ -6,6 +6,7 @@
 #   bash bench/gpu_pace_latency.sh events     4.
 #   bash bench/gpu_pace_latency.sh host       5.
 #   bash bench/gpu_pace_latency.sh class      6.
+#   bash bench/gpu_pace_latency.sh chunk      7.
 # 1. Where the small-kernel loop's time goes at caps 50 / 70 (45 / 63 % judged in one process, 2026-12-03):
 #    bench/turn_pace.py for the small loop and the training step with more rounds, then again with the trace build
 #    (each phase's gate refusals, drains, true-ups owed, window starts: bench/shim_trace.py); then
@@ -25,6 +26,9 @@
 #    or its last 2 ms (-DWAKE_EARLY_NS=2000000ull) instead of the last 0.1 ms.
 # 6. The latency class beside train and mm once a neighbour no longer queries an event seen to have run (each
 #    short launch asked again), and the launch overhead of the POLL_WHEN_DUE build.
+# 7. The latency class beside train and mm, shipped against a build whose short launches are bounded by measurement
+#    too (-DHOLD_CHUNK=1: an event after each 50 us of their estimated work), so one call weighs the request's wait
+#    against the neighbour's pace for both shapes.
 # Run with PYTHONPATH holding the carried wheels (bench/device_prelude.sh sets up the rest).
 source "$(dirname "$0")/device_prelude.sh"
 part=${1:-pace}
@@ -90,8 +94,17 @@ class)
     > "$OUT/overhead_due.log" 2>&1 || rc=1
   tail -n 40 "$OUT/latency_class.log" "$OUT/overhead_due.log"
   ;;
+chunk)
+  build_shim /tmp/shim-chunk "-O2 -DHOLD_CHUNK=1" || exit 1
+  for build in shim shim-chunk; do
+    timeout 190 python3 bench/latency_gpu.py --pin --shim /tmp/$build/libalnair.so --neighbours train,mm \
+      --only latency,latency-elastic --rates 200,500 --seconds 3 --json "$OUT/latency_$build.json" \
+      > "$OUT/latency_$build.log" 2>&1 || rc=1
+  done
+  tail -n 32 "$OUT"/latency_shim*.log
+  ;;
 *)
-  echo "usage: $0 pace|latency|events|host|class" >&2
+  echo "usage: $0 pace|latency|events|host|class|chunk" >&2
   exit 2
   ;;
 esac

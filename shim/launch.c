@@ -115,8 +115,14 @@ static __attribute__((noinline)) void post_launch(struct pre *p, CUresult rc)
     T.since_fence++;
     if (!queries_ok())
         return;
-    if (UNLIKELY(RLOAD(alnair_cur_region()->agent.hold_mask) != 0) && p->cost >= HOLD_EVENT_MIN_NS)
-        hold_mark(p->stream, p->pt, p->cost);
+    if (UNLIKELY(RLOAD(alnair_cur_region()->agent.hold_mask) != 0)) {
+        if (HOLD_CHUNK)
+            T.q_acc += p->cost;
+        if (p->cost >= HOLD_EVENT_MIN_NS || (HOLD_CHUNK && T.q_acc >= HOLD_EVENT_MIN_NS)) {
+            T.q_acc = 0;
+            hold_mark(p->stream, p->pt, p->cost);
+        }
+    }
     if (T.since_fence >= FENCE_EVERY || T.charged - T.last_fence_charged >= FENCE_EVERY_NS)
         record_fence(p->stream, p->pt, sc);
     if (T.s_busy && (T.launches & POLL_EVERY_MASK) == 0 && (!POLL_WHEN_DUE || alnair_now_ns() >= T.s_due))

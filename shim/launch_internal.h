@@ -192,6 +192,7 @@ struct tstate {
     CUevent q_ev[HOLD_EVENT_DEPTH]; /* beside a latency container: after each of its last long launches (latency.c) */
     unsigned q_n; /* ... how many were recorded (q_ev[q_n % HOLD_EVENT_DEPTH] is the next) */
     unsigned q_done; /* ... the first q_n - HOLD_EVENT_DEPTH + 1 of them seen to have run: not queried again */
+    uint64_t q_acc;  /* HOLD_CHUNK: short launches' estimated work since the last mark */
     uint64_t s_key, s_cost, s_idx, s_host;
     uint64_t s_due; /* POLL_WHEN_DUE: when the sample in flight is estimated to have run */
     unsigned s_ahead; /* launches of unknown kernels charged a guess since the sample in flight was taken */
@@ -297,6 +298,13 @@ uint32_t window_procs(uint64_t ws);
  * the estimate alone (an event each would cost the host microseconds a launch). */
 #ifndef HOLD_EVENT_MIN_NS /* diagnostic builds may move it: -DHOLD_EVENT_MIN_NS=UINT64_MAX turns the bound off */
 #define HOLD_EVENT_MIN_NS 50000ull
+#endif
+/* Diagnostic builds (-DHOLD_CHUNK=1): short launches count too, an event after each HOLD_EVENT_MIN_NS of their
+ * estimated work, so the queue a request meets is bounded by measurement for every shape (a host-bound neighbour's
+ * short launches otherwise queue on estimates alone: bench/RESULTS.md, 2026-12-04). Not the default until the H200
+ * weighs its events' host cost against the request's wait (bench/gpu_pace_latency.sh chunk). */
+#ifndef HOLD_CHUNK
+#define HOLD_CHUNK 0
 #endif
 #define HOLD_ONCE_MAX_NS 50000000ull /* one look at the board holds a launch back this long at most */
 #define HOLD_STEP_NS 200000ull       /* a held thread looks at the board again this often at least */
