@@ -171,6 +171,50 @@ uint64_t latency_gate(uint64_t cost, struct stream_ctr *sc, uint64_t now)
     return now - t0; /* counted as a wait for its turn by the caller */
 }
 
+/* A latency container waiting for its own queue (a stream or event sync, a synchronous copy: what `.cpu()`,
+ * `.item()` and a request's result wait in). What it announced at its launches is an estimate of when its queue
+ * runs (latency_gate); its kernels run later than that whenever a neighbour's work queued before the request ran
+ * first, and a board that lapses before the queue has run lets the neighbours queue again, so the GPU time-slices
+ * the rest of the request with them (the H200's p99 of 3.3-4.2 ms beside matmuls, alone 1.4-2.1 ms). So while it
+ * waits its slot says busy (LAT_WAIT_MAX_NS at most), measured by the wait itself, and once the wait returns the
+ * request's grace from then. Only a wait entered while its slot says busy is announced: a sync with nothing
+ * queued, or an idle service polling, holds nobody. Returns the end it wrote (0: none); latency_wait_end takes it. */
+uint64_t latency_wait_begin(void)
+{
+    struct alnair_region *r = alnair_cur_region();
+    if (!LAT_WAIT_HOLD || r == NULL || RLOAD(r->agent.compute_class) != ALNAIR_CLASS_LATENCY ||
+        RLOAD(r->agent.compute_limit) - 1u >= 99u)
+        return 0;
+    uint32_t k = RLOAD(r->agent.board_slot);
+    struct alnair_board *b = k < ALNAIR_BOARD_SLOTS ? alnair_board_get() : NULL;
+    if (b == NULL)
+        return 0;
+    uint64_t now = alnair_now_ns(), until = now + LAT_WAIT_MAX_NS, have = RLOAD(b->slots[k].busy_until_ns);
+    if (have <= now || have >= until)
+        return 0;
+    /* another thread's announcement that moved in between wins (it is later, or its own wait's) */
+    if (!__atomic_compare_exchange_n(&b->slots[k].busy_until_ns, &have, until, 0, __ATOMIC_ACQ_REL,
+                                     __ATOMIC_ACQUIRE))
+        return 0;
+    TRACE('w', have > now ? have - now : 0, 0, 0, 0);
+    return until;
+}
+
+void latency_wait_end(uint64_t said)
+{
+    if (said == 0)
+        return;
+    struct alnair_region *r = alnair_cur_region();
+    struct alnair_board *b = alnair_board_get();
+    uint32_t k = r != NULL ? RLOAD(r->agent.board_slot) : ALNAIR_BOARD_SLOTS;
+    if (b == NULL || k >= ALNAIR_BOARD_SLOTS)
+        return;
+    uint64_t expect = said;
+    /* only what this wait wrote is taken back: a launch or wait of another thread since then keeps its own */
+    __atomic_compare_exchange_n(&b->slots[k].busy_until_ns, &expect, alnair_now_ns() + LAT_GRACE_NS, 0,
+                                __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE);
+}
+
 /* ---- its neighbours --------------------------------------------------------------------------------------- */
 /* The latest end any latency container of `mask` announces (bounded: a board can say anything). */
 static uint64_t board_until(struct alnair_board *b, uint32_t mask, uint64_t now)
@@ -231,8 +275,9 @@ uint64_t hold_back(uint32_t mask, struct stream_ctr *sc, uint64_t now)
     uint64_t allow = ALNAIR_LATENCY_HORIZON_NS / 100u * RLOAD(r->agent.hold_pct), held = 0;
     for (;;) {
         uint64_t until = b != NULL ? board_until(b, mask, now) : 0;
-        if (until > now && horizon_sum(&L->held, now) + (until - now) <= allow) {
-            uint64_t step = until - now < HOLD_STEP_NS ? until - now : HOLD_STEP_NS;
+        uint64_t step = until > now ? (until - now < HOLD_STEP_NS ? until - now : HOLD_STEP_NS) : 0;
+        /* judged a step at a time: a long announcement (a latency container's wait) holds while the budget lasts */
+        if (step != 0 && horizon_sum(&L->held, now) + step <= allow) {
             nap_until(now + step, now);
             uint64_t t = alnair_now_ns();
             horizon_add(&L->held, t, t - now);

@@ -19,6 +19,8 @@
 CUresult cuInit(unsigned);
 CUresult cuMemcpyHtoD_v2(CUdeviceptr, const void *, size_t);
 CUresult cuMemcpyHtoD_v2_ptds(CUdeviceptr, const void *, size_t);
+CUresult cuMemcpyDtoH_v2(void *, CUdeviceptr, size_t);
+CUresult cuMemcpyDtoH_v2_ptds(void *, CUdeviceptr, size_t);
 CUresult cuMemcpyAsync(CUdeviceptr, CUdeviceptr, size_t, CUstream);
 CUresult cuMemcpyAsync_ptsz(CUdeviceptr, CUdeviceptr, size_t, CUstream);
 CUresult cuGetProcAddress_v2(const char *, void **, int, cuuint64_t, CUdriverProcAddressQueryResult *);
@@ -149,6 +151,7 @@ CUresult cuLaunchCooperativeKernelMultiDevice(CUDA_LAUNCH_PARAMS *, unsigned, un
       cuLaunchCooperativeKernelMultiDevice, "cuLaunchCooperativeKernelMultiDevice")                            \
     X(CopyHtoD, CUresult (*)(CUdeviceptr, const void *, size_t), cuMemcpyHtoD_v2, cuMemcpyHtoD_v2_ptds,          \
       "cuMemcpyHtoD")                                                                                            \
+    X(CopyDtoH, CUresult (*)(void *, CUdeviceptr, size_t), cuMemcpyDtoH_v2, cuMemcpyDtoH_v2_ptds, "cuMemcpyDtoH") \
     X(CopyAsync, CUresult (*)(CUdeviceptr, CUdeviceptr, size_t, CUstream), cuMemcpyAsync, cuMemcpyAsync_ptsz,    \
       "cuMemcpyAsync")
 
@@ -681,8 +684,11 @@ static void run_op(const char *op, int argc, char **argv, int i)
     } else if (sscanf(op, "requests:%llu:%llu:%llu:%llu:%llu", &a, &b, &c, &d, &e6) == 5) {
         /* requests:MS:RATE:K:DUR:THINK  an inference service: requests arrive at RATE per second (Poisson, seeded:
          * each 10 us an arrival with probability RATE x 10 us) for MS ms; each is K kernels of DUR ns, THINK ns of
-         * host work before each, then a wait for its result. A request that arrives while the last one runs
-         * queues. Prints each request's latency from its arrival to its result (an open-loop client's view). */
+         * host work before each, then a wait for its result (a stream sync; requests:...:copy a synchronous copy
+         * of its result to the host). A request that arrives while the last one runs queues. Prints each
+         * request's latency from its arrival to its result (an open-loop client's view). */
+        int by_copy = strstr(op, ":copy") != NULL;
+        char result[64];
         uint64_t slots = a * 100, n_arr = 0, cap = 1u << 16, x = 0x9E3779B97F4A7C15ull;
         uint64_t *arr = malloc(cap * sizeof *arr), *lat = malloc(cap * sizeof *lat);
         uint64_t p = b * 10000ull; /* per 10 us slot, in 1e-9 */
@@ -706,7 +712,10 @@ static void run_op(const char *op, int argc, char **argv, int i)
                 }
                 bad += api.Launch(fn, 1, 1, 1, 1, 1, 1, 0, NULL, NULL, NULL) != CUDA_SUCCESS;
             }
-            api.StreamSync(NULL);
+            if (by_copy)
+                bad += api.CopyDtoH(result, 0x1000, sizeof result) != CUDA_SUCCESS;
+            else
+                api.StreamSync(NULL);
             lat[i] = mono() - at;
         }
         printf("run launches=%llu bad=%llu gpu_ns=%llu wall_ns=%llu cpu_ns=0 requests=%llu\n", (unsigned long long)n,
@@ -718,6 +727,22 @@ static void run_op(const char *op, int argc, char **argv, int i)
         printf("\n");
         free(arr);
         free(lat);
+    } else if (sscanf(op, "syncs:%llu", &a) == 1) {
+        /* syncs:MS  one request (a 1 ms kernel, its result waited for), 10 ms of nothing, then stream syncs with
+         * nothing queued, one every 100 us for MS ms (an idle service polling) */
+        CUfunction fn = named_fn("request", 1000000);
+        uint64_t bad = api.Launch(fn, 1, 1, 1, 1, 1, 1, 0, NULL, NULL, NULL) != CUDA_SUCCESS;
+        api.StreamSync(NULL);
+        struct timespec quiet = {0, 10000000};
+        nanosleep(&quiet, NULL);
+        uint64_t t0 = mono(), n = 0;
+        for (; mono() - t0 < a * 1000000ull; n++) {
+            api.StreamSync(NULL);
+            struct timespec ts = {0, 100000};
+            nanosleep(&ts, NULL);
+        }
+        printf("run syncs=%llu bad=%llu wall_ns=%llu\n", (unsigned long long)n, (unsigned long long)bad,
+               (unsigned long long)(mono() - t0));
     } else if (sscanf(op, "gaps:%llu:%llu:%llu", &a, &b, &c) == 3) {
         /* gaps:MS:DUR:SLEEP  a DUR-ns kernel, wait for it, sleep SLEEP ns, for MS ms: a job that leaves the GPU idle
          * part of the time (an inference server between requests, a training loop waiting for data) */
