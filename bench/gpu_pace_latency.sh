@@ -7,6 +7,7 @@
 #   bash bench/gpu_pace_latency.sh host       5.
 #   bash bench/gpu_pace_latency.sh class      6.
 #   bash bench/gpu_pace_latency.sh chunk      7.
+#   bash bench/gpu_pace_latency.sh wait       8.
 # 1. Where the small-kernel loop's time goes at caps 50 / 70 (45 / 63 % judged in one process, 2026-12-03):
 #    bench/turn_pace.py for the small loop and the training step with more rounds, then again with the trace build
 #    (each phase's gate refusals, drains, true-ups owed, window starts: bench/shim_trace.py); then
@@ -29,6 +30,10 @@
 # 7. The latency class beside train and mm, shipped against a build whose short launches are bounded by measurement
 #    too (-DHOLD_CHUNK=1: an event after each 50 us of their estimated work), so one call weighs the request's wait
 #    against the neighbour's pace for both shapes.
+# 8. The latency class beside train and mm with the shipped shim (a latency container's waits for its result hold
+#    its neighbours until they return; short launches bounded by measurement), against a build without the wait
+#    (-DLAT_WAIT_HOLD=0) and one without either (-DLAT_WAIT_HOLD=0 -DHOLD_CHUNK=0: the shim of 2026-12-04); the
+#    shipped one also beside an idle latency container.
 # Run with PYTHONPATH holding the carried wheels (bench/device_prelude.sh sets up the rest).
 source "$(dirname "$0")/device_prelude.sh"
 part=${1:-pace}
@@ -103,8 +108,20 @@ chunk)
   done
   tail -n 32 "$OUT"/latency_shim*.log
   ;;
+wait)
+  build_shim /tmp/shim-nowait "-O2 -DLAT_WAIT_HOLD=0" || exit 1
+  build_shim /tmp/shim-old "-O2 -DLAT_WAIT_HOLD=0 -DHOLD_CHUNK=0" || exit 1
+  for build in shim shim-nowait shim-old; do
+    only=latency,latency-elastic
+    [ $build = shim ] && only=$only,idle
+    timeout 175 python3 bench/latency_gpu.py --pin --shim /tmp/$build/libalnair.so --neighbours train,mm \
+      --only $only --rates 200,500 --seconds 3 --json "$OUT/latency_$build.json" \
+      > "$OUT/latency_$build.log" 2>&1 || rc=1
+  done
+  tail -n 30 "$OUT"/latency_shim*.log
+  ;;
 *)
-  echo "usage: $0 pace|latency|events|host|class|chunk" >&2
+  echo "usage: $0 pace|latency|events|host|class|chunk|wait" >&2
   exit 2
   ;;
 esac
