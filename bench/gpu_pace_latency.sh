@@ -8,6 +8,7 @@
 #   bash bench/gpu_pace_latency.sh class      6.
 #   bash bench/gpu_pace_latency.sh chunk      7.
 #   bash bench/gpu_pace_latency.sh wait       8.
+#   bash bench/gpu_pace_latency.sh depth      9.
 # 1. Where the small-kernel loop's time goes at caps 50 / 70 (45 / 63 % judged in one process, 2026-12-03):
 #    bench/turn_pace.py for the small loop and the training step with more rounds, then again with the trace build
 #    (each phase's gate refusals, drains, true-ups owed, window starts: bench/shim_trace.py); then
@@ -34,6 +35,8 @@
 #    its neighbours until they return; short launches bounded by measurement), against a build without the wait
 #    (-DLAT_WAIT_HOLD=0) and one without either (-DLAT_WAIT_HOLD=0 -DHOLD_CHUNK=0: the shim of 2026-12-04); the
 #    shipped one also beside an idle latency container.
+# 9. Beside matmuls alone (where the wait hold's run of 2026-12-04 fell behind at 500/s): the shipped shim twice,
+#    without the wait hold, and each with one long launch queued instead of two (-DHOLD_EVENT_DEPTH=1).
 # Run with PYTHONPATH holding the carried wheels (bench/device_prelude.sh sets up the rest).
 source "$(dirname "$0")/device_prelude.sh"
 part=${1:-pace}
@@ -120,8 +123,20 @@ wait)
   done
   tail -n 30 "$OUT"/latency_shim*.log
   ;;
+depth)
+  build_shim /tmp/shim-nowait "-O2 -DLAT_WAIT_HOLD=0" || exit 1
+  build_shim /tmp/shim-d1 "-O2 -DHOLD_EVENT_DEPTH=1" || exit 1
+  build_shim /tmp/shim-nowait-d1 "-O2 -DLAT_WAIT_HOLD=0 -DHOLD_EVENT_DEPTH=1" || exit 1
+  for build in shim shim-nowait shim-d1 shim-nowait-d1 shim; do
+    n=$((${n:-0} + 1))
+    timeout 150 python3 bench/latency_gpu.py --pin --shim /tmp/$build/libalnair.so --neighbours mm \
+      --only latency,latency-elastic --rates 200,500 --seconds 3 --json "$OUT/depth${n}_$build.json" \
+      > "$OUT/depth${n}_$build.log" 2>&1 || rc=1
+  done
+  grep -h -E '^(stream|mm) ' "$OUT"/depth*.log | cut -c1-170
+  ;;
 *)
-  echo "usage: $0 pace|latency|events|host|class|chunk|wait" >&2
+  echo "usage: $0 pace|latency|events|host|class|chunk|wait|depth" >&2
   exit 2
   ;;
 esac

@@ -797,12 +797,18 @@ class Group(sg.Tenants):
 def held_back(node: Node, envs: dict[str, dict[str, str]]) -> dict[str, dict[str, float]]:
     """What /metrics shows as alnair_container_held_back(_seconds)_total, per tenant: how long and how often its
     launches were held back for a latency container (the dispatcher's counters, read from the agent in process)."""
-    dispatcher = getattr(getattr(node, "agent", None), "dispatcher", None)  # a stand-in node may have none
+    agent = getattr(node, "agent", None)
+    dispatcher = getattr(agent, "dispatcher", None)  # a stand-in node may have none
+    profiler = getattr(agent, "profiler", None)
     out: dict[str, dict[str, float]] = {}
     for name, env in envs.items():
-        c = dispatcher.state.get(env.get(ENV_ALLOCATION_ID, "")) if dispatcher is not None else None
+        alloc = env.get(ENV_ALLOCATION_ID, "")
+        c = dispatcher.state.get(alloc) if dispatcher is not None else None
         if c is not None:
             out[name] = {"held_s": round(c.held_s, 4), "held_count": c.held_count}
+        u = profiler.usage.get(alloc) if profiler is not None else None
+        if u is not None:  # its own launches' waits (its turn, or a latency container's cap over the horizon)
+            out.setdefault(name, {})["waited_s"] = round(u.throttled_s, 4)
     return out
 
 

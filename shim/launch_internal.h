@@ -175,13 +175,13 @@ struct stream_ctr {
 extern struct stream_ctr g_streams[STREAM_SLOTS];
 
 /* Beside a latency container, at most this many launches estimated at HOLD_EVENT_MIN_NS or more are queued (the
- * next waits until the one this many before it has run): a power of two from 2 to 16. Diagnostic builds may raise
+ * next waits until the one this many before it has run): a power of two from 1 to 16. Diagnostic builds may raise
  * it (-DHOLD_EVENT_DEPTH=4) to weigh a neighbour's overlap against a request's wait (bench/gpu_pace_latency.sh). */
 #ifndef HOLD_EVENT_DEPTH
 #define HOLD_EVENT_DEPTH 2u
 #endif
-_Static_assert(HOLD_EVENT_DEPTH >= 2 && HOLD_EVENT_DEPTH <= 16 && (HOLD_EVENT_DEPTH & (HOLD_EVENT_DEPTH - 1)) == 0,
-               "HOLD_EVENT_DEPTH: a power of two from 2 to 16");
+_Static_assert(HOLD_EVENT_DEPTH >= 1 && HOLD_EVENT_DEPTH <= 16 && (HOLD_EVENT_DEPTH & (HOLD_EVENT_DEPTH - 1)) == 0,
+               "HOLD_EVENT_DEPTH: a power of two from 1 to 16");
 struct tstate {
     unsigned gen;
     CUcontext ctx;
