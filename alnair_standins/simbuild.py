@@ -26,9 +26,10 @@ class Build:
         return self.sim / "simapp"
 
 
-def build_shim_and_driver(out: Path) -> Build:
-    """Build both under `out` (shim/ and sim/)."""
-    for args in (["make", "-s", "-C", str(ROOT / "shim"), f"BUILD={out / 'shim'}", f"PYTHON={sys.executable}"],
+def build_shim_and_driver(out: Path, cflags: str | None = None) -> Build:
+    """Build both under `out` (shim/ and sim/); `cflags` for a diagnostic build of the shim ("-O2 -DLAT_WAIT_HOLD=1")."""
+    shim = ["make", "-s", "-C", str(ROOT / "shim"), f"BUILD={out / 'shim'}", f"PYTHON={sys.executable}"]
+    for args in (shim + ([f"CFLAGS={cflags}"] if cflags else []),
                  ["make", "-s", "-C", str(SIM_SRC), f"BUILD={out / 'sim'}", f"SHIM={ROOT / 'shim'}"]):
         subprocess.run(args, check=True, capture_output=True, text=True)
     return Build(shim=out / "shim" / "libalnair.so", sim=out / "sim")

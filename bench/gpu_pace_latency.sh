@@ -9,6 +9,7 @@
 #   bash bench/gpu_pace_latency.sh chunk      7.
 #   bash bench/gpu_pace_latency.sh wait       8.
 #   bash bench/gpu_pace_latency.sh depth      9.
+#   bash bench/gpu_pace_latency.sh final      10.
 # 1. Where the small-kernel loop's time goes at caps 50 / 70 (45 / 63 % judged in one process, 2026-12-03):
 #    bench/turn_pace.py for the small loop and the training step with more rounds, then again with the trace build
 #    (each phase's gate refusals, drains, true-ups owed, window starts: bench/shim_trace.py); then
@@ -37,6 +38,9 @@
 #    shipped one also beside an idle latency container.
 # 9. Beside matmuls alone (where the wait hold's run of 2026-12-04 fell behind at 500/s): the shipped shim twice,
 #    without the wait hold, and each with one long launch queued instead of two (-DHOLD_EVENT_DEPTH=1).
+# 10. The shipped shim (one long launch queued, no wait hold) in every scenario beside both neighbours, side by side
+#    in one run (alone, no Alnair, turns, the latency class strict and elastic, a flood, an idle service); then the
+#    latency class beside the training step again with two long launches queued (-DHOLD_EVENT_DEPTH=2).
 # Run with PYTHONPATH holding the carried wheels (bench/device_prelude.sh sets up the rest).
 source "$(dirname "$0")/device_prelude.sh"
 part=${1:-pace}
@@ -135,8 +139,17 @@ depth)
   done
   grep -h -E '^(stream|mm) ' "$OUT"/depth*.log | cut -c1-170
   ;;
+final)
+  build_shim /tmp/shim-d2 "-O2 -DHOLD_EVENT_DEPTH=2" || exit 1
+  timeout 400 python3 bench/latency_gpu.py --pin --shim /tmp/shim/libalnair.so --rates 200,500 --seconds 3 \
+    --json "$OUT/final_shim.json" > "$OUT/final_shim.log" 2>&1 || rc=1
+  timeout 120 python3 bench/latency_gpu.py --pin --shim /tmp/shim-d2/libalnair.so --neighbours train \
+    --only latency,latency-elastic --rates 200,500 --seconds 3 --json "$OUT/final_shim-d2.json" \
+    > "$OUT/final_shim-d2.log" 2>&1 || rc=1
+  grep -h -E '^(stream|mm|train|idle|flood) ' "$OUT"/final*.log | cut -c1-170
+  ;;
 *)
-  echo "usage: $0 pace|latency|events|host|class|chunk|wait|depth" >&2
+  echo "usage: $0 pace|latency|events|host|class|chunk|wait|depth|final" >&2
   exit 2
   ;;
 esac

@@ -175,9 +175,9 @@ uint64_t latency_gate(uint64_t cost, struct stream_ctr *sc, uint64_t now)
  * `.item()` and a request's result wait in). What it announced at its launches is an estimate of when its queue
  * runs (latency_gate); its kernels run later than that whenever a neighbour's work queued before the request ran
  * first, and a board that lapses before the queue has run lets the neighbours queue again, so the GPU time-slices
- * the rest of the request with them (the H200's p99 of 3.3-4.2 ms beside matmuls, alone 1.4-2.1 ms). So while it
- * waits its slot says busy (LAT_WAIT_MAX_NS at most), measured by the wait itself, and once the wait returns the
- * request's grace from then. Only a wait entered while its slot says busy is announced: a sync with nothing
+ * the rest of the request with them (the H200's p99 of 3.3-4.2 ms beside matmuls, alone 1.4-2.1 ms). In the
+ * diagnostic build -DLAT_WAIT_HOLD=1, while it waits its slot says busy (LAT_WAIT_MAX_NS at most), measured by the
+ * wait itself, and once the wait returns the request's grace from then (off by default: launch_internal.h). Only a wait entered while its slot says busy is announced: a sync with nothing
  * queued, or an idle service polling, holds nobody. Returns the end it wrote (0: none); latency_wait_end takes it. */
 uint64_t latency_wait_begin(void)
 {
@@ -229,8 +229,8 @@ static uint64_t board_until(struct alnair_board *b, uint32_t mask, uint64_t now)
     return until > now + HOLD_ONCE_MAX_NS ? now + HOLD_ONCE_MAX_NS : until;
 }
 
-/* The long launch HOLD_EVENT_DEPTH - 1 before the last one has run (hold_mark's events; at the default 2: the one
- * before the last): wait for it, measured, not estimated.
+/* The long launch HOLD_EVENT_DEPTH - 1 before the last one has run (hold_mark's events; at the default 1: the last
+ * one itself): wait for it, measured, not estimated.
  * Returns 1 when it waited. */
 static int queue_short(uint64_t now)
 {

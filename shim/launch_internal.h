@@ -175,10 +175,13 @@ struct stream_ctr {
 extern struct stream_ctr g_streams[STREAM_SLOTS];
 
 /* Beside a latency container, at most this many launches estimated at HOLD_EVENT_MIN_NS or more are queued (the
- * next waits until the one this many before it has run): a power of two from 1 to 16. Diagnostic builds may raise
- * it (-DHOLD_EVENT_DEPTH=4) to weigh a neighbour's overlap against a request's wait (bench/gpu_pace_latency.sh). */
+ * next waits until the one this many before it has run): a power of two from 1 to 16. One: a request meets at most
+ * the neighbour's kernel running, not a second behind it (on the H200 beside matmuls p99 2.2 / 2.3 ms strict at
+ * 200 / 500 per s, 3.5 / 7.7 with two; the neighbour at 68 / 64 % of its pace alone, its goal 63; bench/RESULTS.md,
+ * 2026-12-04). Diagnostic builds may raise it (-DHOLD_EVENT_DEPTH=2) to weigh a neighbour's overlap against a
+ * request's wait (bench/gpu_pace_latency.sh). */
 #ifndef HOLD_EVENT_DEPTH
-#define HOLD_EVENT_DEPTH 2u
+#define HOLD_EVENT_DEPTH 1u
 #endif
 _Static_assert(HOLD_EVENT_DEPTH >= 1 && HOLD_EVENT_DEPTH <= 16 && (HOLD_EVENT_DEPTH & (HOLD_EVENT_DEPTH - 1)) == 0,
                "HOLD_EVENT_DEPTH: a power of two from 1 to 16");
@@ -282,12 +285,14 @@ uint32_t window_procs(uint64_t ws);
 #ifndef LAT_GRACE_NS
 #define LAT_GRACE_NS 100000ull
 #endif
-/* A latency container waiting for its queue (latency_wait_begin) says busy this long at most: its wait's return
- * says when it ended, this bounds a wait that never returns (a process killed in it). -DLAT_WAIT_HOLD=0: not at all
- * (diagnostic builds: what the launches' estimates alone announce). */
+/* -DLAT_WAIT_HOLD=1 (diagnostic builds): a latency container waiting for its queue (latency_wait_begin) says busy
+ * until its wait returns, this long at most (a wait that never returns: a process killed in it). Off by default:
+ * on the H200 beside matmuls at 500 requests/s it fell behind in 3 runs of 3 (p99 83-114 ms, its own cap's gate
+ * waiting) where one long launch queued (HOLD_EVENT_DEPTH 1) without it held p99 at 2.2 ms (bench/RESULTS.md,
+ * 2026-12-04). */
 #define LAT_WAIT_MAX_NS 50000000ull
 #ifndef LAT_WAIT_HOLD
-#define LAT_WAIT_HOLD 1
+#define LAT_WAIT_HOLD 0
 #endif
 #define LAT_ANNOUNCE_NS 20000ull /* its board slot is rewritten when the end it says moves by more than this */
 #ifndef LAT_BACKLOG_MAX_NS
@@ -300,7 +305,7 @@ uint32_t window_procs(uint64_t ws);
 #define HOLD_QUEUE_NS 100000ull
 #endif
 /* Beside a latency container a launch estimated this long or longer is followed by an event, and the next waits
- * until the one HOLD_EVENT_DEPTH - 1 before it has run: at most HOLD_EVENT_DEPTH (2) such kernels queued, whatever
+ * until the one HOLD_EVENT_DEPTH - 1 before it has run: at most HOLD_EVENT_DEPTH (1) such kernels queued, whatever
  * the estimates say (an estimate too short let a matmul tenant queue milliseconds). Shorter launches are bounded by
  * the estimate alone (an event each would cost the host microseconds a launch). */
 #ifndef HOLD_EVENT_MIN_NS /* diagnostic builds may move it: -DHOLD_EVENT_MIN_NS=UINT64_MAX turns the bound off */
