@@ -10,6 +10,7 @@
 #   bash bench/gpu_pace_latency.sh wait       8.
 #   bash bench/gpu_pace_latency.sh depth      9.
 #   bash bench/gpu_pace_latency.sh final      10.
+#   bash bench/gpu_pace_latency.sh marks      11.
 # 1. Where the small-kernel loop's time goes at caps 50 / 70 (45 / 63 % judged in one process, 2026-12-03):
 #    bench/turn_pace.py for the small loop and the training step with more rounds, then again with the trace build
 #    (each phase's gate refusals, drains, true-ups owed, window starts: bench/shim_trace.py); then
@@ -41,6 +42,9 @@
 # 10. The shipped shim (one long launch queued, no wait hold) in every scenario beside both neighbours, side by side
 #    in one run (alone, no Alnair, turns, the latency class strict and elastic, a flood, an idle service); then the
 #    latency class beside the training step again with two long launches queued (-DHOLD_EVENT_DEPTH=2).
+# 11. The latency class beside both neighbours: the shipped shim (after a long launch the next waits for it, after
+#    short ones for the mark before the last), against one mark for both (-DHOLD_EVENT_DEPTH=1) and two for both
+#    (-DHOLD_LONG_DEPTH=2), one run.
 # Run with PYTHONPATH holding the carried wheels (bench/device_prelude.sh sets up the rest).
 source "$(dirname "$0")/device_prelude.sh"
 part=${1:-pace}
@@ -148,8 +152,18 @@ final)
     > "$OUT/final_shim-d2.log" 2>&1 || rc=1
   grep -h -E '^(stream|mm|train|idle|flood) ' "$OUT"/final*.log | cut -c1-170
   ;;
+marks)
+  build_shim /tmp/shim-d1 "-O2 -DHOLD_EVENT_DEPTH=1" || exit 1
+  build_shim /tmp/shim-d2 "-O2 -DHOLD_LONG_DEPTH=2" || exit 1
+  for build in shim shim-d1 shim-d2; do
+    timeout 170 python3 bench/latency_gpu.py --pin --shim /tmp/$build/libalnair.so --neighbours train,mm \
+      --only latency,latency-elastic --rates 200,500 --seconds 3 --json "$OUT/marks_$build.json" \
+      > "$OUT/marks_$build.log" 2>&1 || rc=1
+  done
+  grep -h -E '^(stream|mm|train) ' "$OUT"/marks_*.log | cut -c1-150
+  ;;
 *)
-  echo "usage: $0 pace|latency|events|host|class|chunk|wait|depth|final" >&2
+  echo "usage: $0 pace|latency|events|host|class|chunk|wait|depth|final|marks" >&2
   exit 2
   ;;
 esac

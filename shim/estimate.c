@@ -107,6 +107,7 @@ void drop_events(void)
         evs[n++] = &T.q_ev[i];
     T.q_n = 0;
     T.q_done = 0;
+    T.q_long = 0;
     for (unsigned i = 0; i < n; i++) {
         if (*evs[i] != NULL && alnair_aux.cuEventDestroy != NULL)
             alnair_aux.cuEventDestroy(*evs[i]);

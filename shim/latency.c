@@ -229,16 +229,17 @@ static uint64_t board_until(struct alnair_board *b, uint32_t mask, uint64_t now)
     return until > now + HOLD_ONCE_MAX_NS ? now + HOLD_ONCE_MAX_NS : until;
 }
 
-/* The long launch HOLD_EVENT_DEPTH - 1 before the last one has run (hold_mark's events; at the default 1: the last
- * one itself): wait for it, measured, not estimated.
- * Returns 1 when it waited. */
+/* The mark the next launch waits for has run (launch_internal.h, HOLD_LONG_DEPTH): wait for it, measured, not
+ * estimated. Returns 1 when it waited. */
 static int queue_short(uint64_t now)
 {
+    unsigned depth = T.q_long ? HOLD_LONG_DEPTH : HOLD_EVENT_DEPTH;
     /* Each query costs the H200 VM's driver ~3.3 us of host: an event seen to have run is not asked again by the
      * short launches that follow it (a training step's launches each asked, ~10 % of its step). */
-    if (T.q_n < HOLD_EVENT_DEPTH || T.q_done > T.q_n - HOLD_EVENT_DEPTH || !queries_ok())
+    if (T.q_n < depth || T.q_done > T.q_n - depth || !queries_ok())
         return 0;
-    CUevent ev = T.q_ev[(T.q_n - HOLD_EVENT_DEPTH) & (HOLD_EVENT_DEPTH - 1u)];
+    unsigned w = T.q_n - depth;
+    CUevent ev = T.q_ev[w & (HOLD_EVENT_DEPTH - 1u)];
     if (ev == NULL)
         return 0;
     CUresult q = query(ev);
@@ -248,7 +249,7 @@ static int queue_short(uint64_t now)
         q = query(ev);
     }
     if (q != CUDA_ERROR_NOT_READY)
-        T.q_done = T.q_n - HOLD_EVENT_DEPTH + 1;
+        T.q_done = w + 1;
     if (now == t0)
         return 0;
     TRACE('q', now - t0, 0, 0, 0);
@@ -257,11 +258,11 @@ static int queue_short(uint64_t now)
 
 void hold_mark(CUstream s, int pt, uint64_t cost)
 {
-    (void)cost;
     CUevent *ev = &T.q_ev[T.q_n & (HOLD_EVENT_DEPTH - 1u)];
     if (ensure_ctx() != 0 || get_event(ev) != 0 || record(*ev, s, pt) != 0)
         return;
     T.q_n++;
+    T.q_long = cost >= HOLD_EVENT_MIN_NS;
 }
 
 /* Before a launch of a container beside latency containers: wait while the board says one of them runs (within

@@ -174,17 +174,24 @@ struct stream_ctr {
 #define STREAM_SLOTS 1024u
 extern struct stream_ctr g_streams[STREAM_SLOTS];
 
-/* Beside a latency container, at most this many launches estimated at HOLD_EVENT_MIN_NS or more are queued (the
- * next waits until the one this many before it has run): a power of two from 1 to 16. One: a request meets at most
- * the neighbour's kernel running, not a second behind it (on the H200 beside matmuls p99 2.2 / 2.3 ms strict at
- * 200 / 500 per s, 3.5 / 7.7 with two; the neighbour at 68 / 64 % of its pace alone, its goal 63; bench/RESULTS.md,
- * 2026-12-04). Diagnostic builds may raise it (-DHOLD_EVENT_DEPTH=2) to weigh a neighbour's overlap against a
- * request's wait (bench/gpu_pace_latency.sh). */
+/* Beside a latency container a neighbour's launch waits until a mark of its queue has run (hold_mark's events: after
+ * each launch estimated at HOLD_EVENT_MIN_NS or more, and after each HOLD_EVENT_MIN_NS of shorter launches): the
+ * last mark when it followed a long launch (HOLD_LONG_DEPTH), else the one HOLD_EVENT_DEPTH - 1 before the last.
+ * One long launch queued: a request meets at most the neighbour's kernel running, not a second behind it (on the
+ * H200 beside matmuls p99 1.2 / 1.6 ms strict at 200 / 500 per s, 3.5 / 7.7 with two; the neighbour at 69 / 65 %
+ * of its pace alone, its goal 63). Two marks of short launches: a training step's host stays ahead of the GPU
+ * (beside the stream 58 / 62 % of its pace with two, 53 / 55 with one, its request p99 no better with one;
+ * bench/RESULTS.md, 2026-12-04). Powers of two from 1 to 16, HOLD_LONG_DEPTH at most HOLD_EVENT_DEPTH; diagnostic
+ * builds may move them to weigh a neighbour's overlap against a request's wait (bench/gpu_pace_latency.sh). */
 #ifndef HOLD_EVENT_DEPTH
-#define HOLD_EVENT_DEPTH 1u
+#define HOLD_EVENT_DEPTH 2u
+#endif
+#ifndef HOLD_LONG_DEPTH
+#define HOLD_LONG_DEPTH 1u
 #endif
 _Static_assert(HOLD_EVENT_DEPTH >= 1 && HOLD_EVENT_DEPTH <= 16 && (HOLD_EVENT_DEPTH & (HOLD_EVENT_DEPTH - 1)) == 0,
                "HOLD_EVENT_DEPTH: a power of two from 1 to 16");
+_Static_assert(HOLD_LONG_DEPTH >= 1 && HOLD_LONG_DEPTH <= HOLD_EVENT_DEPTH, "HOLD_LONG_DEPTH: 1 to HOLD_EVENT_DEPTH");
 struct tstate {
     unsigned gen;
     CUcontext ctx;
@@ -194,7 +201,8 @@ struct tstate {
     CUevent d_ev; /* the gate's drain event: recorded when its estimate of the queue refuses a launch */
     CUevent q_ev[HOLD_EVENT_DEPTH]; /* beside a latency container: after each of its last long launches (latency.c) */
     unsigned q_n; /* ... how many were recorded (q_ev[q_n % HOLD_EVENT_DEPTH] is the next) */
-    unsigned q_done; /* ... the first q_n - HOLD_EVENT_DEPTH + 1 of them seen to have run: not queried again */
+    unsigned q_done; /* ... the first q_done of them seen to have run: not queried again */
+    int q_long;      /* ... the last followed a long launch (HOLD_LONG_DEPTH applies) */
     uint64_t q_acc;  /* HOLD_CHUNK: short launches' estimated work since the last mark */
     uint64_t s_key, s_cost, s_idx, s_host;
     uint64_t s_due; /* POLL_WHEN_DUE: when the sample in flight is estimated to have run */
@@ -305,7 +313,7 @@ uint32_t window_procs(uint64_t ws);
 #define HOLD_QUEUE_NS 100000ull
 #endif
 /* Beside a latency container a launch estimated this long or longer is followed by an event, and the next waits
- * until the one HOLD_EVENT_DEPTH - 1 before it has run: at most HOLD_EVENT_DEPTH (1) such kernels queued, whatever
+ * until it has run (HOLD_LONG_DEPTH): at most one such kernel queued, whatever
  * the estimates say (an estimate too short let a matmul tenant queue milliseconds). Shorter launches are bounded by
  * the estimate alone (an event each would cost the host microseconds a launch). */
 #ifndef HOLD_EVENT_MIN_NS /* diagnostic builds may move it: -DHOLD_EVENT_MIN_NS=UINT64_MAX turns the bound off */
