@@ -296,8 +296,7 @@ uint32_t window_procs(uint64_t ws);
 /* -DLAT_WAIT_HOLD=1 (diagnostic builds): a latency container waiting for its queue (latency_wait_begin) says busy
  * until its wait returns, this long at most (a wait that never returns: a process killed in it). Off by default:
  * on the H200 beside matmuls at 500 requests/s it fell behind in 3 runs of 3 (p99 83-114 ms; in one its own cap's
- * gate waited 0.39 s) where one long launch queued (HOLD_EVENT_DEPTH 1) without it held p99 at 2.2 ms (bench/RESULTS.md,
- * 2026-12-04). */
+ * gate waited 0.39 s) where one long launch queued without it held p99 at 2.2 ms (bench/RESULTS.md, 2026-12-04). */
 #define LAT_WAIT_MAX_NS 50000000ull
 #ifndef LAT_WAIT_HOLD
 #define LAT_WAIT_HOLD 0
