@@ -177,8 +177,9 @@ uint64_t latency_gate(uint64_t cost, struct stream_ctr *sc, uint64_t now)
  * first, and a board that lapses before the queue has run lets the neighbours queue again, so the GPU time-slices
  * the rest of the request with them (the H200's p99 of 3.3-4.2 ms beside matmuls, alone 1.4-2.1 ms). In the
  * diagnostic build -DLAT_WAIT_HOLD=1, while it waits its slot says busy (LAT_WAIT_MAX_NS at most), measured by the
- * wait itself, and once the wait returns the request's grace from then (off by default: launch_internal.h). Only a wait entered while its slot says busy is announced: a sync with nothing
- * queued, or an idle service polling, holds nobody. Returns the end it wrote (0: none); latency_wait_end takes it. */
+ * wait itself, and once the wait returns the request's grace from then (off by default: launch_internal.h). Only
+ * a wait entered while its slot says busy is announced: a sync with nothing queued, or an idle service polling,
+ * holds nobody. Returns the end it wrote (0: none); latency_wait_end takes it. */
 uint64_t latency_wait_begin(void)
 {
     struct alnair_region *r = alnair_cur_region();
