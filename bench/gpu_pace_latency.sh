@@ -30,21 +30,23 @@
 #    or its last 2 ms (-DWAKE_EARLY_NS=2000000ull) instead of the last 0.1 ms.
 # 6. The latency class beside train and mm once a neighbour no longer queries an event seen to have run (each
 #    short launch asked again), and the launch overhead of the POLL_WHEN_DUE build.
-# 7. The latency class beside train and mm, shipped against a build whose short launches are bounded by measurement
-#    too (-DHOLD_CHUNK=1: an event after each 50 us of their estimated work), so one call weighs the request's wait
-#    against the neighbour's pace for both shapes.
-# 8. The latency class beside train and mm with the shipped shim (a latency container's waits for its result hold
-#    its neighbours until they return; short launches bounded by measurement), against a build without the wait
-#    (-DLAT_WAIT_HOLD=0) and one without either (-DLAT_WAIT_HOLD=0 -DHOLD_CHUNK=0: the shim of 2026-12-04); the
-#    shipped one also beside an idle latency container.
-# 9. Beside matmuls alone (where the wait hold's run of 2026-12-04 fell behind at 500/s): the shipped shim twice,
-#    without the wait hold, and each with one long launch queued instead of two (-DHOLD_EVENT_DEPTH=1).
-# 10. The shipped shim (one long launch queued, no wait hold) in every scenario beside both neighbours, side by side
-#    in one run (alone, no Alnair, turns, the latency class strict and elastic, a flood, an idle service); then the
-#    latency class beside the training step again with two long launches queued (-DHOLD_EVENT_DEPTH=2).
+# 7. The latency class beside train and mm, short launches bounded by estimates alone (-DHOLD_CHUNK=0) against
+#    by measurement too (-DHOLD_CHUNK=1: an event after each 50 us of their estimated work), two long launches
+#    queued in both, so one call weighs the request's wait against the neighbour's pace for both shapes.
+# 8. The latency class beside train and mm: a latency container's waits for its result hold its neighbours until
+#    they return (-DLAT_WAIT_HOLD=1; short launches bounded by measurement), against a build without the wait
+#    (-DLAT_WAIT_HOLD=0) and one without either (-DLAT_WAIT_HOLD=0 -DHOLD_CHUNK=0: the shim of 2026-12-04), two long
+#    launches queued in all three; the first also beside an idle latency container.
+# 9. Beside matmuls alone (where the wait hold's run of 2026-12-04 fell behind at 500/s): the wait-hold build
+#    twice, the build without it, and each with one long launch queued instead of two (-DHOLD_EVENT_DEPTH=1).
+# 10. One mark for long and short launches alike (-DHOLD_EVENT_DEPTH=1, no wait hold) in every scenario beside both
+#    neighbours, side by side in one run (alone, no Alnair, turns, the latency class strict and elastic, a flood, an
+#    idle service); then the latency class beside the training step again with two (-DHOLD_LONG_DEPTH=2).
 # 11. The latency class beside both neighbours: the shipped shim (after a long launch the next waits for it, after
 #    short ones for the mark before the last), against one mark for both (-DHOLD_EVENT_DEPTH=1) and two for both
 #    (-DHOLD_LONG_DEPTH=2), one run.
+# Parts 7-11 build each shim they weigh with its flags spelled out (the defaults moved as they were measured), so
+# each reproduces the builds of its run in bench/RESULTS.md on later code; "shim" in parts 1-6 is whatever shipped.
 # Run with PYTHONPATH holding the carried wheels (bench/device_prelude.sh sets up the rest).
 source "$(dirname "$0")/device_prelude.sh"
 part=${1:-pace}
@@ -111,8 +113,9 @@ class)
   tail -n 40 "$OUT/latency_class.log" "$OUT/overhead_due.log"
   ;;
 chunk)
-  build_shim /tmp/shim-chunk "-O2 -DHOLD_CHUNK=1" || exit 1
-  for build in shim shim-chunk; do
+  build_shim /tmp/shim-nochunk "-O2 -DHOLD_CHUNK=0 -DHOLD_LONG_DEPTH=2" || exit 1
+  build_shim /tmp/shim-chunk "-O2 -DHOLD_CHUNK=1 -DHOLD_LONG_DEPTH=2" || exit 1
+  for build in shim-nochunk shim-chunk; do
     timeout 190 python3 bench/latency_gpu.py --pin --shim /tmp/$build/libalnair.so --neighbours train,mm \
       --only latency,latency-elastic --rates 200,500 --seconds 3 --json "$OUT/latency_$build.json" \
       > "$OUT/latency_$build.log" 2>&1 || rc=1
@@ -120,11 +123,12 @@ chunk)
   tail -n 32 "$OUT"/latency_shim*.log
   ;;
 wait)
-  build_shim /tmp/shim-nowait "-O2 -DLAT_WAIT_HOLD=0" || exit 1
-  build_shim /tmp/shim-old "-O2 -DLAT_WAIT_HOLD=0 -DHOLD_CHUNK=0" || exit 1
-  for build in shim shim-nowait shim-old; do
+  build_shim /tmp/shim-wait "-O2 -DLAT_WAIT_HOLD=1 -DHOLD_LONG_DEPTH=2" || exit 1
+  build_shim /tmp/shim-nowait "-O2 -DLAT_WAIT_HOLD=0 -DHOLD_LONG_DEPTH=2" || exit 1
+  build_shim /tmp/shim-old "-O2 -DLAT_WAIT_HOLD=0 -DHOLD_CHUNK=0 -DHOLD_LONG_DEPTH=2" || exit 1
+  for build in shim-wait shim-nowait shim-old; do
     only=latency,latency-elastic
-    [ $build = shim ] && only=$only,idle
+    [ $build = shim-wait ] && only=$only,idle
     timeout 175 python3 bench/latency_gpu.py --pin --shim /tmp/$build/libalnair.so --neighbours train,mm \
       --only $only --rates 200,500 --seconds 3 --json "$OUT/latency_$build.json" \
       > "$OUT/latency_$build.log" 2>&1 || rc=1
@@ -132,10 +136,11 @@ wait)
   tail -n 30 "$OUT"/latency_shim*.log
   ;;
 depth)
-  build_shim /tmp/shim-nowait "-O2 -DLAT_WAIT_HOLD=0" || exit 1
-  build_shim /tmp/shim-d1 "-O2 -DHOLD_EVENT_DEPTH=1" || exit 1
+  build_shim /tmp/shim-wait "-O2 -DLAT_WAIT_HOLD=1 -DHOLD_LONG_DEPTH=2" || exit 1
+  build_shim /tmp/shim-nowait "-O2 -DLAT_WAIT_HOLD=0 -DHOLD_LONG_DEPTH=2" || exit 1
+  build_shim /tmp/shim-wait-d1 "-O2 -DLAT_WAIT_HOLD=1 -DHOLD_EVENT_DEPTH=1" || exit 1
   build_shim /tmp/shim-nowait-d1 "-O2 -DLAT_WAIT_HOLD=0 -DHOLD_EVENT_DEPTH=1" || exit 1
-  for build in shim shim-nowait shim-d1 shim-nowait-d1 shim; do
+  for build in shim-wait shim-nowait shim-wait-d1 shim-nowait-d1 shim-wait; do
     n=$((${n:-0} + 1))
     timeout 150 python3 bench/latency_gpu.py --pin --shim /tmp/$build/libalnair.so --neighbours mm \
       --only latency,latency-elastic --rates 200,500 --seconds 3 --json "$OUT/depth${n}_$build.json" \
@@ -144,9 +149,10 @@ depth)
   grep -h -E '^(stream|mm) ' "$OUT"/depth*.log | cut -c1-170
   ;;
 final)
-  build_shim /tmp/shim-d2 "-O2 -DHOLD_EVENT_DEPTH=2" || exit 1
-  timeout 400 python3 bench/latency_gpu.py --pin --shim /tmp/shim/libalnair.so --rates 200,500 --seconds 3 \
-    --json "$OUT/final_shim.json" > "$OUT/final_shim.log" 2>&1 || rc=1
+  build_shim /tmp/shim-d1 "-O2 -DHOLD_EVENT_DEPTH=1" || exit 1
+  build_shim /tmp/shim-d2 "-O2 -DHOLD_LONG_DEPTH=2" || exit 1
+  timeout 400 python3 bench/latency_gpu.py --pin --shim /tmp/shim-d1/libalnair.so --rates 200,500 --seconds 3 \
+    --json "$OUT/final_shim-d1.json" > "$OUT/final_shim-d1.log" 2>&1 || rc=1
   timeout 120 python3 bench/latency_gpu.py --pin --shim /tmp/shim-d2/libalnair.so --neighbours train \
     --only latency,latency-elastic --rates 200,500 --seconds 3 --json "$OUT/final_shim-d2.json" \
     > "$OUT/final_shim-d2.log" 2>&1 || rc=1

@@ -199,7 +199,7 @@ struct tstate {
     unsigned since_fence;
     CUevent s_start, s_end;
     CUevent d_ev; /* the gate's drain event: recorded when its estimate of the queue refuses a launch */
-    CUevent q_ev[HOLD_EVENT_DEPTH]; /* beside a latency container: after each of its last long launches (latency.c) */
+    CUevent q_ev[HOLD_EVENT_DEPTH]; /* beside a latency container: its last marks (hold_mark, latency.c) */
     unsigned q_n; /* ... how many were recorded (q_ev[q_n % HOLD_EVENT_DEPTH] is the next) */
     unsigned q_done; /* ... the first q_done of them seen to have run: not queried again */
     int q_long;      /* ... the last followed a long launch (HOLD_LONG_DEPTH applies) */
@@ -312,9 +312,9 @@ uint32_t window_procs(uint64_t ws);
 #define HOLD_QUEUE_NS 100000ull
 #endif
 /* Beside a latency container a launch estimated this long or longer is followed by an event, and the next waits
- * until it has run (HOLD_LONG_DEPTH): at most one such kernel queued, whatever
- * the estimates say (an estimate too short let a matmul tenant queue milliseconds). Shorter launches are bounded by
- * the estimate alone (an event each would cost the host microseconds a launch). */
+ * until it has run (HOLD_LONG_DEPTH): one such kernel queued, whatever the estimates say (an estimate too short let
+ * a matmul tenant queue milliseconds). Shorter launches get an event per this much of their estimated work, not one
+ * each (an event each would cost the host microseconds a launch): HOLD_CHUNK below. */
 #ifndef HOLD_EVENT_MIN_NS /* diagnostic builds may move it: -DHOLD_EVENT_MIN_NS=UINT64_MAX turns the bound off */
 #define HOLD_EVENT_MIN_NS 50000ull
 #endif

@@ -110,7 +110,7 @@ def test_a_board_cut_short_under_a_neighbour_does_not_kill_it(runner: Runner, tm
 def test_beside_a_latency_container_a_host_bound_neighbour_asks_about_each_event_once(runner: Runner,
                                                                                      tmp_path: Path):
     """Beside a latency container a neighbour's queue is bounded by measurement: an event after each 50 us of its
-    estimated work, and a launch waits until the last has run. Each query costs the H200 VM's driver
+    estimated work, and a launch waits until the one before the last has run. Each query costs the H200 VM's driver
     ~3.3 us of host, so an event seen to have run is not asked about again: asked by every launch after it, a
     training step (79 launches a step, its host the bottleneck) lost ~20 % of its pace beside a latency container
     (bench/RESULTS.md, 2026-12-04). Here a host-bound loop (20 us kernels, 40 us of host work before each): the
@@ -141,7 +141,7 @@ def latency_container(tmp: Path, board: Board, slot: int = 0, cap: int = 30) -> 
 
 
 @pytest.fixture(scope="module")
-def wait_hold_runner_build(tmp_path_factory: pytest.TempPathFactory) -> Build:
+def wait_hold_build(tmp_path_factory: pytest.TempPathFactory) -> Build:
     """The diagnostic build whose latency container says busy while it waits for its result (-DLAT_WAIT_HOLD=1)."""
     return build_shim_and_driver(tmp_path_factory.mktemp("waithold"), "-O2 -DLAT_WAIT_HOLD=1")
 
@@ -149,7 +149,7 @@ def wait_hold_runner_build(tmp_path_factory: pytest.TempPathFactory) -> Build:
 @pytest.mark.parametrize("route", ["requests", "requests-copy"])
 @pytest.mark.parametrize("wait_hold", [False, True])
 def test_how_long_a_latency_container_waiting_for_its_result_holds_its_neighbour(
-        runner: Runner, wait_hold_runner_build: Build, tmp_path: Path, route, wait_hold):
+        runner: Runner, wait_hold_build: Build, tmp_path: Path, route, wait_hold):
     """A request's result is waited for (a stream sync: `.cpu()`, `.item()`; or a synchronous copy to the host).
     What its launches announce is an estimate, bounded (1.6 ms ahead at most: a sample taken across a neighbour's
     kernel would otherwise hold it for nothing). Shipped, that bound is all a request holds its neighbour for, its
@@ -157,7 +157,7 @@ def test_how_long_a_latency_container_waiting_for_its_result_holds_its_neighbour
     H200 beside matmuls at 500 requests/s that fell behind, so it is not the default). Requests of one 20 ms kernel
     here: held for most of each request with the diagnostic build, for at most the bound without it."""
     if wait_hold:
-        runner = Runner(wait_hold_runner_build, tmp_path)
+        runner = Runner(wait_hold_build, tmp_path)
     npath, nregion, board = neighbour(tmp_path, 0b1, 90)
     lpath, lregion = latency_container(tmp_path, board)
     try:
