@@ -615,6 +615,11 @@ async def test_process_serves_until_sigterm() -> None:
 
 async def _scheduler_log_until(stream: asyncio.StreamReader, event: str, seen: list[dict[str, Any]],
                                timeout: float = 20) -> dict[str, Any]:
+    """The first log line of `event`, read from `stream` unless it is already in `seen`: the HTTP server and the
+    watches start together, so the view may be synced before the server logs that it listens."""
+    for line in seen:
+        if line["event"] == event:
+            return line
     while True:
         line = json.loads(await asyncio.wait_for(stream.readline(), timeout))
         seen.append(line)
