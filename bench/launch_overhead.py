@@ -178,8 +178,8 @@ def main() -> None:
         Region.create(region, 64 << 30, 0).close()  # memory capped, compute uncapped: launches are counted only
         capped = tmp / "capped"
         # Compute capped, so every launch takes the metered path (the turn gate, an event pair on 1 launch in 256, a
-        # fence every 256), with a window of all but 1 us of each period, so the gate never holds a launch back: what
-        # the meter costs the host.
+        # fence every 256, each at most once per 4 ms), with a window of all but 1 us of each period, so the gate
+        # never holds a launch back: what the meter costs the host.
         r = Region.create(capped, 64 << 30, 50)
         r.set_turn(Turn(monotonic_ns(), 50_000_000, 0, 50_000_000 - 1_000))
         r.close()

@@ -327,6 +327,7 @@ void record_fence(CUstream s, int pt, struct stream_ctr *sc)
     T.fcount++;
     PROBE(P_FENCE, 0);
     T.last_fence_charged = T.charged;
+    T.last_fence_ns = alnair_now_ns();
     T.since_fence = 0;
 }
 

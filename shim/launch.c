@@ -27,6 +27,12 @@ struct pre {
     int pt, sampled, skip, guess;
 };
 
+/* A settled kernel's periodic sample is due (SAMPLE_GAP_NS since the last one): read 1 launch in SAMPLE_EVERY. */
+static inline int sample_paced(void)
+{
+    return alnair_now_ns() - T.last_sample_ns >= SAMPLE_GAP_NS;
+}
+
 /* 0: go on; -1: refused (this process has no region slot: its launches would be invisible to the container). */
 static __attribute__((noinline)) int pre_launch(struct pre *p, uintptr_t fn, uint64_t blocks, CUstream s, int pt)
 {
@@ -67,10 +73,13 @@ static __attribute__((noinline)) int pre_launch(struct pre *p, uintptr_t fn, uin
     T.launches++;
     if (quiet && T.s_busy && est == 0)
         poll_sample(); /* a new size class wants the sampler: is the sample in flight done? */
-    if (quiet && !T.s_busy && (est == 0 || settling || T.launches % SAMPLE_EVERY == 0) && ensure_ctx() == 0 &&
-        get_event(&T.s_start) == 0 && get_event(&T.s_end) == 0 && record(T.s_start, s, pt) == 0) {
+    if (quiet && !T.s_busy && (est == 0 || settling || (T.launches % SAMPLE_EVERY == 0 && sample_paced())) &&
+        ensure_ctx() == 0 && get_event(&T.s_start) == 0 && get_event(&T.s_end) == 0 &&
+        record(T.s_start, s, pt) == 0) {
         p->sampled = 1;
         p->t_host = alnair_now_ns();
+        if (est != 0 && !settling)
+            T.last_sample_ns = p->t_host;
         PROBE(P_SAMPLE, 0);
     }
     return 0;
@@ -123,8 +132,14 @@ static __attribute__((noinline)) void post_launch(struct pre *p, CUresult rc)
             hold_mark(p->stream, p->pt, p->cost);
         }
     }
-    if (T.since_fence >= FENCE_EVERY || T.charged - T.last_fence_charged >= FENCE_EVERY_NS)
+    if (T.charged - T.last_fence_charged >= FENCE_EVERY_NS)
         record_fence(p->stream, p->pt, sc);
+    else if (T.since_fence >= FENCE_EVERY) {
+        if (alnair_now_ns() - T.last_fence_ns >= FENCE_GAP_NS)
+            record_fence(p->stream, p->pt, sc);
+        else
+            T.since_fence = 0; /* looked at again FENCE_EVERY launches on: a clock read per launch costs too */
+    }
     if (T.s_busy && (T.launches & POLL_EVERY_MASK) == 0 && (!POLL_WHEN_DUE || alnair_now_ns() >= T.s_due))
         poll_sample();
 }

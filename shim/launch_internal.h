@@ -30,14 +30,24 @@
 #define DRAIN_NAP_MIN_NS 10000ull
 #define DRAIN_NAP_MAX_NS 500000ull
 /* Overridable for diagnostic builds only (make CFLAGS="-O2 -DSAMPLE_EVERY=4096u ..."): bench/metering_cost.py */
-/* Each event the shim records costs a real driver ~2 us: at 1 in 256 launches (and 3 events per 256) the metered
- * path pays ~25 ns per launch for them; a kernel's estimate is taken at once from its first sample and falls at
- * once to a much lower one, and a fence still comes every FENCE_EVERY_NS of charged work. */
+/* Each event call costs the H200 VM's driver ~3.3 us of host (a record, a query; bench/RESULTS.md): a sample is two
+ * records and a query, a fence a record and a query. Taken 1 in SAMPLE_EVERY / FENCE_EVERY launches alone, they cost
+ * a loop of 4 us launches ~80 ns a launch, 2 % of its thread. So both are paced in time too: a settled kernel's
+ * sample at most once per SAMPLE_GAP_NS, a fence by count at most once per FENCE_GAP_NS (the meter's event calls
+ * then take at most ~0.5 % of a launching thread, whatever its launch rate). A kernel's first samples, and a fence
+ * every FENCE_EVERY_NS of charged work, are not paced: a new kernel is measured at once, and the true-up and the
+ * in-flight bound see GPU-bound work as often as before. */
 #ifndef SAMPLE_EVERY
 #define SAMPLE_EVERY 256u
 #endif
+#ifndef SAMPLE_GAP_NS
+#define SAMPLE_GAP_NS 4000000ull
+#endif
 #ifndef FENCE_EVERY
 #define FENCE_EVERY 256u
+#endif
+#ifndef FENCE_GAP_NS
+#define FENCE_GAP_NS 4000000ull
 #endif
 #ifndef FENCE_EVERY_NS
 #define FENCE_EVERY_NS 2000000ull
@@ -196,6 +206,7 @@ struct tstate {
     unsigned gen;
     CUcontext ctx;
     uint64_t launches, done, charged, completed_charged, last_fence_charged;
+    uint64_t last_fence_ns, last_sample_ns; /* when the last fence / settled kernel's sample was recorded */
     unsigned since_fence;
     CUevent s_start, s_end;
     CUevent d_ev; /* the gate's drain event: recorded when its estimate of the queue refuses a launch */
