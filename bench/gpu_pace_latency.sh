@@ -11,6 +11,7 @@
 #   bash bench/gpu_pace_latency.sh depth      9.
 #   bash bench/gpu_pace_latency.sh final      10.
 #   bash bench/gpu_pace_latency.sh marks      11.
+#   bash bench/gpu_pace_latency.sh paced      12.
 # 1. Where the small-kernel loop's time goes at caps 50 / 70 (45 / 63 % judged in one process, 2026-12-03):
 #    bench/turn_pace.py for the small loop and the training step with more rounds, then again with the trace build
 #    (each phase's gate refusals, drains, true-ups owed, window starts: bench/shim_trace.py); then
@@ -45,7 +46,10 @@
 # 11. The latency class beside both neighbours: the shipped shim (after a long launch the next waits for it, after
 #    short ones for the mark before the last), against one mark for both (-DHOLD_EVENT_DEPTH=1) and two for both
 #    (-DHOLD_LONG_DEPTH=2), one run.
-# Parts 7-11 build each shim they weigh with its flags spelled out (the defaults moved as they were measured), so
+# 12. The meter's events paced in time (a settled kernel's periodic sample and a fence by count at most once per
+#    4 ms per thread): launch_overhead twice each and pace_probe on all five shapes, the shipped shim against the
+#    same code unpaced (-DSAMPLE_GAP_NS=0ull -DFENCE_GAP_NS=0ull: every 256 launches, as before 2026-12-04).
+# Parts 7-12 build each shim they weigh with its flags spelled out (the defaults moved as they were measured), so
 # each reproduces the builds of its run in bench/RESULTS.md on later code; "shim" in parts 1-6 is whatever shipped.
 # Run with PYTHONPATH holding the carried wheels (bench/device_prelude.sh sets up the rest).
 source "$(dirname "$0")/device_prelude.sh"
@@ -168,8 +172,23 @@ marks)
   done
   grep -h -E '^(stream|mm|train) ' "$OUT"/marks_*.log | cut -c1-150
   ;;
+paced)
+  build_shim /tmp/shim-unpaced "-O2 -DSAMPLE_GAP_NS=0ull -DFENCE_GAP_NS=0ull" || exit 1
+  for round in 1 2; do
+    for build in shim shim-unpaced; do
+      timeout 90 python3 bench/launch_overhead.py --shim /tmp/$build/libalnair.so \
+        --json "$OUT/overhead_${build}_$round.json" > "$OUT/overhead_${build}_$round.log" 2>&1 || rc=1
+    done
+  done
+  timeout 330 python3 bench/pace_probe.py --build paced=/tmp/shim/libalnair.so \
+    --build unpaced=/tmp/shim-unpaced/libalnair.so --shapes train,infer,small,mm-sync,mm \
+    --phases u,f,u,w20,u,w30,u,w50,u,w70,u --rounds 2 --json "$OUT/pace_probe_paced.json" \
+    > "$OUT/pace_probe_paced.log" 2>&1 || rc=1
+  tail -n 5 "$OUT"/overhead_*.log
+  tail -n 30 "$OUT/pace_probe_paced.log"
+  ;;
 *)
-  echo "usage: $0 pace|latency|events|host|class|chunk|wait|depth|final|marks" >&2
+  echo "usage: $0 pace|latency|events|host|class|chunk|wait|depth|final|marks|paced" >&2
   exit 2
   ;;
 esac
