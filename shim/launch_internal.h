@@ -126,7 +126,7 @@ struct est {
     _Atomic uint32_t used;
     _Atomic uint32_t samples; /* samples taken into ns (the first FIRST_SAMPLES are taken back to back) */
     _Atomic uint32_t dropped; /* samples dropped for holding the host (at most MAX_DROPS, then taken as they are) */
-    uint32_t pad;
+    _Atomic uint32_t last;    /* the last sample taken, ns (saturated): a latency container's estimate uses it */
 };
 extern struct est g_est[EST_SETS * EST_WAYS];
 extern _Atomic uint32_t g_est_clock;

@@ -204,3 +204,25 @@ def test_a_latency_container_with_nothing_queued_holds_nobody_when_it_waits(runn
         nregion.close()
         lregion.close()
         board.close()
+
+
+def test_a_latency_flood_keeps_its_cap_when_some_of_its_samples_ran_beside_another_context(runner: Runner,
+                                                                                            tmp_path: Path):
+    """A latency container's GPU time over its horizon is what its estimates say, and its samples are the ones
+    taken beside other contexts' work (a request's first kernel runs while the neighbours' bounded queue still does).
+    Here every third kernel waits 40 us for another context's slice (the simulated driver's time-slicing): its
+    sample reads 1.4x. A sample over the one before it counts as that one, so the flood at cap 30 gets its 30 %
+    (26.6 % of the GPU when such samples were averaged in)."""
+    board = Board.create(tmp_path / "board")
+    path, region = latency_container(tmp_path, board, cap=30)
+    try:
+        res = runner.run("init", "run:3000:100000", region=path,
+                         env=one_gpu(tmp_path) | {"SIMCUDA_FOREIGN_SLICE": "40000:3"})
+        assert res.returncode == 0, res.stderr
+        run = res.line("run")
+        share = int(run["gpu_ns"]) / int(run["wall_ns"])
+        print(f"flood beside another context's slices: {share:.1%} of the GPU")
+        assert 0.29 <= share <= 0.33, share
+    finally:
+        region.close()
+        board.close()
