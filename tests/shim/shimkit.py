@@ -37,6 +37,14 @@ class Result:
                 for ln in self.lines if ln.split(" ", 1)[0] == prefix]
 
 
+def share(res: Result, nth: int = 0) -> tuple[float, float]:
+    """The GPU's and a CPU's share of the wall time of the `nth` `run` line (no bad launches in it)."""
+    run = res.line("run", nth)
+    assert run["bad"] == "0"
+    wall = int(run["wall_ns"])
+    return int(run["gpu_ns"]) / wall, int(run["cpu_ns"]) / wall
+
+
 def _env(build: Build, tmp: Path, preload: bool, region: Path | None, extra: dict[str, str] | None) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ALNAIR_", "SIMCUDA_", "LD_"))}
     env["LD_LIBRARY_PATH"] = str(build.sim)

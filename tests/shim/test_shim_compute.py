@@ -6,17 +6,11 @@ are generous where they are about the machine (shared CI machines), tight where 
 from __future__ import annotations
 
 import pytest
+from shimkit import share
 
 from alnair_agent.node.region import Region, Turn, monotonic_ns
 
 KINDS = ["launch", "launchex", "coop", "graph", "legacy", "grid", "gridasync", "multidev"]
-
-
-def share(res, nth: int = 0) -> tuple[float, float]:
-    run = res.line("run", nth)
-    assert run["bad"] == "0"
-    wall = int(run["wall_ns"])
-    return int(run["gpu_ns"]) / wall, int(run["cpu_ns"]) / wall
 
 
 @pytest.mark.parametrize("kind", KINDS)
