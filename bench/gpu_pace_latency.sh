@@ -12,6 +12,8 @@
 #   bash bench/gpu_pace_latency.sh final      10.
 #   bash bench/gpu_pace_latency.sh marks      11.
 #   bash bench/gpu_pace_latency.sh paced      12.
+#   bash bench/gpu_pace_latency.sh now        13.
+#   bash bench/gpu_pace_latency.sh slack      14.
 # 1. Where the small-kernel loop's time goes at caps 50 / 70 (45 / 63 % judged in one process, 2026-12-03):
 #    bench/turn_pace.py for the small loop and the training step with more rounds, then again with the trace build
 #    (each phase's gate refusals, drains, true-ups owed, window starts: bench/shim_trace.py); then
@@ -49,6 +51,10 @@
 # 12. The meter's events paced in time (a settled kernel's periodic sample and a fence by count at most once per
 #    4 ms per thread): launch_overhead twice each and pace_probe on all five shapes, the shipped shim against the
 #    same code unpaced (-DSAMPLE_GAP_NS=0ull -DFENCE_GAP_NS=0ull: every 256 launches, as before 2026-12-04).
+# 13. The latency class as shipped, every scenario beside both neighbours side by side in one run.
+# 14. A latency flood's GPU time beside matmuls (its cap charged by its estimates): the shipped shim (a sample over
+#    the one before it by more than 25 % counts as that one), the rule of 2026-12-04 (any sample over the one before
+#    it: -DLAT_SAMPLE_SLACK_PCT=0ull) and no such rule (-DLAT_SAMPLE_SLACK_PCT=1000000ull), then the shipped again.
 # Parts 7-12 build each shim they weigh with its flags spelled out (the defaults moved as they were measured), so
 # each reproduces the builds of its run in bench/RESULTS.md on later code; "shim" in parts 1-6 is whatever shipped.
 # Run with PYTHONPATH holding the carried wheels (bench/device_prelude.sh sets up the rest).
@@ -173,7 +179,7 @@ marks)
   grep -h -E '^(stream|mm|train) ' "$OUT"/marks_*.log | cut -c1-150
   ;;
 paced)
-  build_shim /tmp/shim-unpaced "-O2 -DSAMPLE_GAP_NS=0ull -DFENCE_GAP_NS=0ull" || exit 1
+  build_shim /tmp/shim-unpaced "-O2 -Wno-type-limits -DSAMPLE_GAP_NS=0ull -DFENCE_GAP_NS=0ull" || exit 1
   for round in 1 2; do
     for build in shim shim-unpaced; do
       timeout 90 python3 bench/launch_overhead.py --shim /tmp/$build/libalnair.so \
@@ -187,8 +193,24 @@ paced)
   tail -n 5 "$OUT"/overhead_*.log
   tail -n 30 "$OUT/pace_probe_paced.log"
   ;;
+now)
+  timeout 560 python3 bench/latency_gpu.py --pin --shim /tmp/shim/libalnair.so --rates 200,500 --seconds 3 \
+    --json "$OUT/now.json" > "$OUT/now.log" 2>&1 || rc=1
+  grep -v '^{' "$OUT/now.log" | tail -n 45 | cut -c1-200
+  ;;
+slack)
+  build_shim /tmp/shim-s0 "-O2 -Wno-type-limits -DLAT_SAMPLE_SLACK_PCT=0ull" || exit 1
+  build_shim /tmp/shim-off "-O2 -DLAT_SAMPLE_SLACK_PCT=1000000ull" || exit 1
+  n=0
+  for build in shim shim-s0 shim-off shim; do
+    n=$((n + 1))
+    timeout 110 python3 bench/latency_gpu.py --pin --shim /tmp/$build/libalnair.so --neighbours mm --only flood \
+      --rates 200 --seconds 3 --json "$OUT/slack${n}_$build.json" > "$OUT/slack${n}_$build.log" 2>&1 || rc=1
+    echo "$n $build: $(grep -h -E '^mm +flood' "$OUT/slack${n}_$build.log" | cut -c1-170)"
+  done
+  ;;
 *)
-  echo "usage: $0 pace|latency|events|host|class|chunk|wait|depth|final|marks|paced" >&2
+  echo "usage: $0 pace|latency|events|host|class|chunk|wait|depth|final|marks|paced|now|slack" >&2
   exit 2
   ;;
 esac

@@ -382,10 +382,13 @@ void poll_sample(void)
     /* A latency container's GPU time over its horizon is what its estimates say (latency_gate), and its samples
      * are the ones taken beside other contexts' work: a request's first kernel runs while the neighbours' bounded
      * queue still does, time-sliced, and reads long. Time-slicing only ever lengthens a sample, so a sample over
-     * the one before it counts as that one: one slice seen is ignored, a kernel that really got slower is followed
-     * a sample later (a flood at cap 30 got 28.9 % of the GPU beside another context's slices, tests/shim). */
+     * the one before it by more than LAT_SAMPLE_SLACK_PCT counts as that one: one slice seen is ignored, a kernel
+     * that really got slower is followed a sample later (a flood at cap 30 got 28.9 % of the GPU beside another
+     * context's slices, tests/shim). The slack keeps a kernel's own jitter out of it: counting every sample as the
+     * lower of it and the one before charges the minimum of two, which undercharged a flood on a real GPU. */
     struct alnair_region *r = alnair_cur_region();
-    if (prev != 0 && prev < ns && r != NULL && RLOAD(r->agent.compute_class) == ALNAIR_CLASS_LATENCY)
+    if (prev != 0 && 100 * ns > (100 + LAT_SAMPLE_SLACK_PCT) * (uint64_t)prev && r != NULL &&
+        RLOAD(r->agent.compute_class) == ALNAIR_CLASS_LATENCY)
         ns = prev;
     /* a moving average, except that a sample far under the estimate is taken at once: an estimate made while the
      * GPU was shared with another context holds its slices, and would keep this one stopping early in its turns */

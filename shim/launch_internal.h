@@ -184,6 +184,11 @@ struct stream_ctr {
 #define STREAM_SLOTS 1024u
 extern struct stream_ctr g_streams[STREAM_SLOTS];
 
+/* A latency container's sample more than this many percent over the sample before it of the same kernel counts as
+ * that one (estimate.c poll_sample: another context's time slice inside it, not the kernel's own jitter). */
+#ifndef LAT_SAMPLE_SLACK_PCT
+#define LAT_SAMPLE_SLACK_PCT 25ull
+#endif
 /* Beside a latency container a neighbour's launch waits until a mark of its queue has run (hold_mark's events: after
  * each launch estimated at HOLD_EVENT_MIN_NS or more, and after each HOLD_EVENT_MIN_NS of shorter launches): the
  * last mark when it followed a long launch (HOLD_LONG_DEPTH), else the one HOLD_EVENT_DEPTH - 1 before the last.
