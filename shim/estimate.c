@@ -382,14 +382,16 @@ void poll_sample(void)
     /* A latency container's GPU time over its horizon is what its estimates say (latency_gate), and its samples
      * are the ones taken beside other contexts' work: a request's first kernel runs while the neighbours' bounded
      * queue still does, time-sliced, and reads long. Time-slicing only ever lengthens a sample, so a sample over
-     * the one before it by more than LAT_SAMPLE_SLACK_PCT counts as that one: one slice seen is ignored, a kernel
-     * that really got slower is followed a sample later (a flood at cap 30 got 28.9 % of the GPU beside another
-     * context's slices, tests/shim). The slack keeps a kernel's own jitter out of it: counting every sample as the
-     * lower of it and the one before charges the minimum of two, which undercharged a flood on a real GPU. */
+     * both the one before it and the estimate by more than LAT_SAMPLE_SLACK_PCT leaves the estimate as it is: one
+     * slice seen is ignored, a kernel that really got slower is followed a sample later (its previous sample was
+     * long too). The flood at cap 30 got 28.9 % of the GPU beside another context's slices without this (tests/shim).
+     * Against both, with slack: counting every sample as the lower of it and the one before (2026-12-04) charged a
+     * kernel whose own time varies the lower of every two, which let a flood take 34 % of an H100 at cap 30. */
     struct alnair_region *r = alnair_cur_region();
-    if (prev != 0 && 100 * ns > (100 + LAT_SAMPLE_SLACK_PCT) * (uint64_t)prev && r != NULL &&
+    if (prev != 0 && old != 0 && 100 * ns > (100 + LAT_SAMPLE_SLACK_PCT) * (uint64_t)prev &&
+        (!LAT_SAMPLE_VS_ESTIMATE || 100 * ns > (100 + LAT_SAMPLE_SLACK_PCT) * old) && r != NULL &&
         RLOAD(r->agent.compute_class) == ALNAIR_CLASS_LATENCY)
-        ns = prev;
+        ns = LAT_SAMPLE_VS_ESTIMATE ? old : prev;
     /* a moving average, except that a sample far under the estimate is taken at once: an estimate made while the
      * GPU was shared with another context holds its slices, and would keep this one stopping early in its turns */
     atomic_store_explicit(&e->ns, old && !T.s_guess && 10 * ns > 7 * old ? (3 * old + ns) / 4 : ns,

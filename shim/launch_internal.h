@@ -184,10 +184,15 @@ struct stream_ctr {
 #define STREAM_SLOTS 1024u
 extern struct stream_ctr g_streams[STREAM_SLOTS];
 
-/* A latency container's sample more than this many percent over the sample before it of the same kernel counts as
- * that one (estimate.c poll_sample: another context's time slice inside it, not the kernel's own jitter). */
+/* A latency container's sample more than this many percent over both the sample before it of the same kernel and
+ * its estimate leaves the estimate as it is (estimate.c poll_sample: another context's time slice inside it, not
+ * the kernel's own jitter). LAT_SAMPLE_VS_ESTIMATE 0, a diagnostic build: over the sample before it alone, counted
+ * as that one (with a slack of 0 the rule of 2026-12-04). */
 #ifndef LAT_SAMPLE_SLACK_PCT
 #define LAT_SAMPLE_SLACK_PCT 25ull
+#endif
+#ifndef LAT_SAMPLE_VS_ESTIMATE
+#define LAT_SAMPLE_VS_ESTIMATE 1
 #endif
 /* Beside a latency container a neighbour's launch waits until a mark of its queue has run (hold_mark's events: after
  * each launch estimated at HOLD_EVENT_MIN_NS or more, and after each HOLD_EVENT_MIN_NS of shorter launches): the

@@ -601,6 +601,22 @@ static void run_op(const char *op, int argc, char **argv, int i)
         printf("run launches=%llu bad=%llu gpu_ns=%llu wall_ns=%llu cpu_ns=%llu\n", (unsigned long long)n,
                (unsigned long long)bad, (unsigned long long)(n * b), (unsigned long long)wall,
                (unsigned long long)used);
+    } else if (sscanf(op, "jitter:%llu:%llu:%llu", &a, &b, &c) == 3 && c < 100) {
+        /* jitter:MS:DUR:PCT launches one kernel back to back for MS ms of wall time, each launch DUR ns longer or
+         * shorter by PCT % at random (a fixed seed): a kernel whose own time varies, as real ones do. */
+        uint64_t t0 = mono(), c0 = cpu(), n = 0, bad = 0, sum = 0, x = 0x9e3779b97f4a7c15ull;
+        while (mono() - t0 < a * 1000000ull) {
+            x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+            uint64_t dur = b * (x & 1 ? 100 + c : 100 - c) / 100;
+            bad += launch("launch", dur, NULL) != CUDA_SUCCESS;
+            sum += dur;
+            n++;
+        }
+        api.StreamSync(NULL);
+        uint64_t wall = mono() - t0, used = cpu() - c0;
+        printf("run launches=%llu bad=%llu gpu_ns=%llu wall_ns=%llu cpu_ns=%llu\n", (unsigned long long)n,
+               (unsigned long long)bad, (unsigned long long)sum, (unsigned long long)wall,
+               (unsigned long long)used);
     } else if (sscanf(op, "loop:%llu:%llu:%llu:%llu", &a, &b, &c, &d) == 4) {
         /* loop:MS:DUR:SYNC:HOST  DUR-ns kernels for MS ms of wall time; every SYNC-th launch waits for the GPU (0:
          * never), and HOST ns of host work (a spin) come before each launch: a loop that synchronizes, a
