@@ -246,6 +246,57 @@ async def test_a_capped_containers_utilization_is_the_gpu_time_its_shim_counted(
         r.close()
 
 
+async def test_capped_containers_share_the_memory_traffic_nvml_drew_for_one_of_them(tmp_path: Path) -> None:
+    """On a time-sliced GPU NVML's per-process memory figure is a draw: an H100 gave one of two capped matmul
+    processes the device's whole 24 % every second and the other 0. Each capped container gets its part of what the
+    capped processes drew together, by the GPU time its shim counted (30 and 60 here: 8 and 16)."""
+    import struct
+    import time
+
+    from alnair_agent.node import region_layout as L
+
+    ws = Workspace(tmp_path / "ws")
+    ws.ensure()
+    a, b = capped("00000000000000a2", 30, "p"), capped("00000000000000b2", 60, "q")
+    pids = {a.id: 4242, b.id: 4343}
+    for pid in pids.values():  # processes sharing the host's namespaces, placed by their region slots
+        d = tmp_path / "proc" / str(pid)
+        d.mkdir(parents=True)
+        (d / "status").write_text(f"Pid:\t{pid}\nNSpid:\t{pid}\n")
+        (d / "stat").write_text(f"{pid} (python3) S " + " ".join(["0"] * 18) + f" {pid + 7}\n")
+    regions = {x.id: ws.create(x) for x in (a, b)}
+    drawn = (ProcessSample(GPU, 4242, 99.0, 24.0, 5), ProcessSample(GPU, 4343, 0.0, 0.0, 5))
+    backend = Backend(Samples((GpuSample(GPU, 95.0),), drawn, 1.0))
+    p = Profiler(backend, Ledger({a.id: a, b.id: b}), ws, Pods(), Sink(), 1.0, 30.0,  # type: ignore[arg-type]
+                 proc_root=tmp_path / "proc")
+    counted = {a.id: 0, b.id: 0}
+
+    def run_for(seconds: float, shares: dict[str, float]) -> None:
+        for alloc_id, share in shares.items():
+            counted[alloc_id] += int(share / 100 * seconds * 1e9)
+            with open(ws.container_folder(alloc_id) / "region", "r+b") as f:
+                f.seek(L.absolute_offset("alnair_region_slot", "pid"))
+                f.write(struct.pack("<i", pids[alloc_id]))
+                f.seek(L.absolute_offset("alnair_region_slot", "start_time"))
+                f.write(struct.pack("<Q", pids[alloc_id] + 7))
+                f.seek(L.absolute_offset("alnair_region_slot", "gpu_ns"))
+                f.write(struct.pack("<Q", counted[alloc_id]))
+
+    run_for(0.0, {a.id: 0, b.id: 0})
+    await p.tick()  # the baseline
+    for _ in range(2):
+        before = {k: p.usage[k].memcpy_util_integral for k in counted}
+        t = p._regions_at
+        run_for(1.0, {a.id: 30.0, b.id: 60.0})
+        while time.monotonic() < t + 1.0:
+            time.sleep(0.01)
+        await p.tick()
+        got = [(p.usage[k].memcpy_util_integral - before[k]) / backend.samples.window_s for k in (a.id, b.id)]
+        assert abs(got[0] - 8.0) <= 1 and abs(got[1] - 16.0) <= 1, got
+    for r in regions.values():
+        r.close()
+
+
 GPU1 = "GPU-7c1d2e3f-0000-4000-8000-000000000001"
 
 

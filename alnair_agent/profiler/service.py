@@ -214,6 +214,7 @@ class Profiler:
                 copied[alloc_id] = self._entry(alloc).add_copies(collected.copies.get(alloc_id, []))
         dma = self._copy_shares(collected.samples, copied)
         metered = self._metered_utils(collected, snap)
+        metered_mem = self._metered_mem_utils(collected, metered)
         for alloc_id in snap.alloc_ids:
             alloc = self.ledger.allocations.get(alloc_id)
             if alloc is None:
@@ -228,7 +229,10 @@ class Profiler:
                 if not memory:
                     memory = collected.region_memory.get(alloc_id, 0)
                 util = mine if mine is not None else sum(p.sm_util or 0.0 for p in procs)
-                u.add(now, dt, util, sum(p.mem_util or 0.0 for p in procs) + share, memory)
+                kernel_mem = metered_mem.get(alloc_id)
+                if kernel_mem is None:
+                    kernel_mem = sum(p.mem_util or 0.0 for p in procs)
+                u.add(now, dt, util, kernel_mem + share, memory)
             else:
                 u.idle()
         if dt > 0:
@@ -274,6 +278,27 @@ class Profiler:
             if gpu in room and claimed[gpu] > max(room[gpu], 0.0):
                 util *= max(room[gpu], 0.0) / claimed[gpu]  # (claimed > 0 here)
             out[alloc_id] = util
+        return out
+
+    def _metered_mem_utils(self, collected: _Collected, metered: dict[str, float]) -> dict[str, float]:
+        """Per compute-capped allocation, its part of the memory utilization NVML gave the capped containers'
+        processes on its GPU, split by their metered GPU utilization. NVML's per-process memory figure on a
+        time-sliced GPU is a draw as its SM figure is (an H100 gave one of two capped matmul processes the device's
+        whole 24 % every second and the other 0), so only the capped processes' sum is taken from it. Where the
+        capped containers of a GPU metered no GPU time, each keeps its own processes' figure."""
+        pool: dict[str, float] = {}
+        for proc in collected.samples.processes:
+            if collected.places.get((proc.pid, proc.gpu_uuid)) in metered:
+                pool[proc.gpu_uuid] = pool.get(proc.gpu_uuid, 0.0) + (proc.mem_util or 0.0)
+        total: dict[str, float] = {}
+        for alloc_id, util in metered.items():
+            gpu = self.ledger.allocations[alloc_id].gpu_uuid
+            total[gpu] = total.get(gpu, 0.0) + util
+        out = {}
+        for alloc_id, util in metered.items():
+            gpu = self.ledger.allocations[alloc_id].gpu_uuid
+            if total[gpu] > 0:
+                out[alloc_id] = pool.get(gpu, 0.0) * util / total[gpu]
         return out
 
     def _copy_shares(self, samples: Samples, copied: dict[str, int]) -> dict[str, float]:

@@ -69,8 +69,10 @@ FIELDS: tuple[Field, ...] = (
           "utilization; any other: NVML's per-process SM utilization."),
     Field("gpu_util_max", "% of the GPU", "Highest sampled GPU utilization of the container."),
     Field("memcpy_util_mean", "% of the GPU", "Mean memory-copy utilization of the container while its processes "
-          "were on the GPU: their kernels' memory traffic (NVML per process) plus its share, by bytes copied, of the "
-          "GPU's copy-engine time that no process's kernels explain."),
+          "were on the GPU: their kernels' memory traffic (NVML per process; a compute-capped container: its part, by "
+          "the GPU time its shim counted, of what NVML gave the capped containers' processes, since on a "
+          "time-sliced GPU NVML's per-process figure is a draw) plus its share, by bytes copied, of the GPU's "
+          "copy-engine time that no process's kernels explain."),
     Field("memcpy_util_max", "% of the GPU", "Highest sampled memory-copy utilization."),
     Field("memory_max_bytes", "bytes", "Most GPU memory its processes held at once (NVML, else the shim's count)."),
     Field("gpu_seconds", "s", "GPU time: the integral of its GPU utilization over time (1 s at 100 % = 1)."),
