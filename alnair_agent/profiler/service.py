@@ -268,16 +268,21 @@ class Profiler:
         for proc in collected.samples.processes:
             if proc.gpu_uuid in room and collected.places.get((proc.pid, proc.gpu_uuid)) not in raw:
                 room[proc.gpu_uuid] -= proc.sm_util or 0.0
-        claimed: dict[str, float] = {}
-        for alloc_id, util in raw.items():
-            gpu = self.ledger.allocations[alloc_id].gpu_uuid
-            claimed[gpu] = claimed.get(gpu, 0.0) + util
+        claimed = self._per_gpu_sum(raw)
         out = {}
         for alloc_id, util in raw.items():
             gpu = self.ledger.allocations[alloc_id].gpu_uuid
             if gpu in room and claimed[gpu] > max(room[gpu], 0.0):
                 util *= max(room[gpu], 0.0) / claimed[gpu]  # (claimed > 0 here)
             out[alloc_id] = util
+        return out
+
+    def _per_gpu_sum(self, utils: dict[str, float]) -> dict[str, float]:
+        """Per GPU uuid, the sum of its allocations' figures in `utils` (allocation id -> figure)."""
+        out: dict[str, float] = {}
+        for alloc_id, util in utils.items():
+            gpu = self.ledger.allocations[alloc_id].gpu_uuid
+            out[gpu] = out.get(gpu, 0.0) + util
         return out
 
     def _metered_mem_utils(self, collected: _Collected, metered: dict[str, float]) -> dict[str, float]:
@@ -290,10 +295,7 @@ class Profiler:
         for proc in collected.samples.processes:
             if collected.places.get((proc.pid, proc.gpu_uuid)) in metered:
                 pool[proc.gpu_uuid] = pool.get(proc.gpu_uuid, 0.0) + (proc.mem_util or 0.0)
-        total: dict[str, float] = {}
-        for alloc_id, util in metered.items():
-            gpu = self.ledger.allocations[alloc_id].gpu_uuid
-            total[gpu] = total.get(gpu, 0.0) + util
+        total = self._per_gpu_sum(metered)
         out = {}
         for alloc_id, util in metered.items():
             gpu = self.ledger.allocations[alloc_id].gpu_uuid
