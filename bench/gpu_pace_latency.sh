@@ -14,6 +14,7 @@
 #   bash bench/gpu_pace_latency.sh paced      12.
 #   bash bench/gpu_pace_latency.sh now        13.
 #   bash bench/gpu_pace_latency.sh slack      14.
+#   bash bench/gpu_pace_latency.sh budget     15.
 # 1. Where the small-kernel loop's time goes at caps 50 / 70 (45 / 63 % judged in one process, 2026-12-03):
 #    bench/turn_pace.py for the small loop and the training step with more rounds, then again with the trace build
 #    (each phase's gate refusals, drains, true-ups owed, window starts: bench/shim_trace.py); then
@@ -56,6 +57,11 @@
 #    both the one before it and the estimate by more than 25 % leaves the estimate), the rule of 2026-12-04 (any
 #    sample over the one before it counts as that one: -DLAT_SAMPLE_SLACK_PCT=0ull -DLAT_SAMPLE_VS_ESTIMATE=0) and no
 #    such rule (-DLAT_SAMPLE_SLACK_PCT=1000000ull), then the shipped again.
+# 15. What the marks cost a neighbour beside a latency stream at 500/s (train and mm, strict and elastic): the shipped
+#    shim against short launches' marks spaced out while each asked about had run (-DHOLD_CHUNK_MAX_NS=200000ull)
+#    and against a queue bounded by work instead of by marks (-DHOLD_QUEUE_WORK_NS=150000ull: the oldest mark after
+#    which at most 150 us of work is queued, so a training step's kernels under it queue behind each other while
+#    0.2 ms matmuls keep one queued; with HOLD_EVENT_DEPTH=8 and chunks up to 150 us).
 # Parts 7-12 build each shim they weigh with its flags spelled out (the defaults moved as they were measured), so
 # each reproduces the builds of its run in bench/RESULTS.md on later code; "shim" in parts 1-6 is whatever shipped.
 # Run with PYTHONPATH holding the carried wheels (bench/device_prelude.sh sets up the rest).
@@ -210,8 +216,18 @@ slack)
     echo "$n $build: $(grep -h -E '^mm +flood' "$OUT/slack${n}_$build.log" | cut -c1-170)"
   done
   ;;
+budget)
+  build_shim /tmp/shim-g "-O2 -DHOLD_CHUNK_MAX_NS=200000ull" || exit 1
+  build_shim /tmp/shim-b "-O2 -DHOLD_EVENT_DEPTH=8 -DHOLD_QUEUE_WORK_NS=150000ull -DHOLD_CHUNK_MAX_NS=150000ull" || exit 1
+  for build in shim shim-g shim-b; do
+    timeout 175 python3 bench/latency_gpu.py --pin --shim /tmp/$build/libalnair.so --neighbours train,mm \
+      --only latency,latency-elastic --rates 500 --seconds 3 --json "$OUT/budget_$build.json" \
+      > "$OUT/budget_$build.log" 2>&1 || rc=1
+    echo "== $build"; grep -h -E '^(stream|mm|train) ' "$OUT/budget_$build.log" | cut -c1-200
+  done
+  ;;
 *)
-  echo "usage: $0 pace|latency|events|host|class|chunk|wait|depth|final|marks|paced|now|slack" >&2
+  echo "usage: $0 pace|latency|events|host|class|chunk|wait|depth|final|marks|paced|now|slack|budget" >&2
   exit 2
   ;;
 esac

@@ -109,6 +109,8 @@ void drop_events(void)
     T.q_n = 0;
     T.q_done = 0;
     T.q_long = 0;
+    T.q_done_w = 0;
+    T.q_chunk = 0;
     for (unsigned i = 0; i < n; i++) {
         if (*evs[i] != NULL && alnair_aux.cuEventDestroy != NULL)
             alnair_aux.cuEventDestroy(*evs[i]);

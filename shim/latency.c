@@ -230,16 +230,38 @@ static uint64_t board_until(struct alnair_board *b, uint32_t mask, uint64_t now)
     return until > now + HOLD_ONCE_MAX_NS ? now + HOLD_ONCE_MAX_NS : until;
 }
 
-/* The mark the next launch waits for has run (launch_internal.h, HOLD_LONG_DEPTH): wait for it, measured, not
- * estimated. Returns 1 when it waited. */
-static int queue_short(uint64_t now)
+/* Which mark the next launch waits for (launch_internal.h): by the depth rule the last after a long launch
+ * (HOLD_LONG_DEPTH), else the one HOLD_EVENT_DEPTH - 1 before it; with HOLD_QUEUE_WORK_NS the oldest after which no
+ * more than that much work is queued. Returns 0 where it need not wait for one (none, or one seen to have run). */
+static int mark_to_wait_for(unsigned *w)
 {
+    if (HOLD_QUEUE_WORK_NS != 0) {
+        uint64_t W = T.charged;
+        if (T.q_done != 0 && W - T.q_done_w <= HOLD_QUEUE_WORK_NS)
+            return 0;
+        unsigned j = T.q_n > HOLD_EVENT_DEPTH ? T.q_n - HOLD_EVENT_DEPTH : 0;
+        if (j < T.q_done)
+            j = T.q_done;
+        while (j < T.q_n && W - T.q_w[j & (HOLD_EVENT_DEPTH - 1u)] > HOLD_QUEUE_WORK_NS)
+            j++;
+        *w = j;
+        return j < T.q_n;
+    }
     unsigned depth = T.q_long ? HOLD_LONG_DEPTH : HOLD_EVENT_DEPTH;
     /* Each query costs the H200 VM's driver ~3.3 us of host: an event seen to have run is not asked again by the
      * short launches that follow it (a training step's launches each asked, ~10 % of its step). */
-    if (T.q_n < depth || T.q_done > T.q_n - depth || !queries_ok())
+    if (T.q_n < depth || T.q_done > T.q_n - depth)
         return 0;
-    unsigned w = T.q_n - depth;
+    *w = T.q_n - depth;
+    return 1;
+}
+
+/* The mark the next launch waits for has run: wait for it, measured, not estimated. Returns 1 when it waited. */
+static int queue_short(uint64_t now)
+{
+    unsigned w;
+    if (!mark_to_wait_for(&w) || !queries_ok())
+        return 0;
     CUevent ev = T.q_ev[w & (HOLD_EVENT_DEPTH - 1u)];
     if (ev == NULL)
         return 0;
@@ -249,19 +271,26 @@ static int queue_short(uint64_t now)
         nap_until(now + DRAIN_NAP_MIN_NS, now);
         q = query(ev);
     }
-    if (q != CUDA_ERROR_NOT_READY)
+    if (q != CUDA_ERROR_NOT_READY) {
         T.q_done = w + 1;
-    if (now == t0)
+        T.q_done_w = T.q_w[w & (HOLD_EVENT_DEPTH - 1u)];
+    }
+    uint64_t chunk = T.q_chunk ? T.q_chunk : HOLD_EVENT_MIN_NS;
+    if (now == t0) {
+        T.q_chunk = chunk >= HOLD_CHUNK_MAX_NS / 2u ? HOLD_CHUNK_MAX_NS : 2u * chunk;
         return 0;
+    }
+    T.q_chunk = HOLD_EVENT_MIN_NS;
     TRACE('q', now - t0, 0, 0, 0);
     return 1;
 }
 
 void hold_mark(CUstream s, int pt, uint64_t cost)
 {
-    CUevent *ev = &T.q_ev[T.q_n & (HOLD_EVENT_DEPTH - 1u)];
-    if (ensure_ctx() != 0 || get_event(ev) != 0 || record(*ev, s, pt) != 0)
+    unsigned k = T.q_n & (HOLD_EVENT_DEPTH - 1u);
+    if (ensure_ctx() != 0 || get_event(&T.q_ev[k]) != 0 || record(T.q_ev[k], s, pt) != 0)
         return;
+    T.q_w[k] = T.charged;
     T.q_n++;
     T.q_long = cost >= HOLD_EVENT_MIN_NS;
 }

@@ -127,7 +127,7 @@ static __attribute__((noinline)) void post_launch(struct pre *p, CUresult rc)
     if (UNLIKELY(RLOAD(alnair_cur_region()->agent.hold_mask) != 0)) {
         if (HOLD_CHUNK)
             T.q_acc += p->cost;
-        if (p->cost >= HOLD_EVENT_MIN_NS || (HOLD_CHUNK && T.q_acc >= HOLD_EVENT_MIN_NS)) {
+        if (p->cost >= HOLD_EVENT_MIN_NS || (HOLD_CHUNK && T.q_acc >= (T.q_chunk ? T.q_chunk : HOLD_EVENT_MIN_NS))) {
             T.q_acc = 0;
             hold_mark(p->stream, p->pt, p->cost);
         }

@@ -225,6 +225,9 @@ struct tstate {
     unsigned q_done; /* ... the first q_done of them seen to have run: not queried again */
     int q_long;      /* ... the last followed a long launch (HOLD_LONG_DEPTH applies) */
     uint64_t q_acc;  /* HOLD_CHUNK: short launches' estimated work since the last mark */
+    uint64_t q_w[HOLD_EVENT_DEPTH]; /* ... the work charged up to each mark (HOLD_QUEUE_WORK_NS) */
+    uint64_t q_done_w; /* ... up to the last mark seen to have run */
+    uint64_t q_chunk;  /* ... short launches' work between marks now (0: HOLD_EVENT_MIN_NS) */
     uint64_t s_key, s_cost, s_idx, s_host;
     uint64_t s_due; /* POLL_WHEN_DUE: when the sample in flight is estimated to have run */
     unsigned s_ahead; /* launches of unknown kernels charged a guess since the sample in flight was taken */
@@ -347,6 +350,22 @@ uint32_t window_procs(uint64_t ws);
 #ifndef HOLD_CHUNK
 #define HOLD_CHUNK 1
 #endif
+/* HOLD_QUEUE_WORK_NS (0: the depth rule of HOLD_EVENT_DEPTH; diagnostic builds set it): a launch waits instead for
+ * the oldest mark after which at most this much estimated work is queued, so a request meets at most this much of
+ * a neighbour's work ahead of the kernel it launched (0.2 ms matmuls keep one queued at 150 us; a training step's
+ * shorter kernels queue behind each other). HOLD_EVENT_DEPTH is then how many marks it may look back over. */
+#ifndef HOLD_QUEUE_WORK_NS
+#define HOLD_QUEUE_WORK_NS 0ull
+#endif
+/* Short launches get a mark each HOLD_EVENT_MIN_NS of their estimated work, doubled up to HOLD_CHUNK_MAX_NS while
+ * every mark asked about had run at the first question (its queue is short by measurement: a host-bound neighbour,
+ * each mark costing it an event record and a query), and back at the first wait (its queue grows). */
+#ifndef HOLD_CHUNK_MAX_NS
+#define HOLD_CHUNK_MAX_NS HOLD_EVENT_MIN_NS
+#endif
+_Static_assert(HOLD_CHUNK_MAX_NS >= HOLD_EVENT_MIN_NS, "HOLD_CHUNK_MAX_NS: at least HOLD_EVENT_MIN_NS");
+_Static_assert(HOLD_QUEUE_WORK_NS == 0 || (HOLD_CHUNK_MAX_NS <= HOLD_QUEUE_WORK_NS && HOLD_EVENT_DEPTH >= 4),
+               "HOLD_QUEUE_WORK_NS: chunks no longer than it, and at least 4 marks to look back over");
 #define HOLD_ONCE_MAX_NS 50000000ull /* one look at the board holds a launch back this long at most */
 #define HOLD_STEP_NS 200000ull       /* a held thread looks at the board again this often at least */
 #define HOLD_ROUNDS 8                /* holds and turns asked again, for one launch, at most */

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from shimkit import Build, Runner, one_gpu, release, share, wait_holding
+from shimkit import Build, Result, Runner, one_gpu, release, share, wait_holding
 
 from alnair_agent.node import region_layout as L
 from alnair_agent.node.region import Board, Region
@@ -243,4 +243,52 @@ def test_a_latency_flood_of_a_kernel_whose_own_time_varies_is_charged_its_mean(r
         assert 0.28 <= gpu <= 0.315, gpu
     finally:
         region.close()
+        board.close()
+
+
+@pytest.fixture(scope="module")
+def work_bound_build(tmp_path_factory: pytest.TempPathFactory) -> Build:
+    """The diagnostic build whose neighbours' queue is bounded by work, not by a count of marks
+    (-DHOLD_QUEUE_WORK_NS=150000ull: bench/gpu_pace_latency.sh part 15)."""
+    flags = "-O2 -DHOLD_EVENT_DEPTH=8 -DHOLD_QUEUE_WORK_NS=150000ull -DHOLD_CHUNK_MAX_NS=150000ull"
+    return build_shim_and_driver(tmp_path_factory.mktemp("workbound"), flags)
+
+
+def latencies_us(res: Result) -> list[float]:
+    return [int(x) / 1e3 for ln in res.lines if ln.startswith("latencies") for x in ln.split()[1:]]
+
+
+@pytest.mark.parametrize("bound", ["marks", "work"])
+def test_a_neighbours_queue_ahead_of_a_request_is_bounded(runner: Runner, work_bound_build: Build, tmp_path: Path,
+                                                          bound):
+    """A request (two 50 us kernels) beside a neighbour launching 100 us kernels back to back meets at most what the
+    neighbour may keep queued: shipped, the kernel running (one long launch queued); with the queue bounded by work
+    (the diagnostic build of part 15), 150 us of work ahead of the kernel launched, so 100 us kernels queue two deep
+    and the neighbour keeps the GPU busier (0.988 of it against 0.938 on the dev box) for ~60 us more per request."""
+    if bound == "work":
+        runner = Runner(work_bound_build, tmp_path)
+    npath, nregion, board = neighbour(tmp_path, 0b1, 90)
+    lpath, lregion = latency_container(tmp_path, board)
+    try:
+        env = one_gpu(tmp_path)
+        op = "requests:1500:100:2:50000:10000"
+        alone = runner.run("init", "ctx", op, region=lpath, env=env)
+        nb = runner.start("init", "run:2500:100000", region=npath, env=env)
+        time.sleep(0.3)
+        beside = runner.run("init", "ctx", op, region=lpath, env=env)
+        out, err = nb.communicate(timeout=30)
+        assert alone.returncode == 0 and beside.returncode == 0 and nb.returncode == 0, (beside.stderr, err)
+        a, b = sorted(latencies_us(alone)), sorted(latencies_us(beside))
+        assert len(a) >= 50 and len(b) >= 50
+        extra = b[len(b) // 2] - a[len(a) // 2]
+        run = next(dict(w.split("=", 1) for w in ln.split()[1:]) for ln in out.splitlines() if ln.startswith("run "))
+        busy = int(run["gpu_ns"]) / int(run["wall_ns"])
+        print(bound, f"request p50 {a[len(a) // 2]:.0f} us alone, {extra:+.0f} us beside;",
+              f"the neighbour's GPU {busy:.3f}")
+        assert extra <= (150 if bound == "marks" else 300), extra
+        if bound == "work":
+            assert busy >= 0.96, busy
+    finally:
+        nregion.close()
+        lregion.close()
         board.close()
