@@ -202,13 +202,28 @@ def capped(alloc_id: str, cap: int, pod: str) -> Allocation:
     return Allocation(alloc_id, GPU, {}, {}, 1 << 30, cap, "default", pod, "", "main", created_at=1_700_000_000.0)
 
 
+def write_slot(region: Path, pid: int, start_time: int | None, gpu_ns: int) -> None:
+    """What a capped container's shim writes in its region's first slot: its pid (and start time), the GPU time it
+    counted."""
+    import struct
+
+    from alnair_agent.node import region_layout as L
+
+    with open(region, "r+b") as f:
+        f.seek(L.absolute_offset("alnair_region_slot", "pid"))
+        f.write(struct.pack("<i", pid))
+        if start_time is not None:
+            f.seek(L.absolute_offset("alnair_region_slot", "start_time"))
+            f.write(struct.pack("<Q", start_time))
+        f.seek(L.absolute_offset("alnair_region_slot", "gpu_ns"))
+        f.write(struct.pack("<Q", gpu_ns))
+
+
 async def test_a_capped_containers_utilization_is_the_gpu_time_its_shim_counted(tmp_path: Path) -> None:
     """Capped containers: their GPU time as their shims counted it in their turns (the slots' gpu_ns), not NVML's
     per-process draw; scaled down by one factor where they claim more than the device's (exact) utilization."""
-    import struct
     import time
 
-    from alnair_agent.node import region_layout as L
 
     ws = Workspace(tmp_path / "ws")
     ws.ensure()
@@ -222,12 +237,7 @@ async def test_a_capped_containers_utilization_is_the_gpu_time_its_shim_counted(
     def run_for(seconds: float, shares: dict[str, float]) -> None:
         for alloc_id, share in shares.items():
             counted[alloc_id] += int(share / 100 * seconds * 1e9)
-            path = ws.container_folder(alloc_id) / "region"
-            with open(path, "r+b") as f:
-                f.seek(L.absolute_offset("alnair_region_slot", "pid"))
-                f.write(struct.pack("<i", 4242))
-                f.seek(L.absolute_offset("alnair_region_slot", "gpu_ns"))
-                f.write(struct.pack("<Q", counted[alloc_id]))
+            write_slot(ws.container_folder(alloc_id) / "region", 4242, None, counted[alloc_id])
 
     run_for(0.0, {a.id: 0, b.id: 0})
     await p.tick()  # the baseline
@@ -250,10 +260,8 @@ async def test_capped_containers_share_the_memory_traffic_nvml_drew_for_one_of_t
     """On a time-sliced GPU NVML's per-process memory figure is a draw: an H100 gave one of two capped matmul
     processes the device's whole 24 % every second and the other 0. Each capped container gets its part of what the
     capped processes drew together, by the GPU time its shim counted (30 and 60 here: 8 and 16)."""
-    import struct
     import time
 
-    from alnair_agent.node import region_layout as L
 
     ws = Workspace(tmp_path / "ws")
     ws.ensure()
@@ -274,13 +282,8 @@ async def test_capped_containers_share_the_memory_traffic_nvml_drew_for_one_of_t
     def run_for(seconds: float, shares: dict[str, float]) -> None:
         for alloc_id, share in shares.items():
             counted[alloc_id] += int(share / 100 * seconds * 1e9)
-            with open(ws.container_folder(alloc_id) / "region", "r+b") as f:
-                f.seek(L.absolute_offset("alnair_region_slot", "pid"))
-                f.write(struct.pack("<i", pids[alloc_id]))
-                f.seek(L.absolute_offset("alnair_region_slot", "start_time"))
-                f.write(struct.pack("<Q", pids[alloc_id] + 7))
-                f.seek(L.absolute_offset("alnair_region_slot", "gpu_ns"))
-                f.write(struct.pack("<Q", counted[alloc_id]))
+            write_slot(ws.container_folder(alloc_id) / "region", pids[alloc_id], pids[alloc_id] + 7,
+                       counted[alloc_id])
 
     run_for(0.0, {a.id: 0, b.id: 0})
     await p.tick()  # the baseline
