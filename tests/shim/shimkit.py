@@ -30,19 +30,28 @@ class Result:
         """The nth output line starting with `prefix`, as {key: value} of its key=value words."""
         found = [ln for ln in self.lines if ln.split(" ", 1)[0] == prefix]
         assert len(found) > nth, f"no {prefix!r} line #{nth} in {self.lines}"
-        return dict(w.split("=", 1) for w in found[nth].split() if "=" in w)
+        return words(found[nth])
 
     def rcs(self, prefix: str) -> list[int]:
-        return [int(dict(w.split("=", 1) for w in ln.split() if "=" in w)["rc"])
+        return [int(words(ln)["rc"])
                 for ln in self.lines if ln.split(" ", 1)[0] == prefix]
+
+
+def words(line: str) -> dict[str, str]:
+    """One output line's key=value words."""
+    return dict(w.split("=", 1) for w in line.split() if "=" in w)
+
+
+def gpu_share(run: dict[str, str]) -> float:
+    """The GPU's share of the wall time of one `run` line's words."""
+    return int(run["gpu_ns"]) / int(run["wall_ns"])
 
 
 def share(res: Result, nth: int = 0) -> tuple[float, float]:
     """The GPU's and a CPU's share of the wall time of the `nth` `run` line (no bad launches in it)."""
     run = res.line("run", nth)
     assert run["bad"] == "0"
-    wall = int(run["wall_ns"])
-    return int(run["gpu_ns"]) / wall, int(run["cpu_ns"]) / wall
+    return gpu_share(run), int(run["cpu_ns"]) / int(run["wall_ns"])
 
 
 def _env(build: Build, tmp: Path, preload: bool, region: Path | None, extra: dict[str, str] | None) -> dict:
@@ -116,8 +125,7 @@ def shares_together(runner: "Runner", regions: list[Path], op: str, tmp: Path) -
     try:
         for p in procs:
             lines = wait_holding(p)
-            run = dict(w.split("=") for w in lines[-2].split() if "=" in w)
-            shares.append(int(run["gpu_ns"]) / int(run["wall_ns"]))
+            shares.append(gpu_share(words(lines[-2])))
     finally:
         for p in procs:
             release(p)

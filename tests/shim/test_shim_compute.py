@@ -6,7 +6,7 @@ are generous where they are about the machine (shared CI machines), tight where 
 from __future__ import annotations
 
 import pytest
-from shimkit import share
+from shimkit import gpu_share, share, words
 
 from alnair_agent.node.region import Region, Turn, monotonic_ns
 
@@ -103,8 +103,7 @@ def test_two_processes_share_one_containers_cap(runner, make_region, tmp_path):
     try:
         for p in procs:
             lines = wait_holding(p)
-            run = dict(w.split("=") for w in lines[-2].split() if "=" in w)
-            total += int(run["gpu_ns"]) / int(run["wall_ns"])
+            total += gpu_share(words(lines[-2]))
     finally:
         for p in procs:
             release(p)
@@ -131,7 +130,7 @@ def test_threads_sharing_one_stream_share_one_cap(runner, make_region):
     region = make_region(compute_limit=40)
     res = runner.run("init", "threads:3:1500:1000000", region=region)
     t = res.line("threads")
-    gpu = int(t["gpu_ns"]) / int(t["wall_ns"])
+    gpu = gpu_share(t)
     assert 0.25 <= gpu <= 0.55, res.lines
 
 

@@ -10,7 +10,7 @@ import struct
 import time
 
 import pytest
-from shimkit import one_gpu, release, shares_together, wait_holding
+from shimkit import gpu_share, one_gpu, release, shares_together, wait_holding, words
 
 from alnair_agent.node import region_layout as L
 from alnair_agent.node.region import Region, Turn, monotonic_ns
@@ -19,7 +19,7 @@ from alnair_agent.node.region import Region, Turn, monotonic_ns
 def share(res, nth: int = 0) -> float:
     run = res.line("run", nth)
     assert run["bad"] == "0", res.lines
-    return int(run["gpu_ns"]) / int(run["wall_ns"])
+    return gpu_share(run)
 
 
 def test_kernels_longer_than_the_sample_wait_are_measured(runner, make_region):
@@ -174,8 +174,7 @@ def test_siblings_with_long_and_short_kernels_both_progress(runner, make_region,
     try:
         for p in (slow, fast):
             lines = wait_holding(p)
-            run = dict(w.split("=") for w in lines[-2].split() if "=" in w)
-            shares.append(int(run["gpu_ns"]) / int(run["wall_ns"]))
+            shares.append(gpu_share(words(lines[-2])))
     finally:
         for p in (slow, fast):
             release(p)
@@ -204,8 +203,7 @@ def test_turns_stalled_half_written_freeze_nothing(runner, make_region):
         lines = wait_holding(p)
     finally:
         release(p)
-    runs = [dict(w.split("=") for w in ln.split() if "=" in w) for ln in lines if ln.startswith("run ")]
-    shares = [int(x["gpu_ns"]) / int(x["wall_ns"]) for x in runs]
+    shares = [gpu_share(words(ln)) for ln in lines if ln.startswith("run ")]
     assert 0.2 <= shares[0] <= 0.4, shares
     assert 0.3 <= shares[1] <= 0.5, shares
 

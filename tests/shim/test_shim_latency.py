@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from shimkit import Build, Result, Runner, one_gpu, release, share, wait_holding
+from shimkit import Build, Result, Runner, gpu_share, one_gpu, release, share, wait_holding, words
 
 from alnair_agent.node import region_layout as L
 from alnair_agent.node.region import Board, Region
@@ -206,6 +206,19 @@ def test_a_latency_container_with_nothing_queued_holds_nobody_when_it_waits(runn
         board.close()
 
 
+def flood_share(runner: Runner, tmp: Path, op: str, env: dict[str, str] | None = None) -> float:
+    """A latency container capped at 30 running `op` as fast as it can: its GPU time / wall time."""
+    board = Board.create(tmp / "board")
+    path, region = latency_container(tmp, board, cap=30)
+    try:
+        res = runner.run("init", op, region=path, env=one_gpu(tmp) | (env or {}))
+        assert res.returncode == 0, res.stderr
+        return share(res)[0]
+    finally:
+        region.close()
+        board.close()
+
+
 def test_a_latency_flood_keeps_its_cap_when_some_of_its_samples_ran_beside_another_context(runner: Runner,
                                                                                             tmp_path: Path):
     """A latency container's GPU time over its horizon is what its estimates say, and its samples are the ones
@@ -213,18 +226,9 @@ def test_a_latency_flood_keeps_its_cap_when_some_of_its_samples_ran_beside_anoth
     Here every third kernel waits 40 us for another context's slice (the simulated driver's time-slicing): its
     sample reads 1.4x. A sample over the one before it and the estimate by more than 25 % leaves the estimate, so
     the flood at cap 30 gets its 30 % (26.6 % of the GPU when such samples were averaged in)."""
-    board = Board.create(tmp_path / "board")
-    path, region = latency_container(tmp_path, board, cap=30)
-    try:
-        res = runner.run("init", "run:3000:100000", region=path,
-                         env=one_gpu(tmp_path) | {"SIMCUDA_FOREIGN_SLICE": "40000:3"})
-        assert res.returncode == 0, res.stderr
-        gpu, _ = share(res)
-        print(f"flood beside another context's slices: {gpu:.1%} of the GPU")
-        assert 0.29 <= gpu <= 0.33, gpu
-    finally:
-        region.close()
-        board.close()
+    gpu = flood_share(runner, tmp_path, "run:3000:100000", {"SIMCUDA_FOREIGN_SLICE": "40000:3"})
+    print(f"flood beside another context's slices: {gpu:.1%} of the GPU")
+    assert 0.29 <= gpu <= 0.33, gpu
 
 
 def test_a_latency_flood_of_a_kernel_whose_own_time_varies_is_charged_its_mean(runner: Runner, tmp_path: Path):
@@ -233,17 +237,9 @@ def test_a_latency_flood_of_a_kernel_whose_own_time_varies_is_charged_its_mean(r
     flood at cap 30 gets its 30 % (30.6 %; 32.4 % when every sample over the one before it counted as that one:
     charged the lower of every two samples, the service took more than it paid for). The rule tells a slice from
     jitter by size alone, so a kernel whose time moves +-15 % is still undercharged a little (32.7 %)."""
-    board = Board.create(tmp_path / "board")
-    path, region = latency_container(tmp_path, board, cap=30)
-    try:
-        res = runner.run("init", "jitter:3000:100000:10", region=path, env=one_gpu(tmp_path))
-        assert res.returncode == 0, res.stderr
-        gpu, _ = share(res)
-        print(f"flood of a kernel whose time varies +-10 %: {gpu:.1%} of the GPU")
-        assert 0.28 <= gpu <= 0.315, gpu
-    finally:
-        region.close()
-        board.close()
+    gpu = flood_share(runner, tmp_path, "jitter:3000:100000:10")
+    print(f"flood of a kernel whose time varies +-10 %: {gpu:.1%} of the GPU")
+    assert 0.28 <= gpu <= 0.315, gpu
 
 
 @pytest.fixture(scope="module")
@@ -281,8 +277,7 @@ def test_a_neighbours_queue_ahead_of_a_request_is_bounded(runner: Runner, work_b
         a, b = sorted(latencies_us(alone)), sorted(latencies_us(beside))
         assert len(a) >= 50 and len(b) >= 50
         extra = b[len(b) // 2] - a[len(a) // 2]
-        run = next(dict(w.split("=", 1) for w in ln.split()[1:]) for ln in out.splitlines() if ln.startswith("run "))
-        busy = int(run["gpu_ns"]) / int(run["wall_ns"])
+        busy = gpu_share(next(words(ln) for ln in out.splitlines() if ln.startswith("run ")))
         print(bound, f"request p50 {a[len(a) // 2]:.0f} us alone, {extra:+.0f} us beside;",
               f"the neighbour's GPU {busy:.3f}")
         assert extra <= (150 if bound == "marks" else 300), extra

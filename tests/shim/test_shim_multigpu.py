@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from shimkit import gpu_share
 
 from alnair_agent.node.region import Region
 
@@ -71,7 +72,7 @@ def test_kernel_time_on_device_1_is_never_charged_to_device_0(runner, two):
     res = runner.run("init", "setdev:1", "run:600:2000000", env=env)
     assert res.returncode == 0, res.stderr
     line = res.line("run")
-    share = int(line["gpu_ns"]) / int(line["wall_ns"])
+    share = gpu_share(line)
     assert 0.2 <= share <= 0.4, line
     assert slots(paths[0])[1:] == (0, 0)
     assert slots(paths[1])[1] > 0 and slots(paths[1])[2] > 0
@@ -83,7 +84,7 @@ def test_kernels_on_both_devices_of_one_process_are_each_capped(runner, two):
     assert res.returncode == 0, res.stderr
     for k in range(2):
         line = res.line("run", k)
-        share = int(line["gpu_ns"]) / int(line["wall_ns"])
+        share = gpu_share(line)
         assert 0.2 <= share <= 0.4, (k, line)
         assert slots(paths[k])[1] > 0 and slots(paths[k])[2] > 0
 
