@@ -178,6 +178,15 @@ uint64_t elapsed_ns(CUevent a, CUevent b)
  * against later charges. */
 void true_up(uint64_t actual, uint64_t charged)
 {
+#if HEAD_GUARD_NS
+    if (actual > charged && G.valid && G.start != 0) {
+        uint64_t now = alnair_now_ns();
+        if (now >= G.start && now - G.start < HEAD_GUARD_NS) {
+            TRACE('H', actual - charged, now - G.start, 0, 0);
+            return;
+        }
+    }
+#endif
     if (actual > charged) {
         account(actual - charged);
         owe(actual - charged); /* it held the GPU that much longer than the gate allowed for */

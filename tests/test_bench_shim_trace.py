@@ -39,3 +39,31 @@ def test_no_trace_reads_as_nothing(tmp_path: Path) -> None:
     assert shim_trace.read(tmp_path / "absent.trace") == []
     s = shim_trace.summarise([], 0, 10**9)
     assert s["windows"]["n"] == 0 and s["windows"]["late_us_median"] is None and s["trueups"]["over_ms"] == 0
+
+
+def test_excess_is_placed_by_its_windows_phase(tmp_path: Path) -> None:
+    ms = 1_000_000
+    recs = [("W", 100 * ms, 0, 70 * ms, 0, 0),  # a window starting at 100 ms
+            ("f", 101 * ms, 3 * ms, 1 * ms, 8, 0),  # 1 ms into it: 2 ms over
+            ("f", 112 * ms, 2 * ms, 2 * ms, 8, 0),  # 12 ms in: exact
+            ("f", 150 * ms, 1 * ms, 2 * ms, 8, 0),  # 50 ms in: 1 ms under
+            ("W", 205 * ms, 5 * ms, 65 * ms, 0, 0),  # the next window began at 200 ms; its thread went on 5 ms late
+            ("f", 203 * ms, 2 * ms, 1 * ms, 8, 0),  # 3 ms in: 1 ms over
+            ("f", 450 * ms, 2 * ms, 1 * ms, 8, 0),  # 250 ms after the last start: a lease
+            ("H", 204 * ms, 4 * ms, 4 * ms, 0, 0),  # a head-guard build left 4 ms unowed
+            ("f", 50 * ms, 9 * ms, 1 * ms, 8, 0)]  # before any window: not placed
+    r = shim_trace.excess_by_phase(sorted(recs, key=lambda x: x[1]), bucket_ms=5)
+    assert r["windows"] == 2
+    assert r["buckets"] == {"0": {"excess_ms": 3.0, "n": 2}, "10": {"excess_ms": 0.0, "n": 1},
+                            "50": {"excess_ms": -1.0, "n": 1}, "lease": {"excess_ms": 1.0, "n": 1}}
+    assert r["total_ms"] == 3.0 and r["head_ms"] == 3.0 and r["guarded_ms"] == 4.0
+
+
+def test_the_command_line_prints_a_table_per_trace(tmp_path: Path, capsys) -> None:
+    path = tmp_path / "t.trace"
+    path.write_text(TRACE)
+    out = tmp_path / "x.json"
+    assert shim_trace.main([str(path), str(tmp_path / "none.trace"), "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "3 windows; true-ups over their charge 0.5 ms" in text and "none.trace: no records" in text
+    assert list(__import__("json").loads(out.read_text())) == [str(path)]
