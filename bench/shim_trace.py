@@ -31,6 +31,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+HEAD_MS = 15.0  # a window's head: where the previous holder's tail runs interleaved (bench/RESULTS.md, 2026-12-06)
+
 
 def read(path: Path) -> list[tuple[str, int, int, int, int, int]]:
     """A trace file's records, in time order; [] when there is none (not a trace build, or the process died)."""
@@ -77,7 +79,7 @@ def excess_by_phase(recs: list[tuple[str, int, int, int, int, int]], bucket_ms: 
                     past_ms: float = 100.0) -> dict[str, Any]:
     """The true-ups' excess (ms over their charge) and count by phase since the window's start, in buckets of
     `bucket_ms`; a true-up more than `past_ms` after its window's start (a lease, no windows) is in bucket "lease".
-    "head_ms": the excess in the first 15 ms of windows; "guarded_ms": what a HEAD_GUARD_NS build left unowed."""
+    "head_ms": the excess in the first HEAD_MS of windows; "guarded_ms": what a HEAD_GUARD_NS build left unowed."""
     starts = sorted({r[1] - r[2] for r in recs if r[0] == "W"})
     buckets: dict[str, list[float]] = {}
     total = head = 0.0
@@ -94,7 +96,7 @@ def excess_by_phase(recs: list[tuple[str, int, int, int, int, int]], bucket_ms: 
         cell[0] += over
         cell[1] += 1
         total += over
-        head += over if phase < 15.0 else 0.0
+        head += over if phase < HEAD_MS else 0.0
     guarded = sum(r[2] for r in recs if r[0] == "H") / 1e6
     return {"windows": len(starts), "total_ms": round(total, 3), "head_ms": round(head, 3),
             "guarded_ms": round(guarded, 3),
@@ -117,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         r = out[str(path)] = excess_by_phase(recs, a.bucket_ms)
         print(f"{path}: {r['windows']} windows; true-ups over their charge {r['total_ms']:.1f} ms, "
-              f"{r['head_ms']:.1f} ms of it in windows' first 15 ms; left unowed by the head guard {r['guarded_ms']:.1f} ms")
+              f"{r['head_ms']:.1f} ms of it in windows' first {HEAD_MS:g} ms; left unowed by the head guard {r['guarded_ms']:.1f} ms")
         order = sorted((k for k in r["buckets"] if k != "lease"), key=float) + (["lease"] if "lease" in r["buckets"] else [])
         print("  phase ms  excess ms      n")
         for k in order:

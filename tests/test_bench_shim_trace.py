@@ -1,5 +1,6 @@
 """bench/shim_trace.py: a trace build's records summed over a benchmark's phase."""
 
+import json
 from pathlib import Path
 
 import shim_trace
@@ -66,4 +67,4 @@ def test_the_command_line_prints_a_table_per_trace(tmp_path: Path, capsys) -> No
     assert shim_trace.main([str(path), str(tmp_path / "none.trace"), "--json", str(out)]) == 0
     text = capsys.readouterr().out
     assert "3 windows; true-ups over their charge 0.5 ms" in text and "none.trace: no records" in text
-    assert list(__import__("json").loads(out.read_text())) == [str(path)]
+    assert list(json.loads(out.read_text())) == [str(path)]

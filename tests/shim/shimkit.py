@@ -50,7 +50,7 @@ def gpu_share(run: dict[str, str]) -> float:
 def share(res: Result, nth: int = 0) -> tuple[float, float]:
     """The GPU's and a CPU's share of the wall time of the `nth` `run` line (no bad launches in it)."""
     run = res.line("run", nth)
-    assert run["bad"] == "0"
+    assert run["bad"] == "0", res.lines
     return gpu_share(run), int(run["cpu_ns"]) / int(run["wall_ns"])
 
 

@@ -10,6 +10,7 @@ import struct
 import time
 
 import pytest
+import shimkit
 from shimkit import gpu_share, one_gpu, release, shares_together, wait_holding, words
 
 from alnair_agent.node import region_layout as L
@@ -17,9 +18,8 @@ from alnair_agent.node.region import Region, Turn, monotonic_ns
 
 
 def share(res, nth: int = 0) -> float:
-    run = res.line("run", nth)
-    assert run["bad"] == "0", res.lines
-    return gpu_share(run)
+    """The GPU's share of the `nth` `run` line (shimkit.share's first half)."""
+    return shimkit.share(res, nth)[0]
 
 
 def test_kernels_longer_than_the_sample_wait_are_measured(runner, make_region):
