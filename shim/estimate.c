@@ -207,6 +207,7 @@ void poll_fences(void)
 {
     while (T.fcount > 0 && queries_ok()) {
         struct fence *f = &T.f[T.fhead];
+        uint64_t late = 0; /* the interval up to this fence ran this much longer than charged */
         CUresult q = query(f->ev);
         if (q == CUDA_ERROR_NOT_READY)
             break;
@@ -215,8 +216,10 @@ void poll_fences(void)
                 f->seq - T.prev_seq == f->mine - T.prev_mine && !corrected_in(T.prev_mine, f->mine)) {
                 uint64_t actual = elapsed_ns(T.f[T.prev_idx].ev, f->ev);
                 if (actual != UINT64_MAX) {
-                    TRACE('f', actual, f->charged - T.prev_charged, f->mine - T.prev_mine, 0);
-                    true_up(actual, f->charged - T.prev_charged);
+                    uint64_t charged = f->charged - T.prev_charged;
+                    TRACE('f', actual, charged, f->mine - T.prev_mine, 0);
+                    true_up(actual, charged);
+                    late = actual > charged ? actual - charged : 0;
                 }
             }
             T.prev_valid = 1;
@@ -237,8 +240,26 @@ void poll_fences(void)
         TRACE('b', (uint64_t)alone, f->sc ? atomic_load_explicit(&f->sc->vft, memory_order_relaxed) : 0,
               T.charged - f->charged, 0);
         if (alone) {
-            uint64_t bound = alnair_now_ns() + (T.charged - f->charged);
+            uint64_t since = T.charged - f->charged, bound = alnair_now_ns() + since;
             uint64_t v = atomic_load_explicit(&f->sc->vft, memory_order_relaxed);
+            /* What ran late before this fence delays what was queued after it by as much, less the idle time the
+             * estimate had after it (the lag ran out there): the queue's estimated end moves with it, so the gate
+             * stops queueing in time for the window's end. Without it a turn whose head ran interleaved with the
+             * previous holder's tail ran its own tail as far into the next holder's window, whose head then ran
+             * late in turn: the lag went round the containers (traced on an H100, bench/RESULTS.md 2026-12-07). */
+            if (LATE_PUSH && late > 0 && f->vft != 0) {
+                /* the queue's end had everything after the fence run back to back, with the moves made since */
+                uint64_t packed = f->vft + since + (atomic_load_explicit(&f->sc->pushed, memory_order_relaxed) -
+                                                    f->pushed);
+                uint64_t gap = v > packed ? v - packed : 0, push = late > gap ? late - gap : 0;
+                while (push > 0 && !atomic_compare_exchange_weak(&f->sc->vft, &v, v + push)) {
+                }
+                if (push > 0) {
+                    v += push;
+                    atomic_fetch_add_explicit(&f->sc->pushed, push, memory_order_relaxed);
+                }
+                TRACE('l', late, gap, push, 0);
+            }
             while (v > bound && !atomic_compare_exchange_weak(&f->sc->vft, &v, bound)) {
             }
         }
@@ -333,6 +354,8 @@ void record_fence(CUstream s, int pt, struct stream_ctr *sc)
     f->stream = s;
     f->sc = sc;
     f->backed = backed;
+    f->vft = sc ? atomic_load_explicit(&sc->vft, memory_order_relaxed) : 0;
+    f->pushed = sc ? atomic_load_explicit(&sc->pushed, memory_order_relaxed) : 0;
     f->has_seq = sc != NULL;
     f->seq = sc ? atomic_load_explicit(&sc->launches, memory_order_relaxed) : 0;
     f->mine = T.done;

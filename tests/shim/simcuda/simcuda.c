@@ -415,6 +415,7 @@ struct graph { uint64_t dur, mem; };
 struct CUstream_st {
     pthread_mutex_t mu;
     uint64_t busy_until;
+    uint64_t spell; /* when its current busy spell began (SIMCUDA_FOREIGN_SLICE's head) */
     uint64_t ends[QDEPTH];
     unsigned qpos;
     int capturing, mode, invalidated;
@@ -462,23 +463,31 @@ API CUresult cuStreamSynchronize_ptsz(CUstream s) { CALLED(); return stream_sync
 API CUresult cuStreamQuery(CUstream s) { CALLED(); return stream_tail(S(s, 0)) <= now_ns() ? CUDA_SUCCESS : CUDA_ERROR_NOT_READY; }
 API CUresult cuCtxSynchronize(void) { CALLED(); sleep_until(stream_tail(&legacy_stream)); if (ptds_stream) sleep_until(stream_tail(ptds_stream)); return CUDA_SUCCESS; }
 
-/* SIMCUDA_FOREIGN_SLICE=ns:every: before every `every`-th kernel the stream waits `ns` for another context's time
- * slice (a GPU that time-slices between processes): event pairs and fence intervals around it hold that time,
- * which is not this process's GPU time. */
-static uint64_t foreign_slice(void)
+/* SIMCUDA_FOREIGN_SLICE=ns:every[:head]: before every `every`-th kernel the stream waits `ns` for another context's
+ * time slice (a GPU that time-slices between processes): event pairs and fence intervals around it hold that time,
+ * which is not this process's GPU time. With `head` (ns), only kernels that start within `head` of the start of the
+ * stream's busy spell (a launch onto a stream idle for 5 ms) wait: the head of a turn that runs interleaved with the
+ * previous holder's tail, as on an H100 (bench/RESULTS.md, 2026-12-07). */
+#define SPELL_GAP_NS 5000000ull /* idle this long, the stream's next launch starts a new busy spell (a new turn) */
+static uint64_t foreign_slice(struct CUstream_st *s, uint64_t now, uint64_t from)
 {
     static _Atomic uint64_t n;
-    static uint64_t ns, every;
+    static uint64_t ns, every, head;
     static int parsed;
     if (!parsed) {
         const char *v = getenv("SIMCUDA_FOREIGN_SLICE");
         char *end = NULL;
         if (v != NULL) {
             ns = strtoull(v, &end, 10);
-            every = end && *end == ':' ? strtoull(end + 1, NULL, 10) : 0;
+            every = end && *end == ':' ? strtoull(end + 1, &end, 10) : 0;
+            head = end && *end == ':' ? strtoull(end + 1, NULL, 10) : 0;
         }
         parsed = 1;
     }
+    if (s->busy_until + SPELL_GAP_NS <= now)
+        s->spell = now;
+    if (head && from - s->spell >= head)
+        return 0;
     return every && (atomic_fetch_add(&n, 1) + 1) % every == 0 ? ns : 0;
 }
 
@@ -520,7 +529,7 @@ static CUresult run_kind(CUstream hs, int pt, uint64_t dur, enum simtl_kind kind
         }
         uint64_t from = s->busy_until > now ? s->busy_until : now;
         if (kind == SIMTL_KERNEL)
-            from += foreign_slice();
+            from += foreign_slice(s, now, from);
         int dev = cur_ctx ? cur_ctx->dev : 0;
         uint64_t start = simtl_book(dev, from, dur, mem_on(dev), kind);
         s->busy_until = start + dur;
