@@ -6,9 +6,10 @@ are generous where they are about the machine (shared CI machines), tight where 
 from __future__ import annotations
 
 import pytest
-from shimkit import gpu_share, one_gpu, share, words
+from shimkit import gpu_share, one_gpu, release, share, wait_holding, words
 
 from alnair_agent.node.region import Region, Turn, monotonic_ns
+from alnair_standins import simtimeline as stl
 
 KINDS = ["launch", "launchex", "coop", "graph", "legacy", "grid", "gridasync", "multidev"]
 
@@ -224,9 +225,6 @@ def test_a_turn_whose_head_ran_slow_still_ends_at_its_windows_end(runner, make_r
     each kernel there, as on an H100 at a turn's start): its queue falls 5 ms behind what its estimates say. The fence
     intervals that ran late move its estimated end of queue with them, so the gate stops queueing in time and its
     work does not run on into the next holder's window (5.0 ms a period did before; bench/RESULTS.md 2026-12-07)."""
-    from alnair_standins import simtimeline as stl
-    from shimkit import release, wait_holding
-
     period, length = 100_000_000, 30_000_000
     epoch = (monotonic_ns() // period + 1) * period  # windows on the timeline's 10 ms buckets
     region = make_region(compute_limit=30)
@@ -256,9 +254,6 @@ def test_what_a_lender_has_queued_when_its_lease_ends_is_short(runner, make_regi
     """A lease ends with no notice (a newcomer's window starts at once): what the lender queued under it runs on into
     the newcomer's turn, so under a lease its queue is bounded by LEASE_INFLIGHT_NS (6 ms), not the 20 ms of a
     window (an H100 arrival, 2026-12-06: 18 ms queued, the newcomer's first 40 ms at half pace)."""
-    from alnair_standins import simtimeline as stl
-    from shimkit import release, wait_holding
-
     period, bucket = 100_000_000, stl.BUCKET_NS
     now = monotonic_ns()
     lease_end = (now // period + 6) * period + 20_000_000  # on a bucket's edge, 0.5-0.6 s from now
