@@ -84,16 +84,16 @@
  * once), and what the lender has queued then runs interleaved with the newcomer's first window (traced on an H100,
  * 2026-12-06: 18 ms queued, the newcomer's first 40 ms at half pace and billed for the lender's work). 6 ms keeps
  * 4-6 ms queued between fences (one every 2 ms of charged work), more than a 1 ms nap of the waiting thread. */
-/* LATE_PUSH (diagnostic builds may set 0): a fence interval that ran late moves its stream's estimated end of queue
- * by as much (estimate.c poll_fences). */
-#ifndef LATE_PUSH
-#define LATE_PUSH 1
-#endif
 #ifndef LEASE_INFLIGHT_NS
 #define LEASE_INFLIGHT_NS 6000000ull
 #endif
 _Static_assert(LEASE_INFLIGHT_NS >= 2 * FENCE_EVERY_NS && LEASE_INFLIGHT_NS <= INFLIGHT_MAX_NS,
                "LEASE_INFLIGHT_NS: at least two fences' worth of work, at most INFLIGHT_MAX_NS");
+/* LATE_PUSH (diagnostic builds may set 0): a fence interval that ran late moves its stream's estimated end of queue
+ * by as much (estimate.c poll_fences). */
+#ifndef LATE_PUSH
+#define LATE_PUSH 1
+#endif
 /* HEAD_GUARD_NS (diagnostic builds; 0: off): a true-up's excess measured within this long after the start of the
  * container's window is neither counted nor owed, since the previous holder's tail ran interleaved there (traced on
  * an H100, 2026-12-06: 70-80 % of each tenant's excess fell in its windows' first 15 ms). */
