@@ -41,6 +41,9 @@ per-process figure where the driver gives per-process shares, else the stream's 
 that rate (its own GPU time, measured without a neighbour); the row says which.
 NVML device utilization is sampled every 100 ms (NvmlUtilization), per-process samples every 100 ms (pynvml
 nvmlDeviceGetProcessUtilization; None where unsupported).
+Under an MPS server (CUDA_MPS_PIPE_DIRECTORY exported before the run: every tenant, alone or not, is then its
+client; bench/gpu_mps.sh) --neighbour-env CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=70 gives the neighbour beside a stream
+at most 70 % of the SMs, the rest held for the stream's kernels.
 
   python3 bench/latency_gpu.py --shim /tmp/shim/libalnair.so --json $OUT/latency.json
 Prints an estimate, each scenario's rows as it goes, then one table (figure, goal, pass/fail) and writes
@@ -56,6 +59,7 @@ import asyncio
 import contextlib
 import json
 import math
+import os
 import random
 import sys
 import threading
@@ -859,6 +863,7 @@ class Bench:
     settings: dict[str, Any] = field(default_factory=dict)
     memory_gib: int = 12
     cpus: CpuPlan | None = None
+    neighbour_env: dict[str, str] = field(default_factory=dict)  # over the neighbour's own, beside a stream only
 
     def node(self, policy: str) -> Node:
         return Node(self.shim, policy, "on", **self.settings)
@@ -932,6 +937,7 @@ class Bench:
                 s_env = await node.admit(LAT_CAP, self.memory_gib, spec.stream_policy)
                 n_env = await node.admit(NB_CAP, self.memory_gib, spec.nb_policy)
             index = same_gpu(s_env, n_env)
+            n_env = {**n_env, **self.neighbour_env}
             ts = await stack.enter_async_context(Group(self.cpus))  # left before the node stops
             plan = self.open_plan()
             stream = ts.start_stream("stream", s_env, plan, self.stream_run_s())
@@ -1017,6 +1023,8 @@ async def run(bench: Bench, steps: Sequence[str], record: dict, json_path: Path 
             "config": {"shim": str(bench.shim), "rates": list(bench.rates), "neighbours": list(bench.neighbours),
                        "only": sorted(only), "seconds": t.seconds, "settle": t.settle, "drain": t.drain,
                        "gap": t.gap, "seed": bench.seed, "flood_batch": bench.flood_batch, "settings": bench.settings,
+                       "neighbour_env": bench.neighbour_env,
+                       "mps_pipe": os.environ.get("CUDA_MPS_PIPE_DIRECTORY"),
                        "caps": {"latency": LAT_CAP, "neighbour": NB_CAP}, "steps": list(steps),
                        "cpus": bench.cpus.describe() if bench.cpus is not None else None},
             "gpu": gpu_record(bench.gpu), "alone": {}, "scenarios": {}})
@@ -1076,6 +1084,13 @@ def floats(text: str) -> tuple[float, ...]:
     return xs
 
 
+def env_pair(text: str) -> tuple[str, str]:
+    name, eq, value = text.partition("=")
+    if not name or not eq or not name.replace("_", "").isalnum():
+        raise argparse.ArgumentTypeError(f"expected NAME=VALUE with NAME of letters, digits and _, got {text!r}")
+    return name, value
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog="\n".join(__doc__.splitlines()[1:]),
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -1093,6 +1108,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--flood-batch", type=int, default=FLOOD_BATCH, help="flood: requests per forward")
     ap.add_argument("--setting", type=sg.parse_setting, action="append", default=[], metavar="NAME=VALUE",
                     help="a further agent Settings field (repeatable)")
+    ap.add_argument("--neighbour-env", type=env_pair, action="append", default=[], metavar="NAME=VALUE",
+                    help="a variable set for the neighbour beside a stream (not alone), over what its Allocate "
+                         "answers give it (repeatable); say CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=70 under an MPS server")
     ap.add_argument("--gpu", type=int, default=0, help="the GPU index the alone references run on (the node's GPU)")
     ap.add_argument("--pin", action="store_true",
                     help="a logical CPU of its own for each tenant, the benchmark (agent, samplers) on the first core")
@@ -1114,7 +1132,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         cpus.pin_self()
         say(f"pinned: {cpus.describe()}")
     bench = Bench(a.shim, Timing(a.seconds, a.settle, a.drain), tuple(a.rates), neighbours, only, a.gpu, a.seed,
-                  a.flood_batch, dict(a.setting), cpus=cpus)
+                  a.flood_batch, dict(a.setting), cpus=cpus, neighbour_env=dict(a.neighbour_env))
     steps = plan_steps(neighbours, set(only))
     record: dict[str, Any] = {}
     stopped = False

@@ -462,7 +462,8 @@ def test_help_and_bad_arguments(capsys) -> None:
     with pytest.raises(SystemExit) as e:
         lg.main(["--help"])
     assert e.value.code == 0 and "--rates" in capsys.readouterr().out
-    for bad in (["--only", "caps"], ["--neighbours", "infer"], ["--rates", "0,200"], ["--seconds", "0.5"]):
+    for bad in (["--only", "caps"], ["--neighbours", "infer"], ["--rates", "0,200"], ["--seconds", "0.5"],
+                ["--neighbour-env", "NOEQUALS"], ["--neighbour-env", "=1"], ["--neighbour-env", "A-B=1"]):
         with pytest.raises(SystemExit) as e:
             lg.main(bad)
         assert e.value.code == 2
@@ -524,8 +525,14 @@ def fake_samplers(index: int):
 
 
 async def test_a_whole_run_against_stand_ins(tmp_path: Path, monkeypatch) -> None:
-    monkeypatch.setattr(lg, "run_py", fake_run_py)
-    monkeypatch.setattr(sg, "run_py", fake_run_py)  # the neighbours: shares_gpu's Tenants.start
+    seen: list[tuple[bool, str | None]] = []  # (a stream tenant, its X_NB) for every tenant started
+
+    async def recording_run_py(code: str, env: dict[str, str], *argv: str, timeout: float = 600) -> dict:
+        seen.append((lg.STREAM_TAIL in code, env.get("X_NB")))
+        return await fake_run_py(code, env, *argv, timeout=timeout)
+
+    monkeypatch.setattr(lg, "run_py", recording_run_py)
+    monkeypatch.setattr(sg, "run_py", recording_run_py)  # the neighbours: shares_gpu's Tenants.start
     monkeypatch.setattr(lg, "samplers", fake_samplers)
     monkeypatch.setattr(lg, "IDLE_QUIET_S", 0.05)
     monkeypatch.setattr(lg, "gpu_record", lambda i: {"index": i, "name": "stand-in"})
@@ -533,10 +540,14 @@ async def test_a_whole_run_against_stand_ins(tmp_path: Path, monkeypatch) -> Non
     monkeypatch.setattr(lg.Bench, "node", lambda self, policy: FakeNode(policy))
     FakeNode.admitted = []
     bench = lg.Bench(Path("/nonexistent/libalnair.so"), lg.Timing(seconds=1.0, settle=0.2, drain=0.5, gap=0.1),
-                     rates=(200.0, 500.0), neighbours=("mm", "train"))
+                     rates=(200.0, 500.0), neighbours=("mm", "train"), neighbour_env={"X_NB": "1"})
     steps = lg.plan_steps(bench.neighbours, set(bench.only))
     record: dict = {}
     rows = await lg.run(bench, steps, record, tmp_path / "latency.json")
+    # --neighbour-env reaches the neighbour beside a stream, once per such scenario and neighbour, and no one else
+    pairs = len([s for s in steps if s.split(": ")[0] in lg.PAIRS])
+    assert seen.count((False, "1")) == pairs and not any(stream and x for stream, x in seen)
+    assert len([x for x in seen if x[1] is None]) > 0  # the alone references, the flood, the idle scenario
     assert lg.unmeasured(record) == [] and "cut_short_at" not in record
     saved = json.loads((tmp_path / "latency.json").read_text())["results"]
     assert [r["scenario"] for r in saved["table"]] == [r.scenario for r in rows]

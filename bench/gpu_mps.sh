@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Issue 26's floor, on the device machine, in one call: does an MPS server take the GPU's context switch out of a
+# latency request's wait? The latency stream beside each neighbour (bench/latency_gpu.py: no Alnair, and the
+# latency class), three ways one after another, each with its own alone references:
+#   ts       the driver's time-slicing between contexts (as shipped);
+#   mps      every tenant a client of one MPS server (kernels of two processes on the GPU at once);
+#   mps-70   the same, the neighbour beside the stream limited to 70 % of the SMs (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE).
+#   bash bench/gpu_mps.sh [RATES]       (results and logs into $OUT, else bench/out; RATES default 500)
+# The MPS server runs as this user with its pipe and log folders under /tmp (no setting of the GPU changes) and is
+# told to quit at the end, whatever happened. Exit status: non-zero if a step failed or MPS could not start.
+source "$(dirname "$0")/device_prelude.sh"
+rates=${1:-500}
+build_shim /tmp/mps-shim || exit 1
+shim=/tmp/mps-shim/libalnair.so
+args=(--pin --shim "$shim" --neighbours mm,train --only no-alnair,latency --rates "$rates" --seconds 3)
+rc=0
+one() {  # one NAME [latency_gpu args]
+  local name=$1
+  shift
+  echo "== $name $(date -u +%T)"
+  timeout 170 python3 bench/latency_gpu.py "${args[@]}" "$@" --json "$OUT/$name.json" > "$OUT/$name.log" 2>&1 || rc=1
+  sed -n '/^shape/,$p' "$OUT/$name.log" | head -40
+}
+one ts
+if ! command -v nvidia-cuda-mps-control > /dev/null; then
+  echo "gpu_mps: nvidia-cuda-mps-control not found: no MPS here" >&2
+  exit 1
+fi
+export CUDA_MPS_PIPE_DIRECTORY=/tmp/alnair-mps/pipe CUDA_MPS_LOG_DIRECTORY=/tmp/alnair-mps/log
+mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+trap 'echo quit | nvidia-cuda-mps-control; sleep 1; cp -r "$CUDA_MPS_LOG_DIRECTORY" "$OUT/mps-log" 2> /dev/null' EXIT
+nvidia-cuda-mps-control -d || { echo "gpu_mps: the MPS control daemon did not start" >&2; exit 1; }
+python3 -c "import torch; torch.ones(1, device='cuda'); print('an MPS client:', torch.cuda.get_device_name())" || rc=1
+one mps
+one mps-70 --neighbour-env CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=70
+exit $rc
