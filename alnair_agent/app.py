@@ -85,7 +85,8 @@ class Agent:
             self.ledger.restore(workspace.load_all())
             self.allocator = Allocator(self.ledger, workspace, s.gpu_policy, str(s.shim_dir),
                                        pods=self.kubernetes.pods, place_unscheduled=s.place_unscheduled,
-                                       node_name=s.node_name)
+                                       node_name=s.node_name,
+                                       mps_pipe_dir=None if s.mps_pipe_dir is None else str(s.mps_pipe_dir))
             kwargs = {} if self.unseen_grace_s is None else {"unseen_grace_s": self.unseen_grace_s}
             self.profiler = Profiler(self.backend, self.ledger, workspace, self.kubernetes.pods,
                                      self.kubernetes.annotations, s.profile_interval_s, s.annotate_interval_s,

@@ -221,6 +221,13 @@ VARIABLES: tuple[Variable, ...] = (
     Variable("ALNAIR_DISPATCH_IDLE_S", "dispatch_idle_s", _float_range(0.02, 10.0), "0.15",
              "Seconds without launches or waits after which a container counts as idle (elastic: its share may be "
              "lent; its first launch after that takes it back)."),
+    Variable("ALNAIR_MPS_PIPE_DIR", "mps_pipe_dir", _opt_abs_path, "off",
+             "Host folder of this node's MPS control daemon's pipes (its CUDA_MPS_PIPE_DIRECTORY), or off: every "
+             "container admitted is given it (mounted at /run/nvidia-mps, CUDA_MPS_PIPE_DIRECTORY set), so all "
+             "containers of a GPU are clients of one MPS server and a latency container's kernels run beside a "
+             "neighbour's instead of waiting for the GPU's switch between contexts. MPS serves one Linux user at a "
+             "time and a fatal fault of one client ends the work of every client; see docs/architecture.md (The "
+             "latency class)."),
     Variable("ALNAIR_SIM_TIMELINE_DIR", "sim_timeline_dir", _opt_abs_path, "off",
              "Test and demo only: folder of the simulated driver's per-GPU timelines (its SIMCUDA_TIMELINE_DIR), "
              "read by the simulated backend for per-process utilization."),
@@ -291,6 +298,7 @@ class Settings:
     dispatch_interval_s: float = 0.05
     turn_period_s: float = 0.1
     dispatch_idle_s: float = 0.15
+    mps_pipe_dir: Path | None = None
     # the DRA front-end
     frontend: str = "auto"
     dra_plugin_dir: Path = Path("/var/lib/kubelet/plugins/gpu.alnair.centaurus.io")
@@ -364,6 +372,14 @@ def check_paths(settings: Settings) -> list[str]:
                               "DIR`)")
         warnings.append(f"ALNAIR_SHIM_DIR={str(settings.shim_dir)!r} holds no libalnair.so: containers admitted now "
                         "start without the shim (limits unenforced) until it is installed")
+    mps = settings.mps_pipe_dir
+    if mps is not None:
+        if mps.exists() and not mps.is_dir():
+            raise ConfigError(f"ALNAIR_MPS_PIPE_DIR={str(mps)!r} is not usable: it exists and is not a folder")
+        if not (mps / "control").exists():
+            # CUDA runs a client without MPS when no daemon answers there: containers work, only without MPS.
+            warnings.append(f"ALNAIR_MPS_PIPE_DIR={str(mps)!r} has no MPS control pipe (no daemon running there): "
+                            "containers admitted now run without MPS until nvidia-cuda-mps-control serves it")
     return warnings
 
 

@@ -434,3 +434,26 @@ async def test_kubelets_record_corrects_an_allocations_identity(root, kubelet, a
 
 def test_simulated_gpus_of_two_nodes_never_share_a_uuid():
     assert {sim_uuid(i, "node-a") for i in range(4)}.isdisjoint({sim_uuid(i, "node-b") for i in range(4)})
+
+
+@pytest.mark.parametrize("mps", [False, True])
+async def test_with_an_mps_pipe_folder_every_container_is_an_mps_client(root, kubelet, api, k8s, mps):
+    """ALNAIR_MPS_PIPE_DIR: both resources' answers (they must agree: kubelet merges them) name the pipe folder to
+    CUDA and mount it writable (a client makes its own pipes there), for a one-GPU container and a container whose
+    GPU is shared; without it neither appears."""
+    from alnair_agent.constants import CONTAINER_MPS_PIPE_DIR, ENV_MPS_PIPE_DIRECTORY
+
+    pipes = root / "mps-pipes"
+    settings = node_settings(root, mps_pipe_dir=pipes if mps else None)
+    async with running_agent(settings, k8s()):
+        await registered(kubelet)
+        for n in range(2):  # the second one shares the first's GPU (binpack)
+            answers = await admit_pod(api, kubelet, f"pod-{n}", memory=4, compute=30)
+            envs = [answers[MEM].envs, answers[SM].envs]
+            assert envs[0] == envs[1]
+            mounts = {m.container_path: (m.host_path, m.read_only) for m in answers[MEM].mounts}
+            if mps:
+                assert envs[0][ENV_MPS_PIPE_DIRECTORY] == CONTAINER_MPS_PIPE_DIR
+                assert mounts[CONTAINER_MPS_PIPE_DIR] == (str(pipes), False)
+            else:
+                assert ENV_MPS_PIPE_DIRECTORY not in envs[0] and CONTAINER_MPS_PIPE_DIR not in mounts

@@ -562,3 +562,24 @@ def test_real_gpus_without_the_shim_installed_stop_start(root):
     settings.shim_dir.mkdir(parents=True, exist_ok=True)
     (settings.shim_dir / "libalnair.so").write_bytes(b"\x7fELF")
     assert check_paths(replace(settings, gpu_backend="nvml")) == []
+
+
+def test_an_mps_pipe_folder_that_is_a_file_stops_start_and_one_with_no_daemon_warns(root):
+    """ALNAIR_MPS_PIPE_DIR: a file there stops the start with one line naming it; a folder with no control pipe (no
+    daemon serving it yet) is a warning, since CUDA runs such a client without MPS; a served one passes quietly."""
+    from alnair_agent.config import ConfigError, check_paths
+
+    settings = node_settings(root)
+    (root / "afile").write_text("x")
+    err = _start_fails_with_one_line(settings, ALNAIR_MPS_PIPE_DIR=str(root / "afile"))
+    assert "ALNAIR_MPS_PIPE_DIR" in err and str(root / "afile") in err, err
+    with pytest.raises(ConfigError):
+        check_paths(replace(settings, mps_pipe_dir=root / "afile"))
+    pipes = root / "mps"
+    base = check_paths(settings)
+    warnings = check_paths(replace(settings, mps_pipe_dir=pipes))
+    [warning] = [w for w in warnings if w not in base]
+    assert "ALNAIR_MPS_PIPE_DIR" in warning and "without MPS" in warning
+    pipes.mkdir()
+    (pipes / "control").write_text("")  # the daemon's control pipe (a FIFO on a node; its name is what is looked at)
+    assert check_paths(replace(settings, mps_pipe_dir=pipes)) == base

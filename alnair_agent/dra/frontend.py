@@ -124,7 +124,8 @@ class DraFrontEnd:
         self.serving = serving
         self.list_claims = list_claims
         self.preparer = ClaimPreparer(ledger, workspace, CdiWriter(settings.cdi_dir), api, settings.node_name,
-                                      str(settings.shim_dir), usage=usage, pods=pods, accept_new=serving)
+                                      str(settings.shim_dir), usage=usage, pods=pods, accept_new=serving,
+                                      mps_pipe_dir=None if settings.mps_pipe_dir is None else str(settings.mps_pipe_dir))
         self.cleanup = ClaimCleanup(self.preparer)
         self.plugin = DraPlugin(self.preparer, settings.dra_plugin_dir, settings.plugins_registry_dir)
         self.slices = SlicePublisher(api, ledger, settings.node_name, settings.resync_interval_s)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from alnair_agent.constants import (
     COMPUTE_UNITS_PER_GPU,
+    CONTAINER_MPS_PIPE_DIR,
     CONTAINER_REGION_PATH,
     CONTAINER_RUN_DIR,
     CONTAINER_SHIM_DIR,
@@ -20,6 +21,7 @@ from alnair_agent.constants import (
     ENV_CUDA_DEVICE_ORDER,
     ENV_LD_PRELOAD,
     ENV_MEMORY_LIMIT,
+    ENV_MPS_PIPE_DIRECTORY,
     ENV_REGION,
     ENV_REGIONS,
     ENV_VISIBLE_DEVICES,
@@ -43,9 +45,16 @@ def limits(memory_units: int, compute_units: int, memory_unit_bytes: int) -> tup
     return memory_units * memory_unit_bytes, (compute_units if 0 < compute_units < COMPUTE_UNITS_PER_GPU else 0)
 
 
-def container_edits(alloc: Allocation, run_folder: Path, shim_dir: str) -> ContainerEdits:
+def _mps(mps_pipe_dir: str | None) -> tuple[dict[str, str], list[Mount]]:
+    """The node's MPS pipe folder (ALNAIR_MPS_PIPE_DIR), when there is one: a client writes its own pipes there."""
+    if mps_pipe_dir is None:
+        return {}, []
+    return {ENV_MPS_PIPE_DIRECTORY: CONTAINER_MPS_PIPE_DIR}, [(CONTAINER_MPS_PIPE_DIR, mps_pipe_dir, False)]
+
+
+def container_edits(alloc: Allocation, run_folder: Path, shim_dir: str, mps_pipe_dir: str | None = None) -> ContainerEdits:
     """The environment and mounts of the container(s) `alloc` serves; `run_folder` is its host folder mounted at
-    /run/alnair (Workspace.container_folder)."""
+    /run/alnair (Workspace.container_folder); `mps_pipe_dir` the node's MPS pipe folder, if any."""
     envs = {
         ENV_VISIBLE_DEVICES: alloc.gpu_uuid,
         ENV_LD_PRELOAD: CONTAINER_SHIM_PATH,
@@ -59,7 +68,9 @@ def container_edits(alloc: Allocation, run_folder: Path, shim_dir: str) -> Conta
         envs[ENV_MEMORY_LIMIT] = str(alloc.memory_limit)
     if RESOURCE_COMPUTE in alloc.wanted:
         envs[ENV_COMPUTE_LIMIT] = str(alloc.compute_limit)
-    return ContainerEdits(envs, [(CONTAINER_RUN_DIR, str(run_folder), False), (CONTAINER_SHIM_DIR, shim_dir, True)])
+    mps_envs, mps_mounts = _mps(mps_pipe_dir)
+    return ContainerEdits(envs | mps_envs,
+                          [(CONTAINER_RUN_DIR, str(run_folder), False), (CONTAINER_SHIM_DIR, shim_dir, True), *mps_mounts])
 
 
 def part_run_dir(part: int) -> str:
@@ -73,13 +84,14 @@ def _tightest(limits: Sequence[int]) -> int:
     return min((v for v in limits if v > 0), default=0)
 
 
-def group_edits(parts: Sequence[Allocation], run_folders: Sequence[Path], shim_dir: str) -> ContainerEdits:
+def group_edits(parts: Sequence[Allocation], run_folders: Sequence[Path], shim_dir: str,
+                mps_pipe_dir: str | None = None) -> ContainerEdits:
     """The environment and mounts of a container of several GPUs, one allocation per GPU (in `part` order, with their
     host folders): every GPU in NVIDIA_VISIBLE_DEVICES in that order, each GPU's region in ALNAIR_REGIONS in the
     same order, the first GPU's region also in ALNAIR_REGION. Each GPU's limits are in its own region; the limits in
     the environment (what the shim enforces on a GPU whose region it must refuse) are the tightest of its GPUs', the
     same on all (a device plugin container's GPUs all have the same; a DRA claim's requests may differ)."""
-    first = container_edits(parts[0], run_folders[0], shim_dir)
+    first = container_edits(parts[0], run_folders[0], shim_dir, mps_pipe_dir)
     envs = dict(first.envs)
     if any(RESOURCE_MEMORY in p.wanted for p in parts):
         envs[ENV_MEMORY_LIMIT] = str(_tightest([p.memory_limit for p in parts]))
@@ -90,4 +102,5 @@ def group_edits(parts: Sequence[Allocation], run_folders: Sequence[Path], shim_d
     envs[ENV_CUDA_DEVICE_ORDER] = "PCI_BUS_ID"
     mounts = [(part_run_dir(p.part), str(f), False) for p, f in zip(parts, run_folders, strict=True)]
     mounts.append((CONTAINER_SHIM_DIR, shim_dir, True))
+    mounts += _mps(mps_pipe_dir)[1]
     return ContainerEdits(envs, mounts)
