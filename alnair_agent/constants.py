@@ -50,6 +50,8 @@ CONTAINER_REGION_PATH = "/run/alnair/region"
 # With ALNAIR_MPS_PIPE_DIR: the node's MPS pipe folder in every container, named to CUDA by this variable.
 ENV_MPS_PIPE_DIRECTORY = "CUDA_MPS_PIPE_DIRECTORY"
 CONTAINER_MPS_PIPE_DIR = "/run/nvidia-mps"
+# /proc/<pid>/comm of an MPS server (nvidia-cuda-mps-server, cut to 15 characters): NVML books its clients' work to it.
+MPS_SERVER_COMM = "nvidia-cuda-mps"
 CONTAINER_SHIM_DIR = "/opt/alnair/lib"
 SHIM_LIBRARY = "libalnair.so"
 CONTAINER_SHIM_PATH = f"{CONTAINER_SHIM_DIR}/{SHIM_LIBRARY}"

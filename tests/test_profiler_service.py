@@ -8,6 +8,8 @@ import json
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+import pytest
+
 from alnair_agent.constants import USAGE_ANNOTATION
 from alnair_agent.gpu.backend import GpuSample, ProcessSample, Samples
 from alnair_agent.kube.pods import PodInfo, parse_pod
@@ -252,6 +254,43 @@ async def test_a_capped_containers_utilization_is_the_gpu_time_its_shim_counted(
         got = tuple(round((p.usage[k].gpu_util_integral - before[k]) / backend.samples.window_s)
                     for k in (a.id, b.id))
         assert all(abs(g - w) <= 2 for g, w in zip(got, want, strict=True)), (got, want)
+    for r in regions.values():
+        r.close()
+
+
+@pytest.mark.parametrize(("comm", "want"), [("nvidia-cuda-mps", (30, 69)), ("python3", (0, 0))])
+async def test_an_mps_servers_figure_is_its_clients_work_not_a_strangers(tmp_path: Path, comm: str,
+                                                                        want: tuple[int, int]) -> None:
+    """Under MPS (ALNAIR_MPS_PIPE_DIR) NVML books every client's work to the server, a process of no container: its
+    figure must not be taken off what the capped containers can have run, as a stranger's is (a stranger at 99 % of
+    a 99 % busy GPU leaves the capped containers nothing)."""
+    import time
+
+    ws = Workspace(tmp_path / "ws")
+    ws.ensure()
+    a, b = capped("00000000000000a1", 30, "p"), capped("00000000000000b1", 70, "q")
+    regions = {x.id: ws.create(x) for x in (a, b)}
+    server = tmp_path / "proc" / "5555"
+    server.mkdir(parents=True)
+    (server / "comm").write_text(comm + "\n")
+    (server / "cgroup").write_text("0::/system.slice/nvidia-mps.service\n")
+    backend = Backend(Samples((GpuSample(GPU, 99.0),), (ProcessSample(GPU, 5555, 99.0, 0.0, 5),), 1.0))
+    p = Profiler(backend, Ledger({a.id: a, b.id: b}), ws, Pods(), Sink(), 1.0, 30.0,  # type: ignore[arg-type]
+                 proc_root=tmp_path / "proc")
+    counted = {a.id: 0, b.id: 0}
+    for alloc_id in counted:
+        write_slot(ws.container_folder(alloc_id) / "region", 4242, None, 0)
+    await p.tick()  # the baseline
+    before = {k: p.usage[k].gpu_util_integral for k in counted}
+    t = p._regions_at
+    for alloc_id, share in ((a.id, 30.0), (b.id, 69.0)):
+        write_slot(ws.container_folder(alloc_id) / "region", 4242, None, int(share / 100 * 1e9))
+    while time.monotonic() < t + 1.0:
+        time.sleep(0.01)
+    await p.tick()
+    got = tuple(round((p.usage[k].gpu_util_integral - before[k]) / backend.samples.window_s) for k in (a.id, b.id))
+    assert all(abs(g - w) <= 2 for g, w in zip(got, want, strict=True)), (got, want)
+    assert p.unattributed == {GPU: 1}  # the server is still on no container
     for r in regions.values():
         r.close()
 

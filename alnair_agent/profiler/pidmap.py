@@ -94,6 +94,11 @@ class ProcReader:
                     return []
         return [pid]
 
+    def comm(self, pid: int) -> str | None:
+        """/proc/<pid>/comm: the program's name, cut to 15 characters by the kernel."""
+        text = self._read(pid, "comm")
+        return None if text is None else text.rstrip("\n")
+
     def start_time(self, pid: int) -> int | None:
         """Field 22 of /proc/<pid>/stat (start time in clock ticks since boot; the same in every namespace)."""
         text = self._read(pid, "stat")

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 
 import structlog
 
-from alnair_agent.constants import USAGE_ANNOTATION
+from alnair_agent.constants import MPS_SERVER_COMM, USAGE_ANNOTATION
 from alnair_agent.gpu.backend import GpuBackend, GpuBackendError, Samples
 from alnair_agent.node.region import Region, RegionError
 from alnair_agent.profiler.pidmap import PidMapper, ProcReader, SlotPid
@@ -69,6 +69,7 @@ class _Collected:
     region_memory: dict[str, int]  # allocation -> bytes its slots claim (fallback when NVML says nothing)
     gpu_time: dict[str, Slots]  # allocation -> slots' gpu_ns counters
     at: float = 0.0  # monotonic s the sample was taken (the end of its window), for the dispatcher
+    mps_servers: frozenset[tuple[int, str]] = frozenset()  # (host pid, GPU uuid) of MPS servers: their clients' work
 
 
 def _order(alloc: "Allocation") -> tuple[int, float]:
@@ -266,7 +267,9 @@ class Profiler:
         room = {g.uuid: g.gpu_util for g in collected.samples.gpus if g.gpu_util is not None
                 and math.isfinite(g.gpu_util)}
         for proc in collected.samples.processes:
-            if proc.gpu_uuid in room and collected.places.get((proc.pid, proc.gpu_uuid)) not in raw:
+            key = (proc.pid, proc.gpu_uuid)
+            # an MPS server's figure is its clients' work (ALNAIR_MPS_PIPE_DIR): the capped containers' own
+            if proc.gpu_uuid in room and collected.places.get(key) not in raw and key not in collected.mps_servers:
                 room[proc.gpu_uuid] -= proc.sm_util or 0.0
         claimed = self._per_gpu_sum(raw)
         out = {}
@@ -404,6 +407,7 @@ class Profiler:
         places: dict[tuple[int, str], str] = {}
         placed: dict[tuple[int, str], tuple[str, int]] = {}
         unattributed: dict[str, int] = {g.uuid: 0 for g in samples.gpus}
+        mps_servers: set[tuple[int, str]] = set()
         for p in samples.processes:
             key = (p.pid, p.gpu_uuid)
             # per GPU: a process of a container of several GPUs is on each of them, for its allocation there
@@ -421,12 +425,15 @@ class Profiler:
                 owner = before[0]
             if owner is None:
                 unattributed[p.gpu_uuid] = unattributed.get(p.gpu_uuid, 0) + 1
+                if self.mapper.proc.comm(p.pid) == MPS_SERVER_COMM:
+                    mps_servers.add(key)
                 continue
             places[key] = owner
             if started is not None:
                 placed[key] = (owner, started)
         self._placed = placed
-        return _Collected(samples, places, unattributed, waits, copies, region_memory, gpu_time, at)
+        return _Collected(samples, places, unattributed, waits, copies, region_memory, gpu_time, at,
+                          frozenset(mps_servers))
 
     def _drop_gone_pods(self) -> None:
         if self.pods is None or not self.pods.synced:
