@@ -358,7 +358,10 @@ def check_paths(settings: Settings) -> list[str]:
     except WorkspaceError as e:
         raise ConfigError(f"ALNAIR_WORKSPACE={str(settings.workspace)!r} is not usable: {e}") from None
     warnings = []
-    for name, path in (("ALNAIR_DEVICE_PLUGIN_DIR", settings.device_plugin_dir), ("ALNAIR_SHIM_DIR", settings.shim_dir)):
+    folders = [("ALNAIR_DEVICE_PLUGIN_DIR", settings.device_plugin_dir), ("ALNAIR_SHIM_DIR", settings.shim_dir)]
+    if settings.mps_pipe_dir is not None:
+        folders.append(("ALNAIR_MPS_PIPE_DIR", settings.mps_pipe_dir))
+    for name, path in folders:
         if path.exists() and not path.is_dir():
             raise ConfigError(f"{name}={str(path)!r} is not usable: it exists and is not a folder")
         if not path.exists() and any(p.exists() and not p.is_dir() for p in path.parents):
@@ -373,13 +376,10 @@ def check_paths(settings: Settings) -> list[str]:
         warnings.append(f"ALNAIR_SHIM_DIR={str(settings.shim_dir)!r} holds no libalnair.so: containers admitted now "
                         "start without the shim (limits unenforced) until it is installed")
     mps = settings.mps_pipe_dir
-    if mps is not None:
-        if mps.exists() and not mps.is_dir():
-            raise ConfigError(f"ALNAIR_MPS_PIPE_DIR={str(mps)!r} is not usable: it exists and is not a folder")
-        if not (mps / "control").exists():
-            # CUDA runs a client without MPS when no daemon answers there: containers work, only without MPS.
-            warnings.append(f"ALNAIR_MPS_PIPE_DIR={str(mps)!r} has no MPS control pipe (no daemon running there): "
-                            "containers admitted now run without MPS until nvidia-cuda-mps-control serves it")
+    if mps is not None and not (mps / "control").exists():
+        # CUDA runs a client without MPS when no daemon answers there: containers work, only without MPS.
+        warnings.append(f"ALNAIR_MPS_PIPE_DIR={str(mps)!r} has no MPS control pipe (no daemon running there): "
+                        "containers admitted now run without MPS until nvidia-cuda-mps-control serves it")
     return warnings
 
 

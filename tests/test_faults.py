@@ -537,7 +537,7 @@ async def test_too_many_memory_units_on_a_real_gpu_is_a_configuration_error(root
         await agent.run(asyncio.Event())
 
 
-@pytest.mark.parametrize("var", ["ALNAIR_DEVICE_PLUGIN_DIR", "ALNAIR_SHIM_DIR"])
+@pytest.mark.parametrize("var", ["ALNAIR_DEVICE_PLUGIN_DIR", "ALNAIR_SHIM_DIR", "ALNAIR_MPS_PIPE_DIR"])
 def test_plugin_or_shim_folder_that_is_a_file_stops_start_with_one_line(root, var):
     (root / "afile").write_text("x")
     for path in (root / "afile", root / "afile" / "below"):
