@@ -59,6 +59,7 @@ struct alnair_aux {
     CUresult (*cuCtxGetDevice)(CUdevice *);
     CUresult (*cuDeviceGetMemPool)(CUmemoryPool *, CUdevice);
     CUresult (*cuDeviceGetGraphMemAttribute)(CUdevice, int, void *);
+    CUresult (*cuDeviceGetAttribute)(int *, int, CUdevice);
 };
 extern struct alnair_aux alnair_aux;
 void alnair_cuda_resolve(void); /* pthread_once: libcuda's real table + aux */
@@ -100,6 +101,7 @@ struct alnair_device {
     _Atomic uint64_t board_tried;
     _Atomic int board_lost; /* its mapping faulted (the file was cut short): zeros there now, mapped again later */
     char board_path[1024];
+    _Atomic int mps; /* its contexts are an MPS server's clients: 0 not asked yet, 1 no, 2 yes (latency.c) */
 };
 extern struct alnair_device alnair_devices[ALNAIR_MAX_DEVICES];
 extern int alnair_device_count;

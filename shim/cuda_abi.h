@@ -46,6 +46,7 @@ typedef int CUarray_format;
 #define CU_EVENT_DEFAULT 0x0
 #define CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM 0x2ull
 #define CU_GET_PROC_ADDRESS_SUCCESS 0
+#define CU_DEVICE_ATTRIBUTE_MPS_ENABLED 133 /* CUDA 12.4 and later: contexts on the device are an MPS server's */
 
 typedef struct CUlaunchConfig_st {
     unsigned int gridDimX, gridDimY, gridDimZ;

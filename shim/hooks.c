@@ -238,6 +238,7 @@ static void cuda_resolve_once(void)
     AUX(cuCtxGetDevice, "cuCtxGetDevice");
     AUX(cuDeviceGetMemPool, "cuDeviceGetMemPool");
     AUX(cuDeviceGetGraphMemAttribute, "cuDeviceGetGraphMemAttribute");
+    AUX(cuDeviceGetAttribute, "cuDeviceGetAttribute");
 #undef AUX
     if (alnair_aux.cuEventRecord_ptsz == NULL)
         alnair_aux.cuEventRecord_ptsz = alnair_aux.cuEventRecord;

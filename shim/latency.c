@@ -295,12 +295,30 @@ void hold_mark(CUstream s, int pt, uint64_t cost)
     T.q_long = cost >= HOLD_EVENT_MIN_NS;
 }
 
+/* This device's contexts are an MPS server's clients (asked once per device; a driver that does not know the
+ * attribute, or a failed call, reads as no: the board's holds stay). */
+static int under_mps(void)
+{
+    struct alnair_device *d = &alnair_devices[alnair_cur];
+    int m = atomic_load_explicit(&d->mps, memory_order_relaxed);
+    if (LIKELY(m != 0))
+        return m == 2;
+    CUdevice dev;
+    int v = 0;
+    if (alnair_aux.cuCtxGetDevice == NULL || alnair_aux.cuDeviceGetAttribute == NULL ||
+        alnair_aux.cuCtxGetDevice(&dev) != CUDA_SUCCESS ||
+        alnair_aux.cuDeviceGetAttribute(&v, CU_DEVICE_ATTRIBUTE_MPS_ENABLED, dev) != CUDA_SUCCESS)
+        v = 0;
+    atomic_store_explicit(&d->mps, v == 1 ? 2 : 1, memory_order_relaxed);
+    return v == 1;
+}
+
 /* Before a launch of a container beside latency containers: wait while the board says one of them runs (within
  * hold_pct of the horizon), and while this stream has more than HOLD_QUEUE_NS queued. Returns the time now; the
  * time held is counted in the slot (held_ns, holds) and, inside a window, given back at the window's end. */
 uint64_t hold_back(uint32_t mask, struct stream_ctr *sc, uint64_t now)
 {
-    struct alnair_board *b = alnair_board_get();
+    struct alnair_board *b = HOLD_BOARD == 1 || (HOLD_BOARD == 2 && !under_mps()) ? alnair_board_get() : NULL;
     struct alnair_region *r = alnair_cur_region();
     struct dev_latency *L = &g_lat[alnair_cur];
     uint64_t allow = ALNAIR_LATENCY_HORIZON_NS / 100u * RLOAD(r->agent.hold_pct), held = 0;

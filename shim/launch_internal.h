@@ -389,6 +389,14 @@ uint32_t window_procs(uint64_t ws);
 _Static_assert(HOLD_CHUNK_MAX_NS >= HOLD_EVENT_MIN_NS, "HOLD_CHUNK_MAX_NS: at least HOLD_EVENT_MIN_NS");
 _Static_assert(HOLD_QUEUE_WORK_NS == 0 || (HOLD_CHUNK_MAX_NS <= HOLD_QUEUE_WORK_NS && HOLD_EVENT_DEPTH >= 4),
                "HOLD_QUEUE_WORK_NS: chunks no longer than it, and at least 4 marks to look back over");
+/* HOLD_BOARD: whether a neighbour holds back while the board says a latency container runs. 1: always; 0: never
+ * (the short queue alone); 2: unless its contexts are an MPS server's clients (CU_DEVICE_ATTRIBUTE_MPS_ENABLED),
+ * where kernels of two containers run side by side and there is no switch between contexts to keep a request from.
+ * Diagnostic builds set 0 and 2 (bench/gpu_mps.sh holds). */
+#ifndef HOLD_BOARD
+#define HOLD_BOARD 1
+#endif
+_Static_assert(HOLD_BOARD >= 0 && HOLD_BOARD <= 2, "HOLD_BOARD: 0, 1 or 2");
 #define HOLD_ONCE_MAX_NS 50000000ull /* one look at the board holds a launch back this long at most */
 #define HOLD_STEP_NS 200000ull       /* a held thread looks at the board again this often at least */
 #define HOLD_ROUNDS 8                /* holds and turns asked again, for one launch, at most */
