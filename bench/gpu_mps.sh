@@ -8,17 +8,21 @@
 #   bash bench/gpu_mps.sh [RATES]       (results and logs into $OUT, else bench/out; RATES default 500)
 # and, with `holds`, what the board's holds still give a request under MPS and cost its neighbours: every run
 # under MPS, the latency class strict and elastic beside both neighbours, four builds one after another:
-#   shim     as shipped (a neighbour holds back while the board says a request runs, and keeps its queue short);
+#   before   the shim before HOLD_MPS_SHORT_FREE (a neighbour holds back while the board says a request runs, and
+#            keeps its queue short; the fourteenth session's run of this called it `shim`);
 #   noboard  -DHOLD_BOARD=2: no board holds where the contexts are an MPS server's clients, the short queue kept;
 #   work     the same, the queue bounded by 150 us of work instead of two marks (-DHOLD_QUEUE_WORK_NS);
 #   free     the same, no bound on the queue at all (what the turns alone give);
 #   bash bench/gpu_mps.sh holds [RATES]
+# and, with `short`, the rule that came of it (HOLD_MPS_SHORT_FREE: under MPS a neighbour's short launches are free of
+# the holds, its long ones keep them) against the shim without it, the same runs:
+#   bash bench/gpu_mps.sh short [RATES]
 # The MPS server runs as this user with its pipe and log folders under /tmp (no setting of the GPU changes) and is
 # told to quit at the end, whatever happened. Exit status: non-zero if a step failed or MPS could not start.
 source "$(dirname "$0")/device_prelude.sh"
 mode=compare
-if [ "${1:-}" = holds ]; then
-  mode=holds
+if [ "${1:-}" = holds ] || [ "${1:-}" = short ]; then
+  mode=$1
   shift
 fi
 rates=${1:-500}
@@ -32,10 +36,17 @@ start_mps() {
   trap 'echo quit | nvidia-cuda-mps-control; sleep 1; cp -r "$CUDA_MPS_LOG_DIRECTORY" "$OUT/mps-log" 2> /dev/null' EXIT
   nvidia-cuda-mps-control -d || { echo "gpu_mps: the MPS control daemon did not start" >&2; exit 1; }
 }
-if [ "$mode" = holds ]; then
-  build_shim /tmp/mps-noboard "-O2 -DHOLD_BOARD=2" || exit 1
-  build_shim /tmp/mps-work "-O2 -DHOLD_BOARD=2 -DHOLD_EVENT_DEPTH=8 -DHOLD_QUEUE_WORK_NS=150000ull -DHOLD_CHUNK_MAX_NS=150000ull" || exit 1
-  build_shim /tmp/mps-free "-O2 -Wno-type-limits -DHOLD_BOARD=2 -DHOLD_EVENT_MIN_NS=UINT64_MAX -DHOLD_QUEUE_NS=1000000000ull" || exit 1
+if [ "$mode" != compare ]; then
+  if [ "$mode" = holds ]; then
+    builds="before noboard work free"
+    build_shim /tmp/mps-before "-O2 -DHOLD_MPS_SHORT_FREE=0" || exit 1
+    build_shim /tmp/mps-noboard "-O2 -DHOLD_BOARD=2 -DHOLD_MPS_SHORT_FREE=0" || exit 1
+    build_shim /tmp/mps-work "-O2 -DHOLD_BOARD=2 -DHOLD_MPS_SHORT_FREE=0 -DHOLD_EVENT_DEPTH=8 -DHOLD_QUEUE_WORK_NS=150000ull -DHOLD_CHUNK_MAX_NS=150000ull" || exit 1
+    build_shim /tmp/mps-free "-O2 -Wno-type-limits -DHOLD_BOARD=2 -DHOLD_EVENT_MIN_NS=UINT64_MAX -DHOLD_QUEUE_NS=1000000000ull" || exit 1
+  else
+    builds="shim before"
+    build_shim /tmp/mps-before "-O2 -DHOLD_MPS_SHORT_FREE=0" || exit 1
+  fi
   start_mps
   python3 - <<'PY' || rc=1
 import ctypes
@@ -45,13 +56,13 @@ cu, v = ctypes.CDLL("libcuda.so.1"), ctypes.c_int(-1)
 print("an MPS client:", torch.cuda.get_device_name(), "MPS_ENABLED =",
       cu.cuDeviceGetAttribute(ctypes.byref(v), 133, 0), v.value)
 PY
-  for b in shim noboard work free; do
+  for b in $builds; do
     so=/tmp/mps-$b/libalnair.so
     [ "$b" = shim ] && so=$shim
     echo "== $b $(date -u +%T)"
-    timeout 140 python3 bench/latency_gpu.py --pin --shim "$so" --neighbours train,mm --only latency,latency-elastic \
-      --rates "$rates" --seconds 2.5 --json "$OUT/holds_$b.json" > "$OUT/holds_$b.log" 2>&1 || rc=1
-    grep -h -E '^(stream|mm|train) ' "$OUT/holds_$b.log" | cut -c1-200
+    timeout 250 python3 bench/latency_gpu.py --pin --shim "$so" --neighbours train,mm --only latency,latency-elastic \
+      --rates "$rates" --seconds 2.5 --json "$OUT/${mode}_$b.json" > "$OUT/${mode}_$b.log" 2>&1 || rc=1
+    grep -h -E '^(stream|mm|train) ' "$OUT/${mode}_$b.log" | cut -c1-200
   done
   exit $rc
 fi

@@ -297,7 +297,7 @@ void hold_mark(CUstream s, int pt, uint64_t cost)
 
 /* This device's contexts are an MPS server's clients (asked once per device; a driver that does not know the
  * attribute, or a failed call, reads as no: the board's holds stay). */
-static int under_mps(void)
+int alnair_under_mps(void)
 {
     struct alnair_device *d = &alnair_devices[alnair_cur];
     int m = atomic_load_explicit(&d->mps, memory_order_relaxed);
@@ -318,7 +318,7 @@ static int under_mps(void)
  * time held is counted in the slot (held_ns, holds) and, inside a window, given back at the window's end. */
 uint64_t hold_back(uint32_t mask, struct stream_ctr *sc, uint64_t now)
 {
-    struct alnair_board *b = HOLD_BOARD == 1 || (HOLD_BOARD == 2 && !under_mps()) ? alnair_board_get() : NULL;
+    struct alnair_board *b = HOLD_BOARD == 1 || (HOLD_BOARD == 2 && !alnair_under_mps()) ? alnair_board_get() : NULL;
     struct alnair_region *r = alnair_cur_region();
     struct dev_latency *L = &g_lat[alnair_cur];
     uint64_t allow = ALNAIR_LATENCY_HORIZON_NS / 100u * RLOAD(r->agent.hold_pct), held = 0;

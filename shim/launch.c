@@ -127,9 +127,10 @@ static __attribute__((noinline)) void post_launch(struct pre *p, CUresult rc)
     if (!queries_ok())
         return;
     if (UNLIKELY(RLOAD(alnair_cur_region()->agent.hold_mask) != 0)) {
-        if (HOLD_CHUNK)
+        int chunk = HOLD_CHUNK && !hold_free_short(p->cost);
+        if (chunk)
             T.q_acc += p->cost;
-        if (p->cost >= HOLD_EVENT_MIN_NS || (HOLD_CHUNK && T.q_acc >= (T.q_chunk ? T.q_chunk : HOLD_EVENT_MIN_NS))) {
+        if (p->cost >= HOLD_EVENT_MIN_NS || (chunk && T.q_acc >= (T.q_chunk ? T.q_chunk : HOLD_EVENT_MIN_NS))) {
             T.q_acc = 0;
             hold_mark(p->stream, p->pt, p->cost);
         }

@@ -397,6 +397,15 @@ _Static_assert(HOLD_QUEUE_WORK_NS == 0 || (HOLD_CHUNK_MAX_NS <= HOLD_QUEUE_WORK_
 #define HOLD_BOARD 1
 #endif
 _Static_assert(HOLD_BOARD >= 0 && HOLD_BOARD <= 2, "HOLD_BOARD: 0, 1 or 2");
+/* HOLD_MPS_SHORT_FREE: where the contexts are an MPS server's clients, a neighbour's launch estimated under
+ * HOLD_EVENT_MIN_NS neither holds back nor is counted towards a mark; long launches keep every rule. Under MPS a
+ * short kernel runs beside a request's kernels (no switch between contexts), and bounding a training step's short
+ * launches cost it 7 points of its pace and gave its requests nothing; what delays a request there is a long kernel
+ * resident on every SM (H100, bench/RESULTS.md 2026-12-07, fourteenth session). -DHOLD_MPS_SHORT_FREE=0: as under
+ * time-slicing. */
+#ifndef HOLD_MPS_SHORT_FREE
+#define HOLD_MPS_SHORT_FREE 1
+#endif
 #define HOLD_ONCE_MAX_NS 50000000ull /* one look at the board holds a launch back this long at most */
 #define HOLD_STEP_NS 200000ull       /* a held thread looks at the board again this often at least */
 #define HOLD_ROUNDS 8                /* holds and turns asked again, for one launch, at most */
@@ -417,6 +426,11 @@ void horizon_add(struct horizon *h, uint64_t now, uint64_t ns);
 uint64_t horizon_sum(struct horizon *h, uint64_t now);
 uint64_t latency_gate(uint64_t cost, struct stream_ctr *sc, uint64_t now);
 uint64_t hold_back(uint32_t mask, struct stream_ctr *sc, uint64_t now);
+int alnair_under_mps(void);        /* this device's contexts are an MPS server's clients (asked once per device) */
+static inline int hold_free_short(uint64_t cost) /* HOLD_MPS_SHORT_FREE: this launch is free of the holds */
+{
+    return HOLD_MPS_SHORT_FREE && cost < HOLD_EVENT_MIN_NS && alnair_under_mps();
+}
 uint64_t latency_wait_begin(void);  /* a latency container's sync or synchronous copy: busy while it waits */
 void latency_wait_end(uint64_t said);
 void hold_mark(CUstream s, int pt, uint64_t cost); /* after a launch beside a latency container */

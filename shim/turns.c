@@ -260,6 +260,8 @@ uint64_t turn_gate(uint64_t cost, struct stream_ctr *sc, CUstream stream, int pt
         now = alnair_now_ns();
     } else {
         waited = windows(cost, sc, stream, pt, &now, &owed);
+        if (UNLIKELY(mask != 0) && hold_free_short(cost))
+            mask = 0;
         /* beside a latency container: hold back while it runs; the hold may outlast the window, so the turns are
          * asked again (a few times at most: a launch never waits on the board for ever) */
         for (int i = 0; UNLIKELY(mask != 0) && i < HOLD_ROUNDS; i++) {
