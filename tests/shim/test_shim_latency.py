@@ -70,6 +70,40 @@ def test_a_neighbour_holds_while_a_slot_it_honours_is_busy(runner: Runner, tmp_p
         board.close()
 
 
+@pytest.mark.parametrize("mps,kernel_ns,held_for,marked", [
+    ("0", 20_000, True, True),     # time-slicing: a short launch holds and is counted towards a mark
+    ("1", 20_000, False, False),   # MPS: a short kernel runs beside a request's: free of the holds
+    ("1", 100_000, True, True),    # MPS: a long kernel resident on every SM still waits for the request
+    ("0", 100_000, True, True),
+])
+def test_under_mps_only_a_neighbours_long_launches_are_held(runner: Runner, tmp_path: Path, mps, kernel_ns,
+                                                            held_for, marked):
+    """Under an MPS server the kernels of two containers run side by side, so a request need not wait for a
+    neighbour's short kernels: on an H100 holding a training step's short launches back cost it 5-18 points of its
+    pace and its requests gained nothing (bench/RESULTS.md, 2026-12-07, fourteenth session). Its long launches keep
+    every rule: the board's hold and one long launch queued."""
+    path, region, board = neighbour(tmp_path, 0b1, 90)
+    try:
+        announce(board, 0, time.clock_gettime_ns(time.CLOCK_MONOTONIC) + 300_000_000)
+        env = {**one_gpu(tmp_path), "SIMCUDA_MPS": mps}
+        r = runner.run("init", f"run:400:{kernel_ns}", region=path, env=env)
+        assert r.returncode == 0, r.stderr
+        held_ns, holds = held(region)
+        launches, records = int(r.line("run")["launches"]), r.stats.get("cuEventRecord", 0)
+        print(f"mps {mps} kernels {kernel_ns / 1e3:g} us: held {held_ns / 1e6:.0f} ms in {holds},",
+              f"{launches} launches, {records} event records")
+        if held_for:
+            assert holds >= 1 and held_ns >= 0.15e9, (held_ns, holds)
+        else:
+            assert (held_ns, holds) == (0, 0)
+        # the marks: an event after each 50 us of work, or after each long launch; without them the meter's own
+        # samples and fences (at most one per 4 ms, or per 2 ms of work) are all that is recorded
+        assert (records >= launches // 4) == marked, (records, launches)
+    finally:
+        region.close()
+        board.close()
+
+
 def test_a_lying_board_holds_a_neighbour_back_no_more_than_its_hold_pct(runner: Runner, tmp_path: Path):
     """A board that says busy for ever (any container of the GPU can write it): the neighbour is held at most its
     hold_pct of each second and runs the rest."""

@@ -819,6 +819,17 @@ API CUresult cuMemAllocFromPoolAsync_ptsz(CUdeviceptr *p, size_t n, CUmemoryPool
 API CUresult cuMemFreeAsync(CUdeviceptr p, CUstream s) { (void)s; CALLED(); return free_async(p); }
 API CUresult cuMemFreeAsync_ptsz(CUdeviceptr p, CUstream s) { (void)s; CALLED(); return free_async(p); }
 API CUresult cuDeviceGetMemPool(CUmemoryPool *pl, CUdevice d) { CALLED(); if (!pl || d != 0) return CUDA_ERROR_INVALID_VALUE; *pl = (CUmemoryPool)DEFAULT_POOL; return CUDA_SUCCESS; }
+/* SIMCUDA_MPS=1: contexts are an MPS server's clients (CU_DEVICE_ATTRIBUTE_MPS_ENABLED, 133; the only attribute
+ * the simulated driver knows: any other is CUDA_ERROR_INVALID_VALUE, as a driver answers one it does not know). */
+API CUresult cuDeviceGetAttribute(int *v, int attr, CUdevice d)
+{
+    CALLED();
+    if (v == NULL || !DEV_OK(d) || attr != 133)
+        return CUDA_ERROR_INVALID_VALUE;
+    const char *s = getenv("SIMCUDA_MPS");
+    *v = s != NULL && strcmp(s, "1") == 0;
+    return CUDA_SUCCESS;
+}
 API CUresult cuCtxGetDevice(CUdevice *d) { if (!d) return CUDA_ERROR_INVALID_VALUE; *d = cur_ctx ? cur_ctx->dev : 0; return CUDA_SUCCESS; }
 API CUresult cuMemPoolSetAttribute(CUmemoryPool pl, CUmemPool_attribute attr, void *v)
 {
@@ -998,6 +1009,7 @@ static const struct proc procs[] = {
     PR("cuDeviceGetGraphMemAttribute", 11040, 0, cuDeviceGetGraphMemAttribute),
     PR("cuGraphAddMemAllocNode", 11040, 0, cuGraphAddMemAllocNode),
     PR("cuDeviceGetMemPool", 11020, 0, cuDeviceGetMemPool), PR("cuCtxGetDevice", 2000, 0, cuCtxGetDevice),
+    PR("cuDeviceGetAttribute", 2000, 0, cuDeviceGetAttribute),
     PR("cuMemPoolSetAttribute", 11020, 0, cuMemPoolSetAttribute), PR("cuMemPoolTrimTo", 11020, 0, cuMemPoolTrimTo),
     PR("cuMemPoolDestroy", 11020, 0, cuMemPoolDestroy),
     PR("cuStreamBeginCapture", 10000, 0, cuStreamBeginCapture), PR("cuStreamBeginCapture", 10000, 1, cuStreamBeginCapture_ptsz),
