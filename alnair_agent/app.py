@@ -22,6 +22,7 @@ from alnair_agent.kubelet.deviceplugin import DevicePluginService
 from alnair_agent.kubelet.podresources import DeviceAssignment
 from alnair_agent.lifecycle import run_services
 from alnair_agent.metrics import MetricsServer
+from alnair_agent.node import edits
 from alnair_agent.node.inventory import Inventory
 from alnair_agent.node.ledger import Ledger
 from alnair_agent.node.reconcile import AnnotationSink, Reconciler
@@ -86,7 +87,7 @@ class Agent:
             self.allocator = Allocator(self.ledger, workspace, s.gpu_policy, str(s.shim_dir),
                                        pods=self.kubernetes.pods, place_unscheduled=s.place_unscheduled,
                                        node_name=s.node_name,
-                                       mps_pipe_dir=None if s.mps_pipe_dir is None else str(s.mps_pipe_dir))
+                                       mps=edits.MpsFolders.of(s.mps_pipe_dir, s.mps_shm_dir))
             kwargs = {} if self.unseen_grace_s is None else {"unseen_grace_s": self.unseen_grace_s}
             self.profiler = Profiler(self.backend, self.ledger, workspace, self.kubernetes.pods,
                                      self.kubernetes.annotations, s.profile_interval_s, s.annotate_interval_s,

@@ -227,7 +227,12 @@ VARIABLES: tuple[Variable, ...] = (
              "containers of a GPU are clients of one MPS server and a latency container's kernels run beside a "
              "neighbour's instead of waiting for the GPU's switch between contexts. MPS serves one Linux user at a "
              "time and a fatal fault of one client ends the work of every client; see docs/architecture.md (The "
-             "latency class)."),
+             "latency class). Needs ALNAIR_MPS_SHM_DIR."),
+    Variable("ALNAIR_MPS_SHM_DIR", "mps_shm_dir", _opt_abs_path, "off",
+             "Host folder the MPS control daemon has as /dev/shm (an MPS server and its clients share memory "
+             "there), or off: with ALNAIR_MPS_PIPE_DIR, every container admitted gets it mounted at /dev/shm, so "
+             "the containers of a node share one /dev/shm (as under NVIDIA's own MPS sharing). Set both or neither; "
+             "a folder on a memory file system (under /run on most hosts)."),
     Variable("ALNAIR_SIM_TIMELINE_DIR", "sim_timeline_dir", _opt_abs_path, "off",
              "Test and demo only: folder of the simulated driver's per-GPU timelines (its SIMCUDA_TIMELINE_DIR), "
              "read by the simulated backend for per-process utilization."),
@@ -299,6 +304,7 @@ class Settings:
     turn_period_s: float = 0.1
     dispatch_idle_s: float = 0.15
     mps_pipe_dir: Path | None = None
+    mps_shm_dir: Path | None = None
     # the DRA front-end
     frontend: str = "auto"
     dra_plugin_dir: Path = Path("/var/lib/kubelet/plugins/gpu.alnair.centaurus.io")
@@ -336,6 +342,11 @@ class Settings:
         if unknown:
             raise ConfigError(f"{unknown[0]} is not a known setting; known: {', '.join(sorted(known))}")
         settings = cls(**values)
+        if (settings.mps_pipe_dir is None) != (settings.mps_shm_dir is None):
+            given, missing = (("ALNAIR_MPS_PIPE_DIR", "ALNAIR_MPS_SHM_DIR") if settings.mps_shm_dir is None
+                              else ("ALNAIR_MPS_SHM_DIR", "ALNAIR_MPS_PIPE_DIR"))
+            raise ConfigError(f"{given} is set and {missing} is not: an MPS server and its clients share both its "
+                              "pipe folder and its /dev/shm, so set both (or neither, MPS off)")
         if settings.gpu_backend == "simulated":
             biggest = max(g.memory_bytes for g in settings.sim_gpus)
             if biggest // settings.memory_unit_bytes > MAX_UNITS_PER_GPU:
@@ -361,6 +372,8 @@ def check_paths(settings: Settings) -> list[str]:
     folders = [("ALNAIR_DEVICE_PLUGIN_DIR", settings.device_plugin_dir), ("ALNAIR_SHIM_DIR", settings.shim_dir)]
     if settings.mps_pipe_dir is not None:
         folders.append(("ALNAIR_MPS_PIPE_DIR", settings.mps_pipe_dir))
+    if settings.mps_shm_dir is not None:
+        folders.append(("ALNAIR_MPS_SHM_DIR", settings.mps_shm_dir))
     for name, path in folders:
         if path.exists() and not path.is_dir():
             raise ConfigError(f"{name}={str(path)!r} is not usable: it exists and is not a folder")

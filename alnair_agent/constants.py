@@ -50,6 +50,8 @@ CONTAINER_REGION_PATH = "/run/alnair/region"
 # With ALNAIR_MPS_PIPE_DIR: the node's MPS pipe folder in every container, named to CUDA by this variable.
 ENV_MPS_PIPE_DIRECTORY = "CUDA_MPS_PIPE_DIRECTORY"
 CONTAINER_MPS_PIPE_DIR = "/run/nvidia-mps"
+# ... and the folder the MPS server has as /dev/shm (ALNAIR_MPS_SHM_DIR): a client maps the server's shared memory there.
+CONTAINER_MPS_SHM_DIR = "/dev/shm"
 # /proc/<pid>/comm of an MPS server (nvidia-cuda-mps-server, cut to 15 characters): NVML books its clients' work to it.
 MPS_SERVER_COMM = "nvidia-cuda-mps"
 CONTAINER_SHIM_DIR = "/opt/alnair/lib"

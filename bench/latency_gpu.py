@@ -43,7 +43,8 @@ NVML device utilization is sampled every 100 ms (NvmlUtilization), per-process s
 nvmlDeviceGetProcessUtilization; None where unsupported).
 Under an MPS server (CUDA_MPS_PIPE_DIRECTORY exported before the run: every tenant, alone or not, is then its
 client; bench/gpu_mps.sh) --neighbour-env CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=70 gives the neighbour beside a stream
-at most 70 % of the SMs, the rest held for the stream's kernels.
+at most 70 % of the SMs, the rest held for the stream's kernels. Through the agent's own answers instead:
+--setting mps_pipe_dir=<the daemon's pipe folder> --setting mps_shm_dir=/dev/shm (processes here share the host's).
 
   python3 bench/latency_gpu.py --shim /tmp/shim/libalnair.so --json $OUT/latency.json
 Prints an estimate, each scenario's rows as it goes, then one table (figure, goal, pass/fail) and writes

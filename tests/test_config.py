@@ -64,6 +64,7 @@ BAD_VALUES = [
     ("ALNAIR_PROFILE_INTERVAL_S", "0.01", "0.05..60.0"),
     ("ALNAIR_ANNOTATE_INTERVAL_S", "-1", "0.0..3600.0"),
     ("ALNAIR_MPS_PIPE_DIR", "nvidia-mps", "absolute path"),
+    ("ALNAIR_MPS_SHM_DIR", "shm", "absolute path"),
     ("ALNAIR_SIM_TIMELINE_DIR", "timelines", "absolute path"),
     ("ALNAIR_SIM_FAULTS_FILE", "faults.json", "absolute path"),
     ("ALNAIR_DISPATCHER", "yes", "on"),

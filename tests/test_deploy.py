@@ -129,8 +129,37 @@ def test_manifests_run_the_image_and_commands_the_dockerfile_builds() -> None:
 # -- the agent's DaemonSet -------------------------------------------------------------------------------------------
 
 def agent() -> dict[str, Any]:
-    [ds] = by_kind("DaemonSet")
+    [ds] = [d for d in by_kind("DaemonSet") if d["metadata"]["name"] == "alnair-agent"]
     return ds
+
+
+def test_the_mps_daemon_serves_the_folders_the_agent_is_told_to_hand_out() -> None:
+    """manifests/alnair-mps.yaml: its daemon's pipe folder and /dev/shm are the host folders that alnair-agent.yaml
+    (commented out, off by default) and the README name for ALNAIR_MPS_PIPE_DIR and ALNAIR_MPS_SHM_DIR, those pass
+    the agent's own settings, it runs on the agent's nodes, and the agent sees the folders where it checks them."""
+    [mps] = [d for d in by_kind("DaemonSet") if d["metadata"]["name"] == "alnair-mps"]
+    spec = mps["spec"]["template"]["spec"]
+    [ctr] = spec["containers"]
+    assert ctr["command"] == ["nvidia-cuda-mps-control", "-f"]
+    env = {e["name"]: e.get("value") for e in ctr["env"]}
+    assert "compute" in env["NVIDIA_DRIVER_CAPABILITIES"].split(",")  # the toolkit then brings the MPS binaries
+    host = {v["name"]: v["hostPath"]["path"] for v in spec["volumes"] if "hostPath" in v}
+    at = {m["mountPath"]: host.get(m["name"]) for m in ctr["volumeMounts"]}
+    pipe, shm = at[env["CUDA_MPS_PIPE_DIRECTORY"]], at["/dev/shm"]
+    agent_text = (ROOT / "manifests" / "alnair-agent.yaml").read_text()
+    readme = (ROOT / "README.md").read_text()
+    for line in (f"ALNAIR_MPS_PIPE_DIR, value: {pipe}", f"ALNAIR_MPS_SHM_DIR, value: {shm}"):
+        assert line in agent_text, line
+    assert f"ALNAIR_MPS_PIPE_DIR={pipe}" in readme and f"ALNAIR_MPS_SHM_DIR={shm}" in readme
+    settings = Settings.from_env({"ALNAIR_NODE_NAME": "n", "ALNAIR_MPS_PIPE_DIR": pipe, "ALNAIR_MPS_SHM_DIR": shm})
+    assert (str(settings.mps_pipe_dir), str(settings.mps_shm_dir)) == (pipe, shm)
+    assert spec["affinity"] == agent()["spec"]["template"]["spec"]["affinity"]
+    assert spec["runtimeClassName"] == agent()["spec"]["template"]["spec"]["runtimeClassName"]
+    a_spec = agent()["spec"]["template"]["spec"]
+    a_host = {v["name"]: v["hostPath"]["path"] for v in a_spec["volumes"] if "hostPath" in v}
+    [main] = a_spec["containers"]
+    seen = {m["mountPath"]: a_host[m["name"]] for m in main["volumeMounts"] if m["name"] in a_host}
+    assert any(pipe.startswith(h + "/") and seen_at == h for seen_at, h in seen.items()), seen
 
 
 def test_agent_daemonset_init_container_probes_env_and_resources() -> None:

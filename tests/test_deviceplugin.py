@@ -438,13 +438,13 @@ def test_simulated_gpus_of_two_nodes_never_share_a_uuid():
 
 @pytest.mark.parametrize("mps", [False, True])
 async def test_with_an_mps_pipe_folder_every_container_is_an_mps_client(root, kubelet, api, k8s, mps):
-    """ALNAIR_MPS_PIPE_DIR: both resources' answers (they must agree: kubelet merges them) name the pipe folder to
-    CUDA and mount it writable (a client makes its own pipes there), for a one-GPU container and a container whose
-    GPU is shared; without it neither appears."""
-    from alnair_agent.constants import CONTAINER_MPS_PIPE_DIR, ENV_MPS_PIPE_DIRECTORY
+    """ALNAIR_MPS_PIPE_DIR and ALNAIR_MPS_SHM_DIR: both resources' answers (they must agree: kubelet merges them)
+    name the pipe folder to CUDA and mount it writable (a client makes its own pipes there), and mount the server's
+    /dev/shm, for a one-GPU container and a container whose GPU is shared; without them neither appears."""
+    from alnair_agent.constants import CONTAINER_MPS_PIPE_DIR, CONTAINER_MPS_SHM_DIR, ENV_MPS_PIPE_DIRECTORY
 
-    pipes = root / "mps-pipes"
-    settings = node_settings(root, mps_pipe_dir=pipes if mps else None)
+    pipes, shm = root / "mps-pipes", root / "mps-shm"
+    settings = node_settings(root, mps_pipe_dir=pipes if mps else None, mps_shm_dir=shm if mps else None)
     async with running_agent(settings, k8s()):
         await registered(kubelet)
         for n in range(2):  # the second one shares the first's GPU (binpack)
@@ -455,5 +455,7 @@ async def test_with_an_mps_pipe_folder_every_container_is_an_mps_client(root, ku
             if mps:
                 assert envs[0][ENV_MPS_PIPE_DIRECTORY] == CONTAINER_MPS_PIPE_DIR
                 assert mounts[CONTAINER_MPS_PIPE_DIR] == (str(pipes), False)
+                assert mounts[CONTAINER_MPS_SHM_DIR] == (str(shm), False)
             else:
-                assert ENV_MPS_PIPE_DIRECTORY not in envs[0] and CONTAINER_MPS_PIPE_DIR not in mounts
+                assert ENV_MPS_PIPE_DIRECTORY not in envs[0]
+                assert CONTAINER_MPS_PIPE_DIR not in mounts and CONTAINER_MPS_SHM_DIR not in mounts

@@ -15,6 +15,7 @@ from service_util import wait_until
 
 from alnair_agent.constants import (
     CONTAINER_MPS_PIPE_DIR,
+    CONTAINER_MPS_SHM_DIR,
     CONTAINER_RUN_DIR,
     CONTAINER_SHIM_DIR,
     DRA_DRIVER,
@@ -95,17 +96,17 @@ async def test_a_claim_of_4_gib_and_30_percent_gives_its_container_that_slice_an
 @pytest.mark.parametrize("mps", [False, True])
 async def test_dra_containers_get_exactly_the_env_and_mounts_allocate_gives(root, api, mps):
     """Allocate (device plugin) and the CDI spec (DRA) for 4 GiB + 30 %: the same variables and mounts, only the
-    allocation's own id (and where it lives) differ; with ALNAIR_MPS_PIPE_DIR both give the MPS pipe folder."""
-    pipes = root / "mps-pipes" if mps else None
+    allocation's own id (and where it lives) differ; with the MPS folders set both give them."""
+    pipes, shm = (root / "mps-pipes", root / "mps-shm") if mps else (None, None)
     dp_root = root / "dp"
-    dp_settings = node_settings(dp_root, mps_pipe_dir=pipes)
+    dp_settings = node_settings(dp_root, mps_pipe_dir=pipes, mps_shm_dir=shm)
     async with KubeletEmulator(dp_settings.device_plugin_dir, dp_settings.pod_resources_socket) as kubelet:
         async with running_agent(dp_settings):
             await registered(kubelet)
             answers = await kubelet.admit("default", "p", "main", {RESOURCE_MEMORY: 4, RESOURCE_COMPUTE: 30})
     dp_env = {k: v for a in answers.values() for k, v in a.envs.items()}
     dp_mounts = {m.container_path: (m.host_path, m.read_only) for a in answers.values() for m in a.mounts}
-    async with dra_node(root / "dra", api, mps_pipe_dir=pipes) as node:
+    async with dra_node(root / "dra", api, mps_pipe_dir=pipes, mps_shm_dir=shm) as node:
         node.claim("c1", [{"name": "gpu", "memory": "4Gi", "compute": "30"}])
         pod = node.pod("p1", {"gpu": "c1"}, [("main", [("gpu", None)])])
         node.schedule(pod, ["c1"])
@@ -120,10 +121,11 @@ async def test_dra_containers_get_exactly_the_env_and_mounts_allocate_gives(root
         return env, mounts
 
     assert normal(view.envs, view.mounts, node.settings) == normal(dp_env, dp_mounts, dp_settings)
-    assert set(view.mounts) == {CONTAINER_RUN_DIR, CONTAINER_SHIM_DIR} | ({CONTAINER_MPS_PIPE_DIR} if mps else set())
+    assert set(view.mounts) == {CONTAINER_RUN_DIR, CONTAINER_SHIM_DIR} | ({CONTAINER_MPS_PIPE_DIR, CONTAINER_MPS_SHM_DIR} if mps else set())
     assert view.mounts[CONTAINER_SHIM_DIR] == (str(node.settings.shim_dir), True)
     if mps:
         assert view.mounts[CONTAINER_MPS_PIPE_DIR] == (str(pipes), False)
+        assert view.mounts[CONTAINER_MPS_SHM_DIR] == (str(shm), False)
         assert view.envs[ENV_MPS_PIPE_DIRECTORY] == CONTAINER_MPS_PIPE_DIR
     assert view.mounts[CONTAINER_RUN_DIR][1] is False
 

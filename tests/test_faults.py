@@ -537,12 +537,25 @@ async def test_too_many_memory_units_on_a_real_gpu_is_a_configuration_error(root
         await agent.run(asyncio.Event())
 
 
-@pytest.mark.parametrize("var", ["ALNAIR_DEVICE_PLUGIN_DIR", "ALNAIR_SHIM_DIR", "ALNAIR_MPS_PIPE_DIR"])
+@pytest.mark.parametrize("var", ["ALNAIR_DEVICE_PLUGIN_DIR", "ALNAIR_SHIM_DIR", "ALNAIR_MPS_PIPE_DIR",
+                                 "ALNAIR_MPS_SHM_DIR"])
 def test_plugin_or_shim_folder_that_is_a_file_stops_start_with_one_line(root, var):
     (root / "afile").write_text("x")
+    # the MPS folders come as a pair (one alone is its own error): the other one a usable folder
+    pair = {"ALNAIR_MPS_PIPE_DIR": str(root / "mps-pipe"), "ALNAIR_MPS_SHM_DIR": str(root / "mps-shm")} \
+        if var.startswith("ALNAIR_MPS_") else {}
     for path in (root / "afile", root / "afile" / "below"):
-        err = _start_fails_with_one_line(node_settings(root), **{var: str(path)})
+        err = _start_fails_with_one_line(node_settings(root), **(pair | {var: str(path)}))
         assert var in err and str(path) in err, err
+
+
+@pytest.mark.parametrize("given", ["ALNAIR_MPS_PIPE_DIR", "ALNAIR_MPS_SHM_DIR"])
+def test_one_mps_folder_without_the_other_stops_start_with_one_line(root, given):
+    """An MPS server and its clients share its pipe folder and its /dev/shm: a client given one and not the other
+    cannot reach the server, so the agent does not start with half of the pair."""
+    err = _start_fails_with_one_line(node_settings(root), **{given: str(root / "mps")})
+    other = "ALNAIR_MPS_SHM_DIR" if given == "ALNAIR_MPS_PIPE_DIR" else "ALNAIR_MPS_PIPE_DIR"
+    assert given in err and other in err and "both" in err, err
 
 
 def test_real_gpus_without_the_shim_installed_stop_start(root):
@@ -569,9 +582,10 @@ def test_an_mps_pipe_folder_that_is_a_file_stops_start_and_one_with_no_daemon_wa
     daemon serving it yet) is a warning, since CUDA runs such a client without MPS; a served one passes quietly."""
     from alnair_agent.config import ConfigError, check_paths
 
-    settings = node_settings(root)
+    settings = node_settings(root, mps_shm_dir=root / "mps-shm")
     (root / "afile").write_text("x")
-    err = _start_fails_with_one_line(settings, ALNAIR_MPS_PIPE_DIR=str(root / "afile"))
+    err = _start_fails_with_one_line(settings, ALNAIR_MPS_PIPE_DIR=str(root / "afile"),
+                                     ALNAIR_MPS_SHM_DIR=str(root / "mps-shm"))
     assert "ALNAIR_MPS_PIPE_DIR" in err and str(root / "afile") in err, err
     with pytest.raises(ConfigError):
         check_paths(replace(settings, mps_pipe_dir=root / "afile"))

@@ -34,6 +34,7 @@ from alnair_agent.dra.prepare import ClaimPreparer
 from alnair_agent.dra.slices import SliceApi, SlicePublisher
 from alnair_agent.gpu.backend import GpuInfo
 from alnair_agent.kube.pod_source import PodSource
+from alnair_agent.node import edits
 from alnair_agent.node.inventory import Gpu
 from alnair_agent.node.ledger import Ledger
 from alnair_agent.node.workspace import Workspace
@@ -125,7 +126,7 @@ class DraFrontEnd:
         self.list_claims = list_claims
         self.preparer = ClaimPreparer(ledger, workspace, CdiWriter(settings.cdi_dir), api, settings.node_name,
                                       str(settings.shim_dir), usage=usage, pods=pods, accept_new=serving,
-                                      mps_pipe_dir=None if settings.mps_pipe_dir is None else str(settings.mps_pipe_dir))
+                                      mps=edits.MpsFolders.of(settings.mps_pipe_dir, settings.mps_shm_dir))
         self.cleanup = ClaimCleanup(self.preparer)
         self.plugin = DraPlugin(self.preparer, settings.dra_plugin_dir, settings.plugins_registry_dir)
         self.slices = SlicePublisher(api, ledger, settings.node_name, settings.resync_interval_s)

@@ -82,7 +82,7 @@ class Placement:
 class ClaimPreparer:
     def __init__(self, ledger: Ledger, workspace: Workspace, cdi: CdiWriter, claims: ClaimSource,
                  node_name: str, shim_dir: str, usage: UsageSink | None = None, pods: PodSource | None = None,
-                 accept_new: bool = True, mps_pipe_dir: str | None = None) -> None:
+                 accept_new: bool = True, mps: edits.MpsFolders | None = None) -> None:
         self.ledger = ledger
         self.inventory = ledger.inventory
         self.workspace = workspace
@@ -90,7 +90,7 @@ class ClaimPreparer:
         self.reader = ClaimReader(claims, node_name, ledger.inventory)
         self.node_name = node_name
         self.shim_dir = shim_dir
-        self.mps_pipe_dir = mps_pipe_dir
+        self.mps = mps
         self.usage = usage
         self.pods = pods
         # False on a node whose GPUs the device plugin offers: only claims prepared before the switch are served
@@ -143,8 +143,8 @@ class ClaimPreparer:
     def _edits(self, parts: list[Allocation]) -> edits.ContainerEdits:
         folders = [self.workspace.container_folder(a.id) for a in parts]
         if len(parts) == 1 and not parts[0].gpus:
-            return edits.container_edits(parts[0], folders[0], self.shim_dir, self.mps_pipe_dir)
-        return edits.group_edits(parts, folders, self.shim_dir, self.mps_pipe_dir)
+            return edits.container_edits(parts[0], folders[0], self.shim_dir, self.mps)
+        return edits.group_edits(parts, folders, self.shim_dir, self.mps)
 
     def _write_spec(self, claim_uid: str) -> None:
         """The claim's CDI spec: one device per group, named by its first GPU's allocation id."""

@@ -96,7 +96,7 @@ class Allocator:
         pod_wait_s: float = POD_WAIT_S,
         place_unscheduled: bool = False,
         node_name: str = "",
-        mps_pipe_dir: str | None = None,
+        mps: edits.MpsFolders | None = None,
     ) -> None:
         self.ledger = ledger
         self.inventory = ledger.inventory
@@ -105,7 +105,7 @@ class Allocator:
         if self.policy not in fit.POLICIES:
             raise ValueError(f"unknown GPU policy {policy!r}")
         self.shim_dir = shim_dir
-        self.mps_pipe_dir = mps_pipe_dir
+        self.mps = mps
         self.pods = pods
         self.pod_wait_s = pod_wait_s
         self.place_unscheduled = place_unscheduled
@@ -664,5 +664,5 @@ class Allocator:
         if alloc.gpus:
             parts = self._parts(alloc)
             return edits.group_edits(parts, [self.workspace.container_folder(p.id) for p in parts], self.shim_dir,
-                                     self.mps_pipe_dir)
-        return edits.container_edits(alloc, self.workspace.container_folder(alloc.id), self.shim_dir, self.mps_pipe_dir)
+                                     self.mps)
+        return edits.container_edits(alloc, self.workspace.container_folder(alloc.id), self.shim_dir, self.mps)

@@ -12,6 +12,7 @@ from pathlib import Path
 from alnair_agent.constants import (
     COMPUTE_UNITS_PER_GPU,
     CONTAINER_MPS_PIPE_DIR,
+    CONTAINER_MPS_SHM_DIR,
     CONTAINER_REGION_PATH,
     CONTAINER_RUN_DIR,
     CONTAINER_SHIM_DIR,
@@ -45,16 +46,33 @@ def limits(memory_units: int, compute_units: int, memory_unit_bytes: int) -> tup
     return memory_units * memory_unit_bytes, (compute_units if 0 < compute_units < COMPUTE_UNITS_PER_GPU else 0)
 
 
-def _mps(mps_pipe_dir: str | None) -> tuple[dict[str, str], list[Mount]]:
-    """The node's MPS pipe folder (ALNAIR_MPS_PIPE_DIR), when there is one: a client writes its own pipes there."""
-    if mps_pipe_dir is None:
+@dataclass(frozen=True)
+class MpsFolders:
+    """The host folders of the node's MPS control daemon (ALNAIR_MPS_PIPE_DIR, ALNAIR_MPS_SHM_DIR)."""
+
+    pipe: str  # its CUDA_MPS_PIPE_DIRECTORY: a client writes its own pipes there
+    shm: str  # what the daemon and its servers have as /dev/shm: a client maps the server's shared memory there
+
+    @classmethod
+    def of(cls, pipe: Path | None, shm: Path | None) -> MpsFolders | None:
+        """None while MPS is off. The settings read from the environment give both folders or neither; half a pair
+        here is a caller's mistake (a client with one of them cannot reach the server), never MPS quietly off."""
+        if (pipe is None) != (shm is None):
+            raise ValueError(f"MPS needs both its pipe folder and its /dev/shm folder, got pipe={pipe} shm={shm}")
+        return None if pipe is None or shm is None else cls(str(pipe), str(shm))
+
+
+def _mps(mps: MpsFolders | None) -> tuple[dict[str, str], list[Mount]]:
+    """The node's MPS folders, when there are some: both writable, as a client writes in both."""
+    if mps is None:
         return {}, []
-    return {ENV_MPS_PIPE_DIRECTORY: CONTAINER_MPS_PIPE_DIR}, [(CONTAINER_MPS_PIPE_DIR, mps_pipe_dir, False)]
+    return ({ENV_MPS_PIPE_DIRECTORY: CONTAINER_MPS_PIPE_DIR},
+            [(CONTAINER_MPS_PIPE_DIR, mps.pipe, False), (CONTAINER_MPS_SHM_DIR, mps.shm, False)])
 
 
-def container_edits(alloc: Allocation, run_folder: Path, shim_dir: str, mps_pipe_dir: str | None = None) -> ContainerEdits:
+def container_edits(alloc: Allocation, run_folder: Path, shim_dir: str, mps: MpsFolders | None = None) -> ContainerEdits:
     """The environment and mounts of the container(s) `alloc` serves; `run_folder` is its host folder mounted at
-    /run/alnair (Workspace.container_folder); `mps_pipe_dir` the node's MPS pipe folder, if any."""
+    /run/alnair (Workspace.container_folder); `mps` the node's MPS folders, if any."""
     envs = {
         ENV_VISIBLE_DEVICES: alloc.gpu_uuid,
         ENV_LD_PRELOAD: CONTAINER_SHIM_PATH,
@@ -68,7 +86,7 @@ def container_edits(alloc: Allocation, run_folder: Path, shim_dir: str, mps_pipe
         envs[ENV_MEMORY_LIMIT] = str(alloc.memory_limit)
     if RESOURCE_COMPUTE in alloc.wanted:
         envs[ENV_COMPUTE_LIMIT] = str(alloc.compute_limit)
-    mps_envs, mps_mounts = _mps(mps_pipe_dir)
+    mps_envs, mps_mounts = _mps(mps)
     return ContainerEdits(envs | mps_envs,
                           [(CONTAINER_RUN_DIR, str(run_folder), False), (CONTAINER_SHIM_DIR, shim_dir, True), *mps_mounts])
 
@@ -85,13 +103,13 @@ def _tightest(limits: Sequence[int]) -> int:
 
 
 def group_edits(parts: Sequence[Allocation], run_folders: Sequence[Path], shim_dir: str,
-                mps_pipe_dir: str | None = None) -> ContainerEdits:
+                mps: MpsFolders | None = None) -> ContainerEdits:
     """The environment and mounts of a container of several GPUs, one allocation per GPU (in `part` order, with their
     host folders): every GPU in NVIDIA_VISIBLE_DEVICES in that order, each GPU's region in ALNAIR_REGIONS in the
     same order, the first GPU's region also in ALNAIR_REGION. Each GPU's limits are in its own region; the limits in
     the environment (what the shim enforces on a GPU whose region it must refuse) are the tightest of its GPUs', the
     same on all (a device plugin container's GPUs all have the same; a DRA claim's requests may differ)."""
-    first = container_edits(parts[0], run_folders[0], shim_dir, mps_pipe_dir)
+    first = container_edits(parts[0], run_folders[0], shim_dir, mps)
     envs = dict(first.envs)
     if any(RESOURCE_MEMORY in p.wanted for p in parts):
         envs[ENV_MEMORY_LIMIT] = str(_tightest([p.memory_limit for p in parts]))
@@ -102,5 +120,5 @@ def group_edits(parts: Sequence[Allocation], run_folders: Sequence[Path], shim_d
     envs[ENV_CUDA_DEVICE_ORDER] = "PCI_BUS_ID"
     mounts = [(part_run_dir(p.part), str(f), False) for p, f in zip(parts, run_folders, strict=True)]
     mounts.append((CONTAINER_SHIM_DIR, shim_dir, True))
-    mounts += _mps(mps_pipe_dir)[1]
+    mounts += _mps(mps)[1]
     return ContainerEdits(envs, mounts)
