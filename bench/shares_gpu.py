@@ -854,7 +854,7 @@ class Bench:
         shapes = [s for s in step.shapes if s not in out]
         if not shapes:
             return out
-        async with self.node("strict") as node, Tenants(self.cpus) as ts:
+        async with self.node("strict") as node, Tenants(self.cpus, self.trace_dir) as ts:
             envs = [await node.admit(step.cap, self.memory_gib) for _ in shapes]
             tenants = [ts.start(s, s, e, w.run_s) for s, e in zip(shapes, envs, strict=False)]
             dead = await ts.settle_ready()
@@ -872,7 +872,7 @@ class Bench:
     async def together(self, step: Step, caps: Sequence[int]) -> dict:
         shape, w = step.shapes[0], self.windows
         rate = self.rate(shape)
-        async with self.node("strict") as node, Tenants(self.cpus) as ts:
+        async with self.node("strict") as node, Tenants(self.cpus, self.trace_dir) as ts:
             envs = [await node.admit(c, self.memory_gib) for c in caps]
             tenants = [ts.start(f"{shape}-{c}", shape, e, w.run_s) for c, e in zip(caps, envs, strict=False)]
             await ts.ready()
