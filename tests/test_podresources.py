@@ -99,7 +99,15 @@ async def test_client_recovers_after_kubelet_errors_and_restarts() -> None:
                 await client.list()
             async with FakePodResources(path) as restarted:
                 restarted.set("default", "q", "c", RESOURCE_MEMORY, MEM[:1])
-                assert [a.pod for a in await client.list()] == ["q"]
+                # The channel reconnects on the next call: the first call after the restart may still go out on the
+                # old connection and fail (seen once in CI: UNAVAILABLE, "Stream removed (sendmsg: Broken pipe)");
+                # the agent's next resync then succeeds. One failed call at most, never a client that stays broken.
+                try:
+                    pods = [a.pod for a in await client.list()]
+                except PodResourcesError as e:
+                    assert "UNAVAILABLE" in str(e), e
+                    pods = [a.pod for a in await client.list()]
+                assert pods == ["q"]
 
 
 async def test_stand_in_also_serves_get_and_allocatable(kubelet: FakePodResources) -> None:
