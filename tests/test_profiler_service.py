@@ -258,12 +258,16 @@ async def test_a_capped_containers_utilization_is_the_gpu_time_its_shim_counted(
         r.close()
 
 
-@pytest.mark.parametrize(("comm", "want"), [("nvidia-cuda-mps", (30, 69)), ("python3", (0, 0))])
+@pytest.mark.parametrize(("comm", "want", "want_mem"), [("nvidia-cuda-mps", (30, 69), (7.9, 18.1)),
+                                                      ("python3", (0, 0), (0.0, 0.0))])
 async def test_an_mps_servers_figure_is_its_clients_work_not_a_strangers(tmp_path: Path, comm: str,
-                                                                        want: tuple[int, int]) -> None:
+                                                                        want: tuple[int, int],
+                                                                        want_mem: tuple[float, float]) -> None:
     """Under MPS (ALNAIR_MPS_PIPE_DIR) NVML books every client's work to the server, a process of no container: its
     figure must not be taken off what the capped containers can have run, as a stranger's is (a stranger at 99 % of
-    a 99 % busy GPU leaves the capped containers nothing)."""
+    a 99 % busy GPU leaves the capped containers nothing), and its memory figure (26 %, the clients' traffic: an
+    H100's server read 26 % beside two matmul clients) is the capped containers' to split by their GPU time; a
+    stranger's memory traffic is not theirs."""
     import time
 
     ws = Workspace(tmp_path / "ws")
@@ -274,7 +278,7 @@ async def test_an_mps_servers_figure_is_its_clients_work_not_a_strangers(tmp_pat
     server.mkdir(parents=True)
     (server / "comm").write_text(comm + "\n")
     (server / "cgroup").write_text("0::/system.slice/nvidia-mps.service\n")
-    backend = Backend(Samples((GpuSample(GPU, 99.0),), (ProcessSample(GPU, 5555, 99.0, 0.0, 5),), 1.0))
+    backend = Backend(Samples((GpuSample(GPU, 99.0),), (ProcessSample(GPU, 5555, 99.0, 26.0, 5),), 1.0))
     p = Profiler(backend, Ledger({a.id: a, b.id: b}), ws, Pods(), Sink(), 1.0, 30.0,  # type: ignore[arg-type]
                  proc_root=tmp_path / "proc")
     counted = {a.id: 0, b.id: 0}
@@ -282,6 +286,7 @@ async def test_an_mps_servers_figure_is_its_clients_work_not_a_strangers(tmp_pat
         write_slot(ws.container_folder(alloc_id) / "region", 4242, None, 0)
     await p.tick()  # the baseline
     before = {k: p.usage[k].gpu_util_integral for k in counted}
+    before_mem = {k: p.usage[k].memcpy_util_integral for k in counted}
     t = p._regions_at
     for alloc_id, share in ((a.id, 30.0), (b.id, 69.0)):
         write_slot(ws.container_folder(alloc_id) / "region", 4242, None, int(share / 100 * 1e9))
@@ -290,6 +295,8 @@ async def test_an_mps_servers_figure_is_its_clients_work_not_a_strangers(tmp_pat
     await p.tick()
     got = tuple(round((p.usage[k].gpu_util_integral - before[k]) / backend.samples.window_s) for k in (a.id, b.id))
     assert all(abs(g - w) <= 2 for g, w in zip(got, want, strict=True)), (got, want)
+    mem = tuple((p.usage[k].memcpy_util_integral - before_mem[k]) / backend.samples.window_s for k in (a.id, b.id))
+    assert all(abs(g - w) <= 1 for g, w in zip(mem, want_mem, strict=True)), (mem, want_mem)
     assert p.unattributed == {GPU: 1}  # the server is still on no container
     for r in regions.values():
         r.close()

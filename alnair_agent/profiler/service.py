@@ -293,10 +293,13 @@ class Profiler:
         processes on its GPU, split by their metered GPU utilization. NVML's per-process memory figure on a
         time-sliced GPU is a draw as its SM figure is (an H100 gave one of two capped matmul processes the device's
         whole 24 % every second and the other 0), so only the capped processes' sum is taken from it. Where the
-        capped containers of a GPU metered no GPU time, each keeps its own processes' figure."""
+        capped containers of a GPU metered no GPU time, each keeps its own processes' figure. Under MPS the server's
+        sample is its clients' (they have none): it goes into the pool too, so an uncapped client's memory traffic,
+        which NVML no longer tells apart, is then split among the capped containers of its GPU."""
         pool: dict[str, float] = {}
         for proc in collected.samples.processes:
-            if collected.places.get((proc.pid, proc.gpu_uuid)) in metered:
+            key = (proc.pid, proc.gpu_uuid)
+            if collected.places.get(key) in metered or key in collected.mps_servers:
                 pool[proc.gpu_uuid] = pool.get(proc.gpu_uuid, 0.0) + (proc.mem_util or 0.0)
         total = self._per_gpu_sum(metered)
         out = {}
