@@ -26,8 +26,10 @@ if [ "${1:-}" = holds ] || [ "${1:-}" = short ]; then
   shift
 fi
 rates=${1:-500}
-build_shim /tmp/mps-shim || exit 1
 shim=/tmp/mps-shim/libalnair.so
+if [ "$mode" != holds ]; then
+  build_shim /tmp/mps-shim || exit 1
+fi
 args=(--pin --shim "$shim" --neighbours mm,train --only no-alnair,latency --rates "$rates" --seconds 3)
 rc=0
 start_mps() {
@@ -37,15 +39,14 @@ start_mps() {
   nvidia-cuda-mps-control -d || { echo "gpu_mps: the MPS control daemon did not start" >&2; exit 1; }
 }
 if [ "$mode" != compare ]; then
+  build_shim /tmp/mps-before "-O2 -DHOLD_MPS_SHORT_FREE=0" || exit 1
   if [ "$mode" = holds ]; then
     builds="before noboard work free"
-    build_shim /tmp/mps-before "-O2 -DHOLD_MPS_SHORT_FREE=0" || exit 1
     build_shim /tmp/mps-noboard "-O2 -DHOLD_BOARD=2 -DHOLD_MPS_SHORT_FREE=0" || exit 1
     build_shim /tmp/mps-work "-O2 -DHOLD_BOARD=2 -DHOLD_MPS_SHORT_FREE=0 -DHOLD_EVENT_DEPTH=8 -DHOLD_QUEUE_WORK_NS=150000ull -DHOLD_CHUNK_MAX_NS=150000ull" || exit 1
     build_shim /tmp/mps-free "-O2 -Wno-type-limits -DHOLD_BOARD=2 -DHOLD_EVENT_MIN_NS=UINT64_MAX -DHOLD_QUEUE_NS=1000000000ull" || exit 1
   else
     builds="shim before"
-    build_shim /tmp/mps-before "-O2 -DHOLD_MPS_SHORT_FREE=0" || exit 1
   fi
   start_mps
   python3 - <<'PY' || rc=1
