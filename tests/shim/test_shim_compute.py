@@ -130,7 +130,9 @@ def test_threads_sharing_one_stream_share_one_cap(runner, make_region):
     res = runner.run("init", "threads:3:1500:1000000", region=region)
     t = res.line("threads")
     gpu = gpu_share(t)
-    assert 0.25 <= gpu <= 0.55, res.lines
+    # The upper bound is the point (three threads do not get a cap each). The lower one is loose because on CI's two
+    # cores three launching threads and the simulated GPU's own thread share the CPU (it read 0.239 there once).
+    assert 0.2 <= gpu <= 0.55, res.lines
 
 
 
