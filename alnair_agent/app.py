@@ -135,13 +135,13 @@ class Agent:
         if choice.frontend == DRA:
             assert resources is not None
             self.dra = self.plugin = DraFrontEnd(s, self.ledger, workspace, resources, self.profiler, pods,
-                                                 self.list_claims)
+                                                 self.list_claims, events=events)
             return list(self.dra.services())
         self.plugin = DevicePluginService(s.device_plugin_dir, self.inventory, self.allocator, events)
         services: list[tuple[str, object]] = [("device-plugin", self.plugin.run())]
         if resources is not None:
             leftover = DraFrontEnd(s, self.ledger, workspace, resources, self.profiler, pods, self.list_claims,
-                                   serving=False)
+                                   serving=False, events=events)
             await leftover.slices.withdraw()
             if leftover.preparer.records():
                 self.dra = leftover

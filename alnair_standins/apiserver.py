@@ -70,9 +70,10 @@ def make_pod(
     restart_policy: str = "Always",
     uid: str | None = None,
     requests_only: bool = False,
+    run_as_user: int | None = None,
 ) -> dict[str, Any]:
     """A realistic pod dict. Each container is {"name": str, "memory": units, "compute": units, "gpus": count,
-    "memory_percent": percent of each GPU}
+    "memory_percent": percent of each GPU, "run_as_user": its securityContext.runAsUser}
     where units may be an int or any raw string (e.g. "1.5", to test validation) and either key may be left out. `node=None`
     makes an unbound pod (no nodeName, PodScheduled False). `requests_only` puts the quantities in
     resources.requests only (the API server would copy them to limits; the parser must cope with both)."""
@@ -96,6 +97,8 @@ def make_pod(
                 "imagePullPolicy": "IfNotPresent", "terminationMessagePolicy": "File"}
         if "restartPolicy" in c:  # restartable init container (sidecar)
             spec["restartPolicy"] = c["restartPolicy"]
+        if "run_as_user" in c:
+            spec["securityContext"] = {"runAsUser": c["run_as_user"]}
         return spec
 
     conditions = [{"type": "PodScheduled", "status": "True" if node else "False",
@@ -110,6 +113,8 @@ def make_pod(
     }
     if init_containers:
         spec["initContainers"] = [spec_of(c) for c in init_containers]
+    if run_as_user is not None:  # `run_as_user`: the pod's securityContext.runAsUser (its containers' default)
+        spec["securityContext"] = {"runAsUser": run_as_user}
     if node:
         spec["nodeName"] = node
     return {

@@ -30,6 +30,7 @@ import yaml
 from alnair_agent.config import Settings
 from alnair_agent.constants import DRA_ATTR_UUID, DRA_DEVICE_CLASS, DRA_DRIVER
 from alnair_agent.dra.capacity import slice_name
+from alnair_agent.kube.events import EventWriter
 from alnair_standins.apiserver import FakeApiServer, make_pod
 from alnair_standins.apiserver_process import ApiServerProcess
 from alnair_standins.dra_allocator import Allocator, reserved_for
@@ -104,13 +105,15 @@ class DraNode:
     pods: dict[str, dict[str, Any]] = field(default_factory=dict)  # name -> pod JSON
     _agent: Any = None  # the running agent's context manager
     process: AgentProcess | None = None  # the agent as its own process (then `running` is None)
+    events: EventWriter | None = None  # the agent's Event writer (dra_node(events=True)), drained as it stops
 
     async def start_agent(self) -> None:
         since = sum(d == DRA_DRIVER for d, _ in self.kubelet.registrations)
         if self.process is not None:
             await self._start_process(since)
             return
-        self._agent = running_agent(self.settings, kubernetes_for(self.client, dra=True, node=self.node))
+        self._agent = running_agent(self.settings, kubernetes_for(self.client, dra=True, node=self.node,
+                                                                  events=self.events))
         self.running = await self._agent.__aenter__()
         await self.kubelet.wait_registered(DRA_DRIVER, since=since)
         dra = self.running.agent.dra
@@ -233,11 +236,12 @@ class DraNode:
 
 
 @contextlib.asynccontextmanager
-async def dra_node(root: Path, api: FakeApiServer | ApiServerProcess, process: bool = False,
+async def dra_node(root: Path, api: FakeApiServer | ApiServerProcess, process: bool = False, events: bool = False,
                    **overrides: Any) -> AsyncIterator[DraNode]:
     """The real agent with the DRA front-end on `root`, its kubelet, and the DeviceClass on the API server
     (`node_name=` in `overrides` names another node: several can share one API server). `process`: the agent runs
-    as its own process, reaching the stand-in by KUBECONFIG, as on a node."""
+    as its own process, reaching the stand-in by KUBECONFIG, as on a node. `events`: the agent writes Events (in
+    process only)."""
     settings = replace(node_settings(root, frontend="dra", dra_plugin_dir=root / "plugins" / "alnair",
                                      plugins_registry_dir=root / "plugins_registry", cdi_dir=root / "cdi",
                                      place_unscheduled=False), **overrides)
@@ -257,12 +261,15 @@ async def dra_node(root: Path, api: FakeApiServer | ApiServerProcess, process: b
             allocator = Allocator({DRA_DEVICE_CLASS: device_class()})
             allocator.learn(api.claims())  # kube-scheduler's view: what claims already hold
             node = DraNode(api, settings, kubelet, None, allocator, client, settings.node_name,  # type: ignore[arg-type]
-                           process=agent_process)
+                           process=agent_process,
+                           events=EventWriter(client, settings.node_name) if events and not process else None)
             await node.start_agent()
             assert api.resource_slice(slice_name(settings.node_name)) is not None
             try:
                 yield node
             finally:
                 await node.stop_agent()
+                if node.events is not None:
+                    await node.events.drain()
     finally:
         await client.close()

@@ -22,6 +22,7 @@ from alnair_agent.app import Agent, Kubernetes
 from alnair_agent.config import Settings, parse_sim_gpus
 from alnair_agent.constants import RESOURCE_COMPUTE, RESOURCE_MEMORY, RESOURCES
 from alnair_agent.kube.annotations import AnnotationWriter, WriterTiming
+from alnair_agent.kube.events import EventWriter
 from alnair_agent.kube.podwatch import PodWatch
 from alnair_agent.kube.resourceapi import ResourceApi
 from alnair_agent.kube.wiring import pod_resources_client
@@ -87,14 +88,16 @@ def env_for(settings: Settings) -> dict[str, str]:
     return env
 
 
-def kubernetes_for(client: ApiClient, dra: bool = False, node: str = NODE) -> Kubernetes:
+def kubernetes_for(client: ApiClient, dra: bool = False, node: str = NODE,
+                   events: EventWriter | None = None) -> Kubernetes:
     """The agent's Kubernetes side wired to an API client (the stand-in's), with short writer intervals; `dra`
-    adds resource.k8s.io/v1 (as production wiring does), so the agent may choose the DRA front-end."""
+    adds resource.k8s.io/v1 (as production wiring does), so the agent may choose the DRA front-end; `events`: its
+    Event writer (none: the agent writes no Events; a test that passes one drains it)."""
     watch = PodWatch(client, node)
     writer = AnnotationWriter(client, node, WriterTiming(min_interval_s=0.05))
     return Kubernetes(pods=watch, annotations=writer,
                       services=[("pod-watch", watch.run), ("annotations", writer.run)],
-                      resources=ResourceApi(client) if dra else None)
+                      resources=ResourceApi(client) if dra else None, events=events)
 
 
 def gpu_of(device_id: str) -> str:

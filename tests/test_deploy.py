@@ -155,6 +155,7 @@ def test_the_mps_daemon_serves_the_folders_the_agent_is_told_to_hand_out() -> No
     assert (str(settings.mps_pipe_dir), str(settings.mps_shm_dir)) == (pipe, shm)
     assert spec["affinity"] == agent()["spec"]["template"]["spec"]["affinity"]
     assert spec["runtimeClassName"] == agent()["spec"]["template"]["spec"]["runtimeClassName"]
+    assert spec["hostPID"] is True  # a server in its own PID namespace does not start
     a_spec = agent()["spec"]["template"]["spec"]
     a_host = {v["name"]: v["hostPath"]["path"] for v in a_spec["volumes"] if "hostPath" in v}
     [main] = a_spec["containers"]

@@ -33,6 +33,7 @@ from alnair_agent.dra.plugin import DraPlugin
 from alnair_agent.dra.prepare import ClaimPreparer
 from alnair_agent.dra.slices import SliceApi, SlicePublisher
 from alnair_agent.gpu.backend import GpuInfo
+from alnair_agent.kube.events import EventSink
 from alnair_agent.kube.pod_source import PodSource
 from alnair_agent.node import edits
 from alnair_agent.node.inventory import Gpu
@@ -120,13 +121,15 @@ class DraFrontEnd:
 
     def __init__(self, settings: Settings, ledger: Ledger, workspace: Workspace, api: ResourceApiLike,
                  usage: UsageSink | None, pods: PodSource | None,
-                 list_claims: Callable[[], Awaitable[set[tuple[str, str]]]] | None, serving: bool = True) -> None:
+                 list_claims: Callable[[], Awaitable[set[tuple[str, str]]]] | None, serving: bool = True,
+                 events: EventSink | None = None) -> None:
         self.settings = settings
         self.serving = serving
         self.list_claims = list_claims
         self.preparer = ClaimPreparer(ledger, workspace, CdiWriter(settings.cdi_dir), api, settings.node_name,
                                       str(settings.shim_dir), usage=usage, pods=pods, accept_new=serving,
-                                      mps=edits.MpsFolders.of(settings.mps_pipe_dir, settings.mps_shm_dir))
+                                      mps=edits.MpsFolders.of(settings.mps_pipe_dir, settings.mps_shm_dir),
+                                      events=events)
         self.cleanup = ClaimCleanup(self.preparer)
         self.plugin = DraPlugin(self.preparer, settings.dra_plugin_dir, settings.plugins_registry_dir)
         self.slices = SlicePublisher(api, ledger, settings.node_name, settings.resync_interval_s)

@@ -46,9 +46,10 @@ from alnair_agent.dra.claims import (
     share_key,
 )
 from alnair_agent.dra.spares import SparePool
+from alnair_agent.kube.events import EventSink
 from alnair_agent.kube.pod_source import PodSource
 from alnair_agent.kube.pods import PodInfo
-from alnair_agent.node import edits
+from alnair_agent.node import edits, mps_users
 from alnair_agent.node.ledger import Ledger
 from alnair_agent.node.region import RegionError
 from alnair_agent.node.workspace import Allocation, ClaimShare, Workspace, new_allocation_id
@@ -82,7 +83,8 @@ class Placement:
 class ClaimPreparer:
     def __init__(self, ledger: Ledger, workspace: Workspace, cdi: CdiWriter, claims: ClaimSource,
                  node_name: str, shim_dir: str, usage: UsageSink | None = None, pods: PodSource | None = None,
-                 accept_new: bool = True, mps: edits.MpsFolders | None = None) -> None:
+                 accept_new: bool = True, mps: edits.MpsFolders | None = None,
+                 events: EventSink | None = None) -> None:
         self.ledger = ledger
         self.inventory = ledger.inventory
         self.workspace = workspace
@@ -91,6 +93,7 @@ class ClaimPreparer:
         self.node_name = node_name
         self.shim_dir = shim_dir
         self.mps = mps
+        self.events = events
         self.usage = usage
         self.pods = pods
         # False on a node whose GPUs the device plugin offers: only claims prepared before the switch are served
@@ -259,6 +262,10 @@ class ClaimPreparer:
                                    f"spec under {self.cdi.folder}: {e}") from e
             self._learn(self.records(ref.uid))  # records held from before, whose pod the watch now shows
             devices = self._devices(ref.uid)
+            warnings = [(a, why) for a in created if (why := self._mps_warning(a))]
+        for alloc, why in warnings:
+            if self.events is not None:
+                self.events.pod_warning(alloc.namespace, alloc.pod_name, alloc.pod_uid, mps_users.REASON_MPS_USER, why)
         # the times: what the API server's answer took, and the whole prepare as the agent saw it
         log.info("dra_claim_prepared", claim=f"{ref.namespace}/{ref.name}", uid=ref.uid, devices=len(devices),
                  new=len(created), read_ms=round(read_s * 1e3, 2),
@@ -299,6 +306,24 @@ class ClaimPreparer:
         log.info("dra_slice_created", allocation=alloc.id, claim=f"{r.share.namespace}/{r.share.name}",
                  request=r.share.request, gpu=r.gpu.uuid, memory_limit=memory_limit, compute_limit=compute_limit)
         return alloc
+
+    def _mps_warning(self, alloc: Allocation) -> str:
+        """Under MPS, why a new slice's containers may wait for another user's on its GPU (node/mps_users.py); ""
+        when nothing their pods declare says so, or its containers are not named yet (the pod not shown)."""
+        if self.mps is None or self.pods is None or not alloc.container:
+            return ""
+        pod = self.pods.get(alloc.pod_uid)
+        if pod is None:
+            return ""
+        for c in alloc.container.split(","):
+            me = mps_users.Tenant(f"{pod.namespace}/{pod.name}", c, pod.user_of(c))
+            others = mps_users.tenants(alloc.gpu_uuid, self.ledger.allocations.values(), self.pods.get,
+                                       lambda a: False)
+            why = mps_users.mismatch(alloc.gpu_uuid, me, [t for t in others if t != me])
+            if why is not None:
+                log.warning("mps_user_mismatch", pod=me.pod, container=c, gpu=alloc.gpu_uuid, reason=why)
+                return why
+        return ""
 
     def _drop(self, alloc: Allocation) -> None:
         self.workspace.remove(alloc.id)

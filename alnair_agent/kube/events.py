@@ -1,5 +1,6 @@
 """Kubernetes Events from the agent, where `kubectl describe` shows them: on the pod whose admission the agent
-refused (why, and the fix), and on the node when a GPU turns unhealthy or healthy again.
+refused (why, and the fix), on a pod admitted with a warning (an MPS GPU shared with another Linux user), and on
+the node when a GPU turns unhealthy or healthy again.
 
 Fire and forget: `pod_refused` and `gpu_health` return at once; the write (core/v1 Event, created with the
 agent's own JSON) runs as a task and a failure is logged, never raised, so an API-server outage never slows
@@ -28,6 +29,8 @@ MAX_MESSAGE = 1024  # the API server refuses longer event messages
 
 class EventSink(Protocol):
     def pod_refused(self, namespace: str, name: str, uid: str, message: str) -> None: ...
+
+    def pod_warning(self, namespace: str, name: str, uid: str, reason: str, message: str) -> None: ...
 
     def gpu_health(self, gpu_uuid: str, healthy: bool, reason: str) -> None: ...
 
@@ -64,6 +67,11 @@ class EventWriter:
     def pod_refused(self, namespace: str, name: str, uid: str, message: str) -> None:
         self._emit({"apiVersion": "v1", "kind": "Pod", "namespace": namespace, "name": name, "uid": uid},
                    REASON_REFUSED, message, "Warning")
+
+    def pod_warning(self, namespace: str, name: str, uid: str, reason: str, message: str) -> None:
+        """A pod admitted, with something its owner should know (e.g. node/mps_users.py)."""
+        self._emit({"apiVersion": "v1", "kind": "Pod", "namespace": namespace, "name": name, "uid": uid},
+                   reason, message, "Warning")
 
     def gpu_health(self, gpu_uuid: str, healthy: bool, reason: str) -> None:
         if healthy:

@@ -141,6 +141,16 @@ class PodInfo:
     # DRA: (ResourceClaim name, request name or "" for the whole claim, container) for every claim a container
     # (init containers too) references; the generated claims of templates by the names the pod's status gives them.
     claim_users: tuple[tuple[str, str, str], ...] = ()
+    # (container name, the Linux user it declares: its securityContext.runAsUser, else the pod's) of every container
+    # that declares one, init containers too; a container not named runs as its image's user (unknown here)
+    run_as: tuple[tuple[str, int], ...] = ()
+
+    def user_of(self, container: str) -> int | None:
+        """The user `container` declares it runs as; None: its image's user, which the pod does not say."""
+        for name, user in self.run_as:
+            if name == container:
+                return user
+        return None
 
     @property
     def finished(self) -> bool:
@@ -389,6 +399,26 @@ def _claim_users(spec: Mapping[str, Any], status: Mapping[str, Any]) -> tuple[tu
     return tuple(out)
 
 
+def _user(context: Any) -> int | None:
+    """securityContext.runAsUser when it is a user ID (the API server allows 0 to 2^31 - 1), else None."""
+    user = _dict(context).get("runAsUser")
+    return user if isinstance(user, int) and not isinstance(user, bool) and 0 <= user < 2**31 else None
+
+
+def _run_as(spec: Mapping[str, Any]) -> tuple[tuple[str, int], ...]:
+    """Each container's declared user: its own securityContext.runAsUser, else the pod's (Kubernetes' own rule)."""
+    default = _user(spec.get("securityContext"))
+    out: list[tuple[str, int]] = []
+    for key in ("initContainers", "containers"):
+        for c in _list(spec.get(key)):
+            c = _dict(c)
+            name, own = c.get("name"), _user(c.get("securityContext"))
+            user = own if own is not None else default
+            if isinstance(name, str) and name and user is not None:
+                out.append((name, user))
+    return tuple(out)
+
+
 def parse_pod(obj: Mapping[str, Any]) -> PodInfo:
     """Build a PodInfo from a pod's JSON dict; PodError when uid, namespace or name is missing."""
     meta, spec, status = _dict(obj.get("metadata")), _dict(obj.get("spec")), _dict(obj.get("status"))
@@ -443,4 +473,5 @@ def parse_pod(obj: Mapping[str, Any]) -> PodInfo:
         usage=usage if isinstance(usage := _dict(meta.get("annotations")).get(USAGE_ANNOTATION), str) else "",
         compute_policy=cp if isinstance(cp := annotations.get(COMPUTE_POLICY_ANNOTATION), str) else "",
         claim_users=_claim_users(spec, status),
+        run_as=_run_as(spec),
     )

@@ -43,7 +43,7 @@ from alnair_agent.kube.pod_source import PodSource
 from alnair_agent.kube.pods import ContainerRequest, PodInfo
 from alnair_agent.kubelet import multigpu
 from alnair_agent.kubelet.errors import AllocationError
-from alnair_agent.node import edits, fit
+from alnair_agent.node import edits, fit, mps_users
 from alnair_agent.node.decision import Granted
 from alnair_agent.node.inventory import UnknownDevice
 from alnair_agent.node.ledger import Ledger
@@ -69,6 +69,7 @@ class ContainerAnswer:
     envs: dict[str, str]
     mounts: list[tuple[str, str, bool]]  # (container_path, host_path, read_only)
     allocation: Allocation
+    warning: str = ""  # for the pod's events: it is admitted, and may wait (node/mps_users.py)
 
 
 @dataclass(frozen=True)
@@ -500,7 +501,8 @@ class Allocator:
                 alloc = self._create(gpu_uuid, resource, device_ids, target.pod, target.request)
             if reused:
                 self._release(reused, keep=alloc.id)
-            answer = ContainerAnswer(self._envs(alloc), self._mounts(alloc), alloc)
+            answer = ContainerAnswer(self._envs(alloc), self._mounts(alloc), alloc,
+                                     self._mps_warning(target) if target.existing is None else "")
             log.info("allocated", allocation=alloc.id, resource=resource, units=len(device_ids), gpu=gpu_uuid,
                      pod=alloc.ref(), container=alloc.container)
             self._maybe_confirm(target.pod)
@@ -538,11 +540,28 @@ class Allocator:
                     self._abandon(p, "another GPU of its container could not be set up")
                 raise
         lead = parts[0]
-        answer = ContainerAnswer(self._envs(lead), self._mounts(lead), lead)
+        answer = ContainerAnswer(self._envs(lead), self._mounts(lead), lead,
+                                 self._mps_warning(target) if target.existing is None else "")
         log.info("allocated", allocation=lead.id, resource=resource, units=len(device_ids), gpus=list(target.gpus),
                  allocations=[p.id for p in parts], pod=lead.ref(), container=lead.container)
         self._maybe_confirm(target.pod)
         return answer
+
+    def _mps_warning(self, target: _Target) -> str:
+        """Under MPS, why the container just admitted may wait for another user's containers on its GPUs ("" when
+        its pods declare nothing that says so); said once, when its first resource is allocated."""
+        if self.mps is None or self.pods is None:
+            return ""
+        me = mps_users.Tenant(f"{target.pod.namespace}/{target.pod.name}", target.request.container,
+                              target.pod.user_of(target.request.container))
+        for gpu in target.gpus:
+            others = mps_users.tenants(gpu, self.ledger.allocations.values(), self.pods.get,
+                                       lambda a: a.pod_uid == target.pod.uid and a.serves(me.container))
+            why = mps_users.mismatch(gpu, me, others)
+            if why is not None:
+                log.warning("mps_user_mismatch", pod=me.pod, container=me.container, gpu=gpu, reason=why)
+                return why
+        return ""
 
     def _take_devices(self, device_ids: list[str], pod_uid: str) -> list[str]:
         """Check that no live container of another pod holds the devices; return those an ended container of the

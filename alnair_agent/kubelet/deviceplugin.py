@@ -40,6 +40,7 @@ from alnair_agent.constants import (
 from alnair_agent.grpc_unix import serve_unix
 from alnair_agent.kube.events import EventSink
 from alnair_agent.kubelet.admission import AllocationError, Allocator
+from alnair_agent.node import mps_users
 from alnair_agent.node.inventory import Inventory
 from alnair_agent.proto import deviceplugin_pb2 as pb
 from alnair_agent.proto import deviceplugin_pb2_grpc as pb_grpc
@@ -108,6 +109,10 @@ class ResourceServicer(pb_grpc.DevicePluginServicer):
             if self.events is not None and e.pod is not None:
                 self.events.pod_refused(e.pod.namespace, e.pod.name, e.pod.uid, e.message)
             await context.abort(e.code, e.message)
+        for answer in answers:
+            a = answer.allocation
+            if answer.warning and self.events is not None:
+                self.events.pod_warning(a.namespace, a.pod_name, a.pod_uid, mps_users.REASON_MPS_USER, answer.warning)
         return pb.AllocateResponse(container_responses=[
             pb.ContainerAllocateResponse(
                 envs=answer.envs,
