@@ -204,9 +204,9 @@ def capped(alloc_id: str, cap: int, pod: str) -> Allocation:
     return Allocation(alloc_id, GPU, {}, {}, 1 << 30, cap, "default", pod, "", "main", created_at=1_700_000_000.0)
 
 
-def write_slot(region: Path, pid: int, start_time: int | None, gpu_ns: int) -> None:
-    """What a capped container's shim writes in its region's first slot: its pid (and start time), the GPU time it
-    counted."""
+def write_slot(region: Path, pid: int, start_time: int | None, gpu_ns: int, launches: int = 0) -> None:
+    """What a container's shim writes in its region's first slot: its pid (and start time), the GPU time it
+    counted (capped), its launches."""
     import struct
 
     from alnair_agent.node import region_layout as L
@@ -219,6 +219,8 @@ def write_slot(region: Path, pid: int, start_time: int | None, gpu_ns: int) -> N
             f.write(struct.pack("<Q", start_time))
         f.seek(L.absolute_offset("alnair_region_slot", "gpu_ns"))
         f.write(struct.pack("<Q", gpu_ns))
+        f.seek(L.absolute_offset("alnair_region_slot", "launches"))
+        f.write(struct.pack("<Q", launches))
 
 
 async def test_a_capped_containers_utilization_is_the_gpu_time_its_shim_counted(tmp_path: Path) -> None:
@@ -298,6 +300,56 @@ async def test_an_mps_servers_figure_is_its_clients_work_not_a_strangers(tmp_pat
     mem = tuple((p.usage[k].memcpy_util_integral - before_mem[k]) / backend.samples.window_s for k in (a.id, b.id))
     assert all(abs(g - w) <= 1 for g, w in zip(mem, want_mem, strict=True)), (mem, want_mem)
     assert p.unattributed == {GPU: 1}  # the server is still on no container
+    for r in regions.values():
+        r.close()
+
+
+@pytest.mark.parametrize(("comm", "want"), [
+    ("nvidia-cuda-mps", {"cap": (30.0, 6.7), "u1": (45.0, 10.0), "u2": (15.0, 3.3), "idle": None}),
+    # a stranger's 90 % leaves the capped container 5 of the device's 95, and the uncapped ones their own (0)
+    ("python3", {"cap": (5.0, 0.0), "u1": (0.0, 0.0), "u2": (0.0, 0.0), "idle": None}),
+])
+async def test_under_mps_uncapped_containers_get_what_the_server_ran_beyond_the_capped_ones(
+        tmp_path: Path, comm: str, want: dict[str, tuple[float, float] | None]) -> None:
+    """Under MPS an uncapped client's own NVML samples read 0 (the server holds its work; its shim times nothing).
+    What the server ran beyond the capped containers' figures is the uncapped clients': the server at 90 % beside a
+    capped container that ran 30 leaves 60, split by the launches the uncapped ones counted (300 and 100: 45 and
+    15); one that launched nothing gets nothing; the server's memory traffic (20 %) split by those figures. A
+    stranger's figure is nobody's."""
+    import time
+
+    ws = Workspace(tmp_path / "ws")
+    ws.ensure()
+    allocs = {"cap": capped("00000000000000c1", 30, "p"), "u1": capped("00000000000000d1", 0, "q"),
+              "u2": capped("00000000000000d2", 0, "r"), "idle": capped("00000000000000d3", 0, "s")}
+    regions = {a.id: ws.create(a) for a in allocs.values()}
+    server = tmp_path / "proc" / "5555"
+    server.mkdir(parents=True)
+    (server / "comm").write_text(comm + "\n")
+    (server / "cgroup").write_text("0::/system.slice/nvidia-mps.service\n")
+    backend = Backend(Samples((GpuSample(GPU, 95.0),), (ProcessSample(GPU, 5555, 90.0, 20.0, 5),), 1.0))
+    p = Profiler(backend, Ledger({a.id: a for a in allocs.values()}), ws, Pods(), Sink(), 1.0, 30.0,  # type: ignore[arg-type]
+                 proc_root=tmp_path / "proc")
+    for a in allocs.values():
+        write_slot(ws.container_folder(a.id) / "region", 4242, None, 0, 1000)
+    await p.tick()  # the baseline
+    before = {k: (p.usage[a.id].gpu_util_integral, p.usage[a.id].memcpy_util_integral, p.usage[a.id].observed_s)
+              for k, a in allocs.items()}
+    t = p._regions_at
+    for k, gpu_ns, launches in (("cap", int(0.3e9), 1000), ("u1", 0, 1300), ("u2", 0, 1100), ("idle", 0, 1000)):
+        write_slot(ws.container_folder(allocs[k].id) / "region", 4242, None, gpu_ns, launches)
+    while time.monotonic() < t + 1.0:
+        time.sleep(0.01)
+    await p.tick()
+    for k, a in allocs.items():
+        u = p.usage[a.id]
+        util = (u.gpu_util_integral - before[k][0]) / backend.samples.window_s
+        mem = (u.memcpy_util_integral - before[k][1]) / backend.samples.window_s
+        expected = want[k]
+        if expected is None:  # no sample: it ran nothing
+            assert u.observed_s == before[k][2], k
+            continue
+        assert abs(util - expected[0]) <= 2 and abs(mem - expected[1]) <= 0.5, (k, util, mem, expected)
     for r in regions.values():
         r.close()
 

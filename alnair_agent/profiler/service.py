@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -70,6 +70,7 @@ class _Collected:
     gpu_time: dict[str, Slots]  # allocation -> slots' gpu_ns counters
     at: float = 0.0  # monotonic s the sample was taken (the end of its window), for the dispatcher
     mps_servers: frozenset[tuple[int, str]] = frozenset()  # (host pid, GPU uuid) of MPS servers: their clients' work
+    launches: dict[str, Slots] = field(default_factory=dict)  # allocation -> slots' launch counters
 
 
 def _order(alloc: "Allocation") -> tuple[int, float]:
@@ -215,7 +216,8 @@ class Profiler:
                 copied[alloc_id] = self._entry(alloc).add_copies(collected.copies.get(alloc_id, []))
         dma = self._copy_shares(collected.samples, copied)
         metered = self._metered_utils(collected, snap)
-        metered_mem = self._metered_mem_utils(collected, metered)
+        served = self._mps_unmetered_utils(collected, snap, metered)
+        metered_mem = self._metered_mem_utils(collected, metered | served)
         for alloc_id in snap.alloc_ids:
             alloc = self.ledger.allocations.get(alloc_id)
             if alloc is None:
@@ -224,7 +226,7 @@ class Profiler:
             u.add_waits(collected.waits.get(alloc_id, []))
             procs = per_alloc.get(alloc_id, [])
             share = dma.get(alloc_id, 0.0)
-            mine = metered.get(alloc_id)
+            mine = metered.get(alloc_id, served.get(alloc_id))
             if (procs or share or mine) and dt > 0:
                 memory = sum(p.used_memory_bytes or 0 for p in procs)
                 if not memory:
@@ -278,6 +280,38 @@ class Profiler:
             if gpu in room and claimed[gpu] > max(room[gpu], 0.0):
                 util *= max(room[gpu], 0.0) / claimed[gpu]  # (claimed > 0 here)
             out[alloc_id] = util
+        return out
+
+    def _mps_unmetered_utils(self, collected: _Collected, snap: _Snapshot,
+                             metered: dict[str, float]) -> dict[str, float]:
+        """Under MPS, per allocation its shim does not meter (compute uncapped) on a GPU whose MPS server NVML
+        sampled: NVML books every client's work to the server (an uncapped client's own samples read 0 on an H100),
+        so what the server ran beyond what the capped containers' shims timed is the uncapped clients'. All of it to
+        the one that launched this tick; among several, split by the launches their shims counted (launches are not
+        time: a container of few long kernels gets too little beside one of many short ones)."""
+        served: dict[str, float] = {}
+        for proc in collected.samples.processes:
+            if (proc.pid, proc.gpu_uuid) in collected.mps_servers:
+                served[proc.gpu_uuid] = served.get(proc.gpu_uuid, 0.0) + (proc.sm_util or 0.0)
+        device = {g.uuid: g.gpu_util for g in collected.samples.gpus if g.gpu_util is not None
+                  and math.isfinite(g.gpu_util)}
+        claimed = self._per_gpu_sum(metered)
+        counts: dict[str, dict[str, int]] = {}
+        for alloc_id in snap.alloc_ids:
+            alloc = self.ledger.allocations.get(alloc_id)
+            if alloc is None or 0 < alloc.compute_limit < 100:
+                continue
+            grown = self._entry(alloc).launches.grown(collected.launches.get(alloc_id, []))  # every tick: its baseline
+            counts.setdefault(alloc.gpu_uuid, {})[alloc_id] = grown
+        out: dict[str, float] = {}
+        for gpu, by_alloc in counts.items():
+            if gpu not in served:
+                continue
+            left = max(0.0, min(served[gpu], device.get(gpu, served[gpu])) - claimed.get(gpu, 0.0))
+            total = sum(by_alloc.values())
+            for alloc_id, n in by_alloc.items():
+                if n > 0:  # one that launched nothing this tick ran nothing of it
+                    out[alloc_id] = left * n / total
         return out
 
     def _per_gpu_sum(self, utils: dict[str, float]) -> dict[str, float]:
@@ -391,6 +425,7 @@ class Profiler:
         waits: dict[str, Slots] = {}
         copies: dict[str, Slots] = {}
         gpu_time: dict[str, Slots] = {}
+        launches: dict[str, Slots] = {}
         region_memory: dict[str, int] = {}
         for alloc_id in snap.alloc_ids:
             region = self._region(alloc_id)
@@ -407,6 +442,7 @@ class Profiler:
             waits[alloc_id] = [((s.index, s.pid, s.start_time), s.wait_ns) for s in readings]
             copies[alloc_id] = [((s.index, s.pid, s.start_time), s.copy_bytes) for s in readings]
             gpu_time[alloc_id] = [((s.index, s.pid, s.start_time), s.gpu_ns) for s in readings]
+            launches[alloc_id] = [((s.index, s.pid, s.start_time), s.launches) for s in readings]
         places: dict[tuple[int, str], str] = {}
         placed: dict[tuple[int, str], tuple[str, int]] = {}
         unattributed: dict[str, int] = {g.uuid: 0 for g in samples.gpus}
@@ -436,7 +472,7 @@ class Profiler:
                 placed[key] = (owner, started)
         self._placed = placed
         return _Collected(samples, places, unattributed, waits, copies, region_memory, gpu_time, at,
-                          frozenset(mps_servers))
+                          frozenset(mps_servers), launches)
 
     def _drop_gone_pods(self) -> None:
         if self.pods is None or not self.pods.synced:

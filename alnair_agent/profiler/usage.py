@@ -66,7 +66,9 @@ FIELDS: tuple[Field, ...] = (
     Field("gpu_util_mean", "% of the GPU", "Mean of the container's own GPU utilization while its processes "
           "were on the GPU. A compute-capped container: the GPU time its kernels ran in its turns, as the shim timed "
           "them, scaled down where the capped containers of its GPU together claim more than NVML's device "
-          "utilization; any other: NVML's per-process SM utilization."),
+          "utilization; any other: NVML's per-process SM utilization, or under MPS (NVML books every client's work "
+          "to the server) what the server ran beyond the capped containers' figures, split among the GPU's "
+          "uncapped containers by the launches their shims counted."),
     Field("gpu_util_max", "% of the GPU", "Highest sampled GPU utilization of the container."),
     Field("memcpy_util_mean", "% of the GPU", "Mean memory-copy utilization of the container while its processes "
           "were on the GPU: their kernels' memory traffic (NVML per process; a compute-capped container: its part, by "
@@ -151,6 +153,7 @@ class ContainerUsage:
     memcpy_util_now: float = 0.0
     copies: SlotCounter = field(default_factory=SlotCounter)  # the slots' copy_bytes
     gpu_time: SlotCounter = field(default_factory=SlotCounter)  # the slots' gpu_ns (metered launches)
+    launches: SlotCounter = field(default_factory=SlotCounter)  # the slots' launch counters (uncapped, under MPS)
     memory_now_bytes: int = 0
     resumed: bool = False  # figures of an earlier agent run looked for (see resume)
 
