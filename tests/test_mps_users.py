@@ -129,7 +129,8 @@ async def test_the_dra_front_end_tells_a_claims_pod_the_same(root, api: FakeApiS
             pod = make_claim_pod(name, {"gpu": f"c-{name}"}, [("main", [("gpu", None)])])
             pod["spec"]["securityContext"] = {"runAsUser": user}
             node.pods[name] = pod = api.add_pod(pod)
-            await wait_until(lambda: node.running.agent.kubernetes.pods.get(pod["metadata"]["uid"]) is not None, 5)
+            uid = pod["metadata"]["uid"]
+            await wait_until(lambda uid=uid: node.running.agent.kubernetes.pods.get(uid) is not None, 5)
             node.schedule(pod, [f"c-{name}"])
             await node.start(pod)
         await wait_until(lambda: len(api.kube_events) >= 1, 5)
