@@ -176,6 +176,10 @@ static uint64_t windows(uint64_t cost, struct stream_ctr *sc, CUstream stream, i
     G.valid = 0;
     PROBE(P_GATE_SLOW, 0);
     for (int polled = 0;; now = alnair_now_ns(), seq = RLOAD(alnair_cur_region()->agent.turn_seq)) {
+        /* made a latency container while it waited (its first launch came before the agent set its class): a
+         * latency container has no window, so the wait would never end; turn_gate's latency gate decides now */
+        if (UNLIKELY(RLOAD(alnair_cur_region()->agent.compute_class) == ALNAIR_CLASS_LATENCY))
+            break;
         struct alnair_turn t;
         alnair_turn_read(&t);
         if (now < t.free_until || t.length >= t.period) {
@@ -260,6 +264,11 @@ uint64_t turn_gate(uint64_t cost, struct stream_ctr *sc, CUstream stream, int pt
         now = alnair_now_ns();
     } else {
         waited = windows(cost, sc, stream, pt, &now, &owed);
+        if (UNLIKELY(RLOAD(r->agent.compute_class) == ALNAIR_CLASS_LATENCY)) {
+            owed = mask = 0; /* it became a latency container while it waited: its own gate, no neighbour's hold */
+            waited += latency_gate(cost, sc, now);
+            now = alnair_now_ns();
+        }
         if (UNLIKELY(mask != 0) && hold_free_short(cost))
             mask = 0;
         /* beside a latency container: hold back while it runs; the hold may outlast the window, so the turns are
