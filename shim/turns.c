@@ -264,7 +264,8 @@ uint64_t turn_gate(uint64_t cost, struct stream_ctr *sc, CUstream stream, int pt
         now = alnair_now_ns();
     } else {
         waited = windows(cost, sc, stream, pt, &now, &owed);
-        if (UNLIKELY(RLOAD(r->agent.compute_class) == ALNAIR_CLASS_LATENCY)) {
+        /* only a wait that ended without a yes (G.valid 0) can have seen the class change: no second load otherwise */
+        if (UNLIKELY(!G.valid) && RLOAD(r->agent.compute_class) == ALNAIR_CLASS_LATENCY) {
             owed = mask = 0; /* it became a latency container while it waited: its own gate, no neighbour's hold */
             waited += latency_gate(cost, sc, now);
             now = alnair_now_ns();

@@ -116,7 +116,24 @@ async def test_requests_do_not_wait_for_the_neighbours_window(root, api, build, 
     assert held["busy"][1] > 0 and held["svc"] == (0, 0)
 
 
-async def test_a_flood_of_requests_gets_its_cap_over_each_second(root, api, build, timelines):  # noqa: F811
+def as_mps_clients(*tenants) -> None:  # type: ignore[no-untyped-def]
+    """The simulated driver says its contexts are an MPS server's clients (CU_DEVICE_ATTRIBUTE_MPS_ENABLED): the
+    shim's rule for MPS applies (a neighbour's short launches are free of the holds). Its timeline still runs one
+    kernel at a time: the rule is what is tested here, not MPS's overlap."""
+    for t in tenants:
+        t.env["SIMCUDA_MPS"] = "1"
+
+
+@pytest.mark.parametrize(("mps", "shape", "floor"), [
+    # Not starved: held while the flood runs, made up after its windows. How much it makes up is this 2-core
+    # machine's (43.8-62.2 % over runs here, four spinning threads on two CPUs); the issue sets no goal for it.
+    (False, "mm", 35),
+    # Under MPS a neighbour's short launches (20 us) are neither held nor marked: the flood is still held to its cap
+    # by its own gate, and the launch-bound neighbour (~41 % alone) runs on beside it.
+    (True, "small", 10),
+])
+async def test_a_flood_of_requests_gets_its_cap_over_each_second(root, api, build, timelines,  # noqa: F811
+                                                                 mps, shape, floor):
     """Requests back to back (far more than its cap): the service's GPU time over each second stays within 3 points
     of its cap, and the neighbour gets the rest of the GPU it is capped to."""
     settings = settings_for(root, timelines)
@@ -125,19 +142,20 @@ async def test_a_flood_of_requests_gets_its_cap_over_each_second(root, api, buil
         await registered(kubelet)
         svc = await admit(api, kubelet, build, timelines, "svc", 30, policy="latency")
         busy = await admit(api, kubelet, build, timelines, "busy", 70)
-        await busy.start(6_000)
+        if mps:
+            as_mps_clients(svc, busy)
+        await busy.start(6_000, shape=shape)
         t0 = now_ns()
         await svc.start(5_000, shape="mm")  # kernels back to back: a flood
         await asyncio.gather(svc.wait(), busy.wait())
         busy.recorder.poll()
         per_s = svc.series(t0 + 1_000_000_000, t0 + 5_000_000_000, 1_000_000_000)
         nb = busy.series(t0 + 1_000_000_000, t0 + 5_000_000_000, 1_000_000_000)
-        print("flood: service per s", [round(x, 1) for x in per_s], "neighbour", [round(x, 1) for x in nb])
+        print(f"flood (mps={mps}): service per s", [round(x, 1) for x in per_s], f"{shape} neighbour",
+              [round(x, 1) for x in nb])
         assert all(x <= 30 + 3 for x in per_s), per_s
         assert all(x >= 30 - 3 for x in per_s), per_s  # and it gets what it pays for
-        # Not starved: held while the flood runs, made up after its windows. How much it makes up is this 2-core
-        # machine's (43.8-62.2 % over runs here, four spinning threads on two CPUs); the issue sets no goal for it.
-        assert all(x >= 35 for x in nb), nb
+        assert all(x >= floor for x in nb), nb
 
 
 async def test_an_idle_latency_container_costs_its_neighbour_nothing(root, api, build, timelines):  # noqa: F811
@@ -204,36 +222,6 @@ async def test_with_the_agent_down_requests_still_do_not_wait_and_a_flood_keeps_
     assert pct(lat, 0.5) <= 0.6 + BUSY_NS / 1e6 + 1.0 and pct(lat, 0.99) <= 20, lat
     assert all(x <= 30 + 3 for x in per_s), per_s
     assert all(x >= 35 for x in nb), nb
-
-
-def as_mps_clients(*tenants) -> None:  # type: ignore[no-untyped-def]
-    """The simulated driver says its contexts are an MPS server's clients (CU_DEVICE_ATTRIBUTE_MPS_ENABLED): the
-    shim's rule for MPS applies (a neighbour's short launches are free of the holds). Its timeline still runs one
-    kernel at a time: the rule is what is tested here, not MPS's overlap."""
-    for t in tenants:
-        t.env["SIMCUDA_MPS"] = "1"
-
-
-async def test_under_mps_a_flood_keeps_its_cap_beside_a_short_kernel_neighbour(root, api, build, timelines):  # noqa: F811
-    """Under MPS a neighbour's short launches (20 us) are neither held nor marked: a flood of requests must still be
-    held to its cap over each second by its own gate, and the neighbour runs on beside it."""
-    settings = settings_for(root, timelines)
-    async with api.api_client() as client, running_agent(settings, kubernetes_for(client)), \
-            KubeletEmulator(settings.device_plugin_dir, settings.pod_resources_socket) as kubelet:
-        await registered(kubelet)
-        svc = await admit(api, kubelet, build, timelines, "svc", 30, policy="latency")
-        busy = await admit(api, kubelet, build, timelines, "busy", 70)
-        as_mps_clients(svc, busy)
-        await busy.start(6_000, shape="small")
-        t0 = now_ns()
-        await svc.start(5_000, shape="mm")
-        await asyncio.gather(svc.wait(), busy.wait())
-        busy.recorder.poll()
-        per_s = svc.series(t0 + 1_000_000_000, t0 + 5_000_000_000, 1_000_000_000)
-        nb = busy.series(t0 + 1_000_000_000, t0 + 5_000_000_000, 1_000_000_000)
-        print("MPS flood: service per s", [round(x, 1) for x in per_s], "short-kernel neighbour", [round(x, 1) for x in nb])
-        assert all(30 - 3 <= x <= 30 + 3 for x in per_s), per_s
-        assert all(x >= 10 for x in nb), nb
 
 
 

@@ -73,6 +73,11 @@ class _Collected:
     launches: dict[str, Slots] = field(default_factory=dict)  # allocation -> slots' launch counters
 
 
+def _device_utils(samples: Samples) -> dict[str, float]:
+    """GPU uuid -> NVML's device utilization (%), for the GPUs that gave a finite one."""
+    return {g.uuid: g.gpu_util for g in samples.gpus if g.gpu_util is not None and math.isfinite(g.gpu_util)}
+
+
 def _order(alloc: "Allocation") -> tuple[int, float]:
     """Where an allocation's figures go among its container's: its GPU's position in the container's GPUs."""
     return (alloc.part, alloc.created_at)
@@ -266,8 +271,7 @@ class Profiler:
             grown = counter.grown(collected.gpu_time.get(alloc_id, []))
             if had_baseline and last is not None and collected.at > last:
                 raw[alloc_id] = min(100.0 * grown / ((collected.at - last) * 1e9), 100.0)
-        room = {g.uuid: g.gpu_util for g in collected.samples.gpus if g.gpu_util is not None
-                and math.isfinite(g.gpu_util)}
+        room = _device_utils(collected.samples)
         for proc in collected.samples.processes:
             key = (proc.pid, proc.gpu_uuid)
             # an MPS server's figure is its clients' work (ALNAIR_MPS_PIPE_DIR): the capped containers' own
@@ -293,8 +297,7 @@ class Profiler:
         for proc in collected.samples.processes:
             if (proc.pid, proc.gpu_uuid) in collected.mps_servers:
                 served[proc.gpu_uuid] = served.get(proc.gpu_uuid, 0.0) + (proc.sm_util or 0.0)
-        device = {g.uuid: g.gpu_util for g in collected.samples.gpus if g.gpu_util is not None
-                  and math.isfinite(g.gpu_util)}
+        device = _device_utils(collected.samples)
         claimed = self._per_gpu_sum(metered)
         counts: dict[str, dict[str, int]] = {}
         for alloc_id in snap.alloc_ids:
