@@ -168,6 +168,8 @@ def main() -> None:
     ap.add_argument("--batches", type=int, default=400)
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--trace-dir", help="with a trace build (-DALNAIR_TRACE): the in-process runs write their "
+                    "records and probe sums here (uncapped.trace, metered.trace and .sum beside each)")
     a = ap.parse_args()
     from alnair_agent.node.region import Region, Turn, monotonic_ns
 
@@ -186,8 +188,11 @@ def main() -> None:
         shim_region = {"LD_PRELOAD": a.shim, "ALNAIR_REGION": str(region)}
         shim_bare = {"LD_PRELOAD": a.shim, "ALNAIR_REGION": str(tmp / "none")}
         shim_capped = {"LD_PRELOAD": a.shim, "ALNAIR_REGION": str(capped)}
-        inproc = run(exe, [str(a.batches), str(a.batch), "inproc"], shim_region)
-        inproc_metered = run(exe, [str(a.batches), str(a.batch), "inproc"], shim_capped)
+        def traced(env: dict[str, str], name: str) -> dict[str, str]:
+            return {**env, "ALNAIR_TRACE_FILE": str(Path(a.trace_dir) / f"{name}.trace")} if a.trace_dir else env
+
+        inproc = run(exe, [str(a.batches), str(a.batch), "inproc"], traced(shim_region, "uncapped"))
+        inproc_metered = run(exe, [str(a.batches), str(a.batch), "inproc"], traced(shim_capped, "metered"))
         envs = {"no shim": {}, "shim, region (uncapped)": shim_region, "shim, no region": shim_bare,
                 "shim, region (capped: metered)": shim_capped}
         per_proc: dict[str, list[list[float]]] = {k: [] for k in envs}
