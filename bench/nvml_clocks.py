@@ -1,0 +1,94 @@
+"""The GPU's clocks, performance state and power, sampled in the background while a benchmark runs (a diagnostic).
+
+A host-bound program capped on turns runs slower inside its windows than alone (issue 25's small-kernel loop at
+cap 30: 22 % of its pace alone against 30 +- 3 on an H100), with the shim holding it nowhere (the trace build).
+Whether the GPU idles down between windows, and comes back slower, is what this samples: every --every-ms, NVML's
+SM and memory clocks, performance state, power and device utilization, with CLOCK_MONOTONIC (the shim's and
+bench/turn_trace.py's clock) and wall time, one JSON object per line, until SIGTERM/SIGINT or --seconds.
+
+    python3 bench/nvml_clocks.py --out clocks.jsonl [--every-ms 5] [--seconds 600] &
+    ...; kill %1
+    python3 bench/nvml_clocks.py --summarise clocks.jsonl --spans t.json   (mean clocks inside each span)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+
+def sample(out: Path, every_ms: float, seconds: float, index: int) -> int:
+    import pynvml
+
+    pynvml.nvmlInit()
+    h = pynvml.nvmlDeviceGetHandleByIndex(index)
+    stop = False
+
+    def _stop(*_: object) -> None:
+        nonlocal stop
+        stop = True
+
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
+    n, end = 0, time.monotonic() + seconds
+    with out.open("w") as f:
+        while not stop and time.monotonic() < end:
+            t = time.monotonic_ns()
+            rec: dict[str, Any] = {"mono_ns": t, "wall": time.time()}
+            try:
+                rec["sm_mhz"] = pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_SM)
+                rec["mem_mhz"] = pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_MEM)
+                rec["pstate"] = pynvml.nvmlDeviceGetPerformanceState(h)
+                rec["power_w"] = pynvml.nvmlDeviceGetPowerUsage(h) / 1000
+                rec["util"] = pynvml.nvmlDeviceGetUtilizationRates(h).gpu
+            except pynvml.NVMLError as e:
+                rec["error"] = str(e)
+            f.write(json.dumps(rec) + "\n")
+            n += 1
+            time.sleep(max(0.0, every_ms / 1000 - (time.monotonic_ns() - t) / 1e9))
+    pynvml.nvmlShutdown()
+    return n
+
+
+def summarise(path: Path, spans: list[tuple[str, int, int]]) -> list[dict[str, Any]]:
+    """Per (name, t0_ns, t1_ns) span of CLOCK_MONOTONIC: the samples' mean / min SM clock, pstates seen."""
+    recs = [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]
+    out = []
+    for name, t0, t1 in spans:
+        rs = [r for r in recs if t0 <= r["mono_ns"] < t1 and "sm_mhz" in r]
+        if not rs:
+            out.append({"span": name, "samples": 0})
+            continue
+        sm = [r["sm_mhz"] for r in rs]
+        out.append({"span": name, "samples": len(rs), "sm_mhz_mean": round(statistics.fmean(sm), 1),
+                    "sm_mhz_min": min(sm), "sm_mhz_max": max(sm), "pstates": sorted({r["pstate"] for r in rs}),
+                    "power_w_mean": round(statistics.fmean(r["power_w"] for r in rs), 1)})
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path)
+    ap.add_argument("--every-ms", type=float, default=5.0)
+    ap.add_argument("--seconds", type=float, default=600.0)
+    ap.add_argument("--index", type=int, default=0)
+    ap.add_argument("--summarise", type=Path, help="a file this wrote: summarise it")
+    ap.add_argument("--span", action="append", default=[], metavar="NAME:T0_NS:T1_NS")
+    a = ap.parse_args()
+    if a.summarise:
+        spans = [(s.split(":")[0], int(s.split(":")[1]), int(s.split(":")[2])) for s in a.span]
+        print(json.dumps(summarise(a.summarise, spans), indent=1))
+        return
+    if a.out is None:
+        ap.error("--out or --summarise")
+    n = sample(a.out, a.every_ms, a.seconds, a.index)
+    print(f"nvml_clocks: {n} samples to {a.out}")
+
+
+if __name__ == "__main__":
+    main()
