@@ -224,7 +224,6 @@ async def test_with_the_agent_down_requests_still_do_not_wait_and_a_flood_keeps_
     assert all(x >= 35 for x in nb), nb
 
 
-
 async def test_under_mps_an_idle_latency_container_costs_a_short_kernel_neighbour_nothing(root, api, build, timelines):  # noqa: F811
     """Under MPS, a latency container that served requests and then fell quiet (past LATENCY_IDLE_S) leaves its
     neighbour (the launch-bound loop, 20 us kernels) unbound: no hold mask, nothing held, its pace as before the
