@@ -174,7 +174,7 @@ void alnair_trace(char kind, uint64_t a, uint64_t b, uint64_t c, uint64_t d);
 #define TRACE(k, a, b, c, d) alnair_trace((k), (a), (b), (c), (d))
 /* Where a launch's host time goes, summed per process (count, ns) and written to $ALNAIR_TRACE_FILE.sum at exit. */
 enum alnair_probe { P_LAUNCH, P_PRE, P_CALL, P_POST, P_W_SAMPLE, P_W_INFLIGHT, P_W_GATE, P_RECORD, P_QUERY,
-                    P_SAMPLE, P_FENCE, P_GATE_SLOW, P_W_DRAIN, P_W_HOLD, P_NPROBE };
+                    P_SAMPLE, P_FENCE, P_GATE_SLOW, P_W_DRAIN, P_W_HOLD, P_SAMPLE_IDLE, P_NPROBE };
 void alnair_probe(enum alnair_probe k, uint64_t ns);
 #define PROBE(k, ns) alnair_probe((k), (ns))
 #define PROBE_NOW() alnair_now_ns()

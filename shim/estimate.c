@@ -383,8 +383,13 @@ void poll_sample(void)
     if (ns == UINT64_MAX)
         return;
     struct est *e = est_insert(T.s_key);
-    if (T.s_host > SAMPLE_HOST_MAX_NS &&
-        (e == NULL || atomic_fetch_add_explicit(&e->dropped, 1, memory_order_relaxed) < MAX_DROPS))
+    /* a launch call that held the host longer is not taken off: the driver may have queued the kernel early in it
+     * (the kernel then ran while the call went on), and its sample is dropped as before */
+    if (IDLE_SAMPLE && T.s_idle != 0 && T.s_host <= SAMPLE_HOST_MAX_NS) {
+        PROBE(P_SAMPLE_IDLE, ns < T.s_idle ? ns : T.s_idle);
+        ns = ns > T.s_idle ? ns - T.s_idle : 0;
+    } else if (T.s_host > SAMPLE_HOST_MAX_NS &&
+               (e == NULL || atomic_fetch_add_explicit(&e->dropped, 1, memory_order_relaxed) < MAX_DROPS))
         return; /* a guessed launch among them is left to the fences' true-up */
     if (ns < MIN_COST_NS)
         ns = MIN_COST_NS;

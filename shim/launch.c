@@ -25,6 +25,7 @@ struct pre {
     CUstream stream;
     struct stream_ctr *sc;
     int pt, sampled, skip, guess;
+    int idle; /* IDLE_SAMPLE: its sample's start event had run before the launch call: nothing queued ahead */
 };
 
 /* A settled kernel's periodic sample is due (SAMPLE_GAP_NS since the last one): read 1 launch in SAMPLE_EVERY. */
@@ -49,6 +50,7 @@ static __attribute__((noinline)) int pre_launch(struct pre *p, uintptr_t fn, uin
     p->stream = s;
     p->pt = pt;
     p->sampled = 0;
+    p->idle = 0;
     p->guess = 0;
     p->skip = capturing(s, pt);
     if (p->skip)
@@ -80,6 +82,9 @@ static __attribute__((noinline)) int pre_launch(struct pre *p, uintptr_t fn, uin
         record(T.s_start, s, pt) == 0) {
         p->sampled = 1;
         p->t_host = alnair_now_ns();
+        /* asked before the launch: a start that had run only by the launch's return may have waited behind work
+         * queued ahead (a launch call blocked on a full queue while it drained), and its sample is the GPU's */
+        p->idle = IDLE_SAMPLE && query(T.s_start) == CUDA_SUCCESS;
         if (est != 0 && !settling)
             T.last_sample_ns = p->t_host;
         PROBE(P_SAMPLE, 0);
@@ -102,9 +107,11 @@ static __attribute__((noinline)) void post_launch(struct pre *p, CUresult rc)
     if (sc != NULL)
         atomic_fetch_add_explicit(&sc->launches, 1, memory_order_relaxed);
     T.done++;
+    uint64_t t_call = IDLE_SAMPLE && p->sampled && p->idle ? alnair_now_ns() : 0; /* the launch call returned */
     if (p->sampled && record(T.s_end, p->stream, p->pt) == 0) {
         T.s_busy = 1;
         T.s_host = alnair_now_ns() - p->t_host;
+        T.s_idle = t_call != 0 ? t_call - p->t_host : 0;
         T.s_due = POLL_WHEN_DUE && sc != NULL ? atomic_load_explicit(&sc->vft, memory_order_relaxed) : 0;
         T.s_ahead = 0;
         T.s_key = p->key;

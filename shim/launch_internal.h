@@ -66,6 +66,18 @@
  * GPU that then waited for the launch (a kernel's first launch loads its module: 1-5 ms on the H200, which, taken
  * as its estimate, held every later turn of a training step back by milliseconds). It is dropped and taken again. */
 #define SAMPLE_HOST_MAX_NS 50000ull
+/* IDLE_SAMPLE (diagnostic builds set 1; 0, the default: the sample as it is): a sample whose start event has run
+ * when the host asks, right after recording it and before the launch call, had nothing queued ahead of it: the
+ * kernel came only with the host's launch call, so the host time from the start's record to the launch's return is
+ * taken off the sample (at least MIN_COST_NS is left). One event query more per sample. A start asked only after the
+ * launch would also read done when it had waited behind work that drained while the launch call blocked on a full
+ * queue (a latency flood then took 41 % at cap 30 on the simulated driver). On the simulated driver with the H200
+ * VM's host costs an elastic loop of 2 us kernels was counted 4.1 times the GPU time it used, a training step 1.22
+ * times (bench/RESULTS.md, 2026-12-07, seventeenth session). Not the default until the H200 says what it does to
+ * the five shapes' pace (bench/gpu_idle_sample.sh). */
+#ifndef IDLE_SAMPLE
+#define IDLE_SAMPLE 0
+#endif
 /* ... at most this many times per kernel: a kernel whose every launch holds the host that long would otherwise never
  * get an estimate, and each of its launches would wait for the sample in flight (a stream run one kernel at a time). */
 #define MAX_DROPS 2u
@@ -252,6 +264,7 @@ struct tstate {
     uint64_t q_done_w; /* ... up to the last mark seen to have run */
     uint64_t q_chunk;  /* ... short launches' work between marks now (0: HOLD_EVENT_MIN_NS) */
     uint64_t s_key, s_cost, s_idx, s_host;
+    uint64_t s_idle; /* IDLE_SAMPLE: the host time taken off the sample in flight (0: its GPU was busy) */
     uint64_t s_due; /* POLL_WHEN_DUE: when the sample in flight is estimated to have run */
     unsigned s_ahead; /* launches of unknown kernels charged a guess since the sample in flight was taken */
     int s_busy, s_guess;

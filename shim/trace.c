@@ -24,7 +24,7 @@ void alnair_trace(char kind, uint64_t a, uint64_t b, uint64_t c, uint64_t d)
 
 static const char *const probe_names[P_NPROBE] = {"launch", "pre", "call", "post", "wait_sample", "wait_inflight",
                                                     "wait_gate", "event_record", "event_query", "sample", "fence",
-                                                    "gate_slow", "wait_drain", "wait_hold"};
+                                                    "gate_slow", "wait_drain", "wait_hold", "sample_idle"};
 static _Atomic uint64_t g_probe_n[P_NPROBE], g_probe_ns[P_NPROBE];
 
 void alnair_probe(enum alnair_probe k, uint64_t ns)
