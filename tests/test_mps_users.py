@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 from service_util import wait_until
+from structlog.testing import capture_logs
 
 from alnair_agent.config import parse_sim_gpus
 from alnair_agent.constants import RESOURCE_COMPUTE, RESOURCE_MEMORY
@@ -89,24 +90,29 @@ async def test_a_container_that_will_wait_for_another_user_is_told_on_its_pod(
         users = tuple(reversed(users))
     folders = {"mps_pipe_dir": root / "pipes", "mps_shm_dir": root / "shm"} if mps else {}
     settings = node_settings(root, sim_gpus=parse_sim_gpus("1x16GiB"), **folders)
-    async with api.api_client() as client:
-        kubernetes = kubernetes_for(client)
-        kubernetes.events = writer = EventWriter(client, NODE)
-        async with running_agent(settings, kubernetes), \
-                KubeletEmulator(settings.device_plugin_dir, settings.pod_resources_socket) as kubelet:
-            await registered(kubelet)
-            pods = []
-            for name, user in zip(("train", "infer"), users, strict=True):
-                pods.append(api.add_pod(make_pod(name, node=NODE, run_as_user=user,
-                                                 containers=[{"name": "main", "memory": 4, "compute": 30}])))
-                answers = await kubelet.admit("default", name, "main", {RESOURCE_MEMORY: 4, RESOURCE_COMPUTE: 30})
-                assert {a.envs["NVIDIA_VISIBLE_DEVICES"] for a in answers.values()} == {sim_uuid(0, NODE)}
-            if warned:
-                await wait_until(lambda: len(api.kube_events) >= 1, 5)
-            await writer.drain()
+    with capture_logs() as logs:
+        async with api.api_client() as client:
+            kubernetes = kubernetes_for(client)
+            kubernetes.events = writer = EventWriter(client, NODE)
+            async with running_agent(settings, kubernetes), \
+                    KubeletEmulator(settings.device_plugin_dir, settings.pod_resources_socket) as kubelet:
+                await registered(kubelet)
+                pods = []
+                for name, user in zip(("train", "infer"), users, strict=True):
+                    pods.append(api.add_pod(make_pod(name, node=NODE, run_as_user=user,
+                                                     containers=[{"name": "main", "memory": 4, "compute": 30}])))
+                    answers = await kubelet.admit("default", name, "main",
+                                                  {RESOURCE_MEMORY: 4, RESOURCE_COMPUTE: 30})
+                    assert {a.envs["NVIDIA_VISIBLE_DEVICES"] for a in answers.values()} == {sim_uuid(0, NODE)}
+                if warned:
+                    await wait_until(lambda: len(api.kube_events) >= 1, 5)
+                await writer.drain()
+    said = [e for e in logs if e["event"] == "mps_user_mismatch"]
     if not warned:
-        assert api.kube_events == []
+        assert api.kube_events == [] and said == []
         return
+    [line] = said  # the agent's log says it too, once, with the same words
+    assert line["pod"] == "default/infer" and line["gpu"] == sim_uuid(0, NODE)
     [event] = api.kube_events
     assert event["reason"] == REASON_MPS_USER and event["type"] == "Warning"
     assert event["involvedObject"]["name"] == "infer"
@@ -122,19 +128,23 @@ async def test_the_dra_front_end_tells_a_claims_pod_the_same(root, api: FakeApiS
     and 1000: the second pod's prepare writes the Warning; both start."""
     from alnair_standins.dra_node import dra_node, make_claim_pod
 
-    async with dra_node(root, api, events=True, sim_gpus=parse_sim_gpus("1x16GiB"),
-                        mps_pipe_dir=root / "pipes", mps_shm_dir=root / "shm") as node:
-        for name, user in (("train", 0), ("infer", 1000)):
-            node.claim(f"c-{name}", [{"name": "gpu", "memory": "4Gi", "compute": "30"}])
-            pod = make_claim_pod(name, {"gpu": f"c-{name}"}, [("main", [("gpu", None)])])
-            pod["spec"]["securityContext"] = {"runAsUser": user}
-            node.pods[name] = pod = api.add_pod(pod)
-            uid = pod["metadata"]["uid"]
-            await wait_until(lambda uid=uid: node.running.agent.kubernetes.pods.get(uid) is not None, 5)
-            node.schedule(pod, [f"c-{name}"])
-            await node.start(pod)
-        await wait_until(lambda: len(api.kube_events) >= 1, 5)
+    with capture_logs() as logs:
+        async with dra_node(root, api, events=True, sim_gpus=parse_sim_gpus("1x16GiB"),
+                            mps_pipe_dir=root / "pipes", mps_shm_dir=root / "shm") as node:
+            for name, user in (("train", 0), ("infer", 1000)):
+                node.claim(f"c-{name}", [{"name": "gpu", "memory": "4Gi", "compute": "30"}])
+                pod = make_claim_pod(name, {"gpu": f"c-{name}"}, [("main", [("gpu", None)])])
+                pod["spec"]["securityContext"] = {"runAsUser": user}
+                node.pods[name] = pod = api.add_pod(pod)
+                uid = pod["metadata"]["uid"]
+                await wait_until(lambda uid=uid: node.running.agent.kubernetes.pods.get(uid) is not None, 5)
+                node.schedule(pod, [f"c-{name}"])
+                await node.start(pod)
+            await wait_until(lambda: len(api.kube_events) >= 1, 5)
+    [line] = [e for e in logs if e["event"] == "mps_user_mismatch"]
+    assert line["pod"] == "default/infer" and line["container"] == "main"
     [event] = api.kube_events
+    assert line["reason"] == event["message"]
     assert event["reason"] == REASON_MPS_USER and event["involvedObject"]["name"] == "infer"
     assert "default/infer container 'main' runs as UID 1000" in event["message"]
     assert "default/train container 'main' on the same GPU as UID 0" in event["message"]

@@ -318,9 +318,8 @@ class ClaimPreparer:
         on_gpu = mps_users.tenants(alloc.gpu_uuid, self.ledger.allocations.values(), self.pods.get, lambda a: False)
         for c in alloc.container.split(","):
             me = mps_users.Tenant(f"{pod.namespace}/{pod.name}", c, pod.user_of(c))
-            why = mps_users.mismatch(alloc.gpu_uuid, me, [t for t in on_gpu if t != me])
+            why = mps_users.warn(alloc.gpu_uuid, me, [t for t in on_gpu if t != me])
             if why is not None:
-                log.warning("mps_user_mismatch", pod=me.pod, container=c, gpu=alloc.gpu_uuid, reason=why)
                 return why
         return ""
 

@@ -557,9 +557,8 @@ class Allocator:
         for gpu in target.gpus:
             others = mps_users.tenants(gpu, self.ledger.allocations.values(), self.pods.get,
                                        lambda a: a.pod_uid == target.pod.uid and a.serves(me.container))
-            why = mps_users.mismatch(gpu, me, others)
+            why = mps_users.warn(gpu, me, others)
             if why is not None:
-                log.warning("mps_user_mismatch", pod=me.pod, container=me.container, gpu=gpu, reason=why)
                 return why
         return ""
 

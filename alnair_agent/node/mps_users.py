@@ -17,7 +17,11 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
+import structlog
+
 from alnair_agent.node.workspace import Allocation
+
+log = structlog.get_logger(__name__)
 
 REASON_MPS_USER = "AlnairMpsUserMismatch"
 
@@ -93,3 +97,11 @@ def mismatch(gpu: str, me: Tenant, others: Iterable[Tenant]) -> str | None:
     return (f"{me.who()} runs as {me.runs_as()} on GPU {gpu}, and {named.who()} on the same GPU as "
             f"{named.runs_as()}: {why}. Run the containers that share an MPS GPU as one user "
             "(securityContext.runAsUser), or the MPS daemon in multi-user mode")
+
+
+def warn(gpu: str, me: Tenant, others: Iterable[Tenant]) -> str | None:
+    """`mismatch`, and when it says why, the agent's log line for it (both front-ends warn with these words)."""
+    why = mismatch(gpu, me, others)
+    if why is not None:
+        log.warning("mps_user_mismatch", pod=me.pod, container=me.container, gpu=gpu, reason=why)
+    return why
