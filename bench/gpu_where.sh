@@ -44,5 +44,9 @@ done
 for f in "$OUT"/lo/*.sum; do echo "$f"; cat "$f"; done
 kill "$clk" 2>/dev/null
 wait "$clk" 2>/dev/null
+for t in tt tt25; do  # the SM clock through each loop, by phase of its period (head of the window against its tail)
+  echo "== clocks by phase: $t"
+  python3 bench/nvml_clocks.py --fold "$OUT/clocks.jsonl" --turns "$OUT/$t.json" | cut -c1-400
+done
 (cd /tmp && tar czf "$R/where.tgz" where)
 exit $rc

@@ -8,7 +8,9 @@ bench/turn_trace.py's clock) and wall time, one JSON object per line, until SIGT
 
     python3 bench/nvml_clocks.py --out clocks.jsonl [--every-ms 5] [--seconds 600] &
     ...; kill %1
-    python3 bench/nvml_clocks.py --summarise clocks.jsonl --spans t.json   (mean clocks inside each span)
+    python3 bench/nvml_clocks.py --summarise clocks.jsonl --span NAME:T0_NS:T1_NS ...  (mean clocks inside each span)
+    python3 bench/nvml_clocks.py --fold clocks.jsonl --turns tt.json   (each bench/turn_trace.py run's loop: its mean
+        clocks, and for a capped run the SM clock by phase of its period, in and out of its window)
 """
 
 from __future__ import annotations
@@ -57,10 +59,10 @@ def sample(out: Path, every_ms: float, seconds: float, index: int) -> int:
 
 def summarise(path: Path, spans: list[tuple[str, int, int]]) -> list[dict[str, Any]]:
     """Per (name, t0_ns, t1_ns) span of CLOCK_MONOTONIC: the samples' mean / min SM clock, pstates seen."""
-    recs = [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]
+    recs = read(path)
     out = []
     for name, t0, t1 in spans:
-        rs = [r for r in recs if t0 <= r["mono_ns"] < t1 and "sm_mhz" in r]
+        rs = [r for r in recs if t0 <= r["mono_ns"] < t1]
         if not rs:
             out.append({"span": name, "samples": 0})
             continue
@@ -68,6 +70,65 @@ def summarise(path: Path, spans: list[tuple[str, int, int]]) -> list[dict[str, A
         out.append({"span": name, "samples": len(rs), "sm_mhz_mean": round(statistics.fmean(sm), 1),
                     "sm_mhz_min": min(sm), "sm_mhz_max": max(sm), "pstates": sorted({r["pstate"] for r in rs}),
                     "power_w_mean": round(statistics.fmean(r["power_w"] for r in rs), 1)})
+    return out
+
+
+def read(path: Path) -> list[dict[str, Any]]:
+    """The samples that read the clocks (a line cut short by the sampler's end is skipped)."""
+    out = []
+    for ln in path.read_text().splitlines():
+        try:
+            r = json.loads(ln)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(r, dict) and "sm_mhz" in r and "mono_ns" in r:
+            out.append(r)
+    return out
+
+
+def fold(recs: list[dict[str, Any]], run: dict[str, Any], bins: int = 10) -> dict[str, Any]:
+    """One turn_trace tenant's loop (its raw output: t_start, t_end, epoch, offset, period, length) against the clock
+    samples taken during it: the mean SM clock over the loop, and for a capped loop (a window shorter than the
+    period) the mean by phase of the period in `bins` bins, and over the window's first and last fifths: a GPU that
+    idles down between windows shows a lower clock at the window's head than at its tail."""
+    t0, t1 = run.get("t_start"), run.get("t_end")
+    if t0 is None or t1 is None:
+        return {"error": "no t_start/t_end in the run (a turn_trace from before the seventeenth session)"}
+    rs = [r for r in recs if t0 <= r["mono_ns"] < t1]
+    res: dict[str, Any] = {"samples": len(rs)}
+    if not rs:
+        return res
+    res["sm_mhz_mean"] = round(statistics.fmean(r["sm_mhz"] for r in rs), 1)
+    res["pstates"] = sorted({r["pstate"] for r in rs if "pstate" in r})
+    period, length = int(run["period"]), int(run["length"])
+    if length >= period or period <= 0:
+        return res
+    base = int(run["epoch"]) + int(run["offset"])
+    by: list[list[float]] = [[] for _ in range(bins)]
+    head: list[float] = []
+    tail: list[float] = []
+    for r in rs:
+        ph = (r["mono_ns"] - base) % period
+        by[min(bins - 1, ph * bins // period)].append(r["sm_mhz"])
+        if ph < length // 5:
+            head.append(r["sm_mhz"])
+        elif length - length // 5 <= ph < length:
+            tail.append(r["sm_mhz"])
+    res["window_ms"] = length / 1e6
+    res["sm_mhz_by_phase"] = [round(statistics.fmean(b), 1) if b else None for b in by]
+    res["in_window_bins"] = [i * period // bins < length for i in range(bins)]
+    res["window_head_mhz"] = round(statistics.fmean(head), 1) if head else None
+    res["window_tail_mhz"] = round(statistics.fmean(tail), 1) if tail else None
+    return res
+
+
+def fold_runs(clocks: Path, turns: Path) -> list[dict[str, Any]]:
+    """`fold` for every tenant of every run in a turn_trace JSON."""
+    recs = read(clocks)
+    out = []
+    for run in json.loads(turns.read_text()).get("runs", []):
+        for cap, raw in zip(run.get("caps", []), run.get("raw", []), strict=False):
+            out.append({"shape": run.get("shape"), "cap": cap, **fold(recs, raw)})
     return out
 
 
@@ -79,7 +140,15 @@ def main() -> None:
     ap.add_argument("--index", type=int, default=0)
     ap.add_argument("--summarise", type=Path, help="a file this wrote: summarise it")
     ap.add_argument("--span", action="append", default=[], metavar="NAME:T0_NS:T1_NS")
+    ap.add_argument("--fold", type=Path, help="a file this wrote: fold it by the turns of --turns")
+    ap.add_argument("--turns", type=Path, help="bench/turn_trace.py's --json of the same run")
     a = ap.parse_args()
+    if a.fold:
+        if a.turns is None:
+            ap.error("--fold needs --turns")
+        for row in fold_runs(a.fold, a.turns):
+            print(json.dumps(row))
+        return
     if a.summarise:
         spans = [(s.split(":")[0], int(s.split(":")[1]), int(s.split(":")[2])) for s in a.span]
         print(json.dumps(summarise(a.summarise, spans), indent=1))

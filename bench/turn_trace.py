@@ -106,7 +106,8 @@ if prof_path:
         marker()
     prof.export_chrome_trace(prof_path)
     profile = {"path": prof_path, "marks": pmarks, "steps": psteps}
-print(json.dumps({"steps": len(ts), "loop_ns": loop_ns, "period": period, "offset": offset, "length": length,
+print(json.dumps({"steps": len(ts), "loop_ns": loop_ns, "t_start": t_start, "t_end": ts[-1], "period": period,
+                  "offset": offset, "length": length,
                   "epoch": epoch, "spare": ag.get("turn_spare_ns", 0), "ts": ts if prof_path else None,
                   "buckets": buckets, "top_gaps": gaps[:12], "before": before, "after": after, "profile": profile,
                   "median_step_ns": sorted(b - a for a, b in zip([t_start] + ts, ts))[len(ts) // 2]}), flush=True)
