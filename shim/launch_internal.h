@@ -66,17 +66,19 @@
  * GPU that then waited for the launch (a kernel's first launch loads its module: 1-5 ms on the H200, which, taken
  * as its estimate, held every later turn of a training step back by milliseconds). It is dropped and taken again. */
 #define SAMPLE_HOST_MAX_NS 50000ull
-/* IDLE_SAMPLE (diagnostic builds set 1; 0, the default: the sample as it is): a sample whose start event has run
- * when the host asks, right after recording it and before the launch call, had nothing queued ahead of it: the
- * kernel came only with the host's launch call, so the host time from the start's record to the launch's return is
- * taken off the sample (at least MIN_COST_NS is left). One event query more per sample. A start asked only after the
- * launch would also read done when it had waited behind work that drained while the launch call blocked on a full
- * queue (a latency flood then took 41 % at cap 30 on the simulated driver). On the simulated driver with the H200
- * VM's host costs an elastic loop of 2 us kernels was counted 4.1 times the GPU time it used, a training step 1.22
- * times (bench/RESULTS.md, 2026-12-07, seventeenth session). Not the default until the H200 says what it does to
- * the five shapes' pace (bench/gpu_idle_sample.sh). */
+/* IDLE_SAMPLE (1; diagnostic builds may set 0, the sample as it was): a sample whose start event has run when the
+ * host asks, right after recording it and before the launch call, had nothing queued ahead of it: the kernel came
+ * only with the host's launch call, so the host time from the start's record to the launch's return is taken off the
+ * sample (at least MIN_COST_NS is left). One event query more per sample. Without it a host-bound program's GPU time
+ * was counted 1.2 to 8 times what it used on the simulated driver with the H200 VM's host costs, and beside a
+ * GPU-bound neighbour the profiler's one scaling factor moved the excess onto the neighbour's usage (2 us kernels
+ * read 18.7 % for 5.8, the neighbour 55.1 % for 69.5: tests/test_usage_host_bound.py; bench/RESULTS.md,
+ * 2026-12-07, seventeenth session). A start asked only after the launch would also read done when it had waited
+ * behind work that drained while the launch call blocked on a full queue (a latency flood then took 41 % at cap
+ * 30). A launch call over SAMPLE_HOST_MAX_NS keeps the drop rule: the driver may have queued the kernel early in
+ * it. A kernel shorter than the end event's own record call stays counted that long (its end runs when recorded). */
 #ifndef IDLE_SAMPLE
-#define IDLE_SAMPLE 0
+#define IDLE_SAMPLE 1
 #endif
 /* ... at most this many times per kernel: a kernel whose every launch holds the host that long would otherwise never
  * get an estimate, and each of its launches would wait for the sample in flight (a stream run one kernel at a time). */

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import time
 from pathlib import Path
 
@@ -14,10 +13,9 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from service_util import wait_until
+from simapp_util import container_env, run_app
 
 from alnair_agent.constants import (
-    ENV_COMPUTE_LIMIT,
-    ENV_MEMORY_LIMIT,
     ENV_VISIBLE_DEVICES,
     RESOURCE_COMPUTE,
     RESOURCE_MEMORY,
@@ -59,34 +57,9 @@ def usage(api: FakeApiServer, pod: str) -> dict:
     return json.loads(api.pod_annotations("default", pod).get(USAGE_ANNOTATION, "{}"))
 
 
-def container_env(build: Build, answers: dict, timelines: Path) -> dict[str, str]:
-    """The container's environment as Allocate made it (the region's host path for its mount)."""
-    env = {k: v for answer in answers.values() for k, v in answer.envs.items()}
-    run_dir = next(m.host_path for answer in answers.values() for m in answer.mounts
-                   if m.container_path == "/run/alnair")
-    base = {k: v for k, v in os.environ.items() if not k.startswith(("ALNAIR_", "SIMCUDA_", "LD_"))}
-    return {**base, "LD_LIBRARY_PATH": str(build.sim), "LD_PRELOAD": str(build.shim), "ALNAIR_REGION": f"{run_dir}/region",
-            ENV_MEMORY_LIMIT: env.get(ENV_MEMORY_LIMIT, "0"), ENV_COMPUTE_LIMIT: env.get(ENV_COMPUTE_LIMIT, "0"),
-            ENV_VISIBLE_DEVICES: env[ENV_VISIBLE_DEVICES], "ALNAIR_CONTEXT_BYTES": "0",
-            "SIMCUDA_TIMELINE_DIR": str(timelines)}
-
-
 def duty(busy_ms: int, idle_ms: int, cycles: int, alloc: int = 64 * MiB) -> list[str]:
     """simapp ops: busy_ms of 1 ms kernels, then idle_ms asleep, `cycles` times."""
     return ["init", "ctx", f"alloc:{alloc}"] + [f"burst:{busy_ms}:1000000", f"sleep:{idle_ms}"] * cycles
-
-
-async def run_app(build: Build, ops: list[str], env: dict[str, str]) -> float:
-    """Run simapp to its end; the fraction of its life it kept the GPU busy, from its own output."""
-    t0 = time.monotonic()
-    p = await asyncio.create_subprocess_exec(str(build.sim / "simapp"), *ops, env=env,
-                                             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
-    out, err = await p.communicate()
-    wall = time.monotonic() - t0
-    assert p.returncode == 0, err.decode()
-    gpu_ns = sum(int(w.split("=")[1]) for ln in out.decode().splitlines() if ln.startswith(("burst", "run "))
-                 for w in ln.split() if w.startswith("gpu_ns="))
-    return 100.0 * gpu_ns / 1e9 / wall
 
 
 async def test_known_duty_cycles_come_back_on_the_pod_and_stay_after_it_completes(root, api, build, timelines):
