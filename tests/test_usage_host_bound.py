@@ -80,4 +80,4 @@ async def test_a_host_bound_containers_usage_beside_a_gpu_bound_one(root, api, b
     # a training step's kernels outlast the end event's record call: its usage and its neighbour's hold (+2.8 / -3.7
     # points before); 2 us kernels are still counted ~3.4 us each, and their neighbour pays part of it (+3.7 / -4.5,
     # against +12.9 / -14.4 before, on the dev box)
-    assert max(map(abs, shipped)) <= (3.0 if shape == "train" else 6.0), shipped
+    assert max(map(abs, shipped)) <= (3.0 if shape == "train" else 8.0), shipped  # 5.6 under a busy CPU
