@@ -8,10 +8,11 @@
 # says: whether the real driver's start event has run when the shim asks right after recording it on an idle stream
 # (the probe sums' sample_idle count against sample), and what it does to the five shapes' pace and usage.
 #   bash bench/gpu_idle_sample.sh pace     turn_pace (host-bound shapes at cap 30, judged against themselves lent the
-#                                          GPU) and launch_overhead with its probe sums, each build, shipped first (~7 min)
+#                                          GPU) and launch_overhead with its probe sums, each build, the one without first (~7 min)
 #   bash bench/gpu_idle_sample.sh shares   shares_gpu --only caps,elastic,usage --caps 30 for every shape, each build
 #                                          (~9 min: give it a call of its own)
-# Results and logs into $OUT (else bench/out); everything also in $OUT/idle_sample.tgz.
+# Results and logs into $OUT/idle_sample (else bench/out/idle_sample); everything also in
+# $OUT/idle_sample_PART.tgz.
 source "$(dirname "$0")/device_prelude.sh"
 part=${1:-pace}
 build_shim /tmp/is-shim || exit 1

@@ -57,31 +57,33 @@ def sample(out: Path, every_ms: float, seconds: float, index: int) -> int:
     return n
 
 
+def span_stats(recs: list[dict[str, Any]], t0: int, t1: int) -> dict[str, Any]:
+    """The samples in [t0_ns, t1_ns) of CLOCK_MONOTONIC: their count, mean / min / max SM clock, pstates, power."""
+    rs = [r for r in recs if t0 <= r["mono_ns"] < t1]
+    if not rs:
+        return {"samples": 0}
+    sm = [r["sm_mhz"] for r in rs]
+    return {"samples": len(rs), "sm_mhz_mean": round(statistics.fmean(sm), 1), "sm_mhz_min": min(sm),
+            "sm_mhz_max": max(sm), "pstates": sorted({r["pstate"] for r in rs}),
+            "power_w_mean": round(statistics.fmean(r["power_w"] for r in rs), 1)}
+
+
 def summarise(path: Path, spans: list[tuple[str, int, int]]) -> list[dict[str, Any]]:
-    """Per (name, t0_ns, t1_ns) span of CLOCK_MONOTONIC: the samples' mean / min SM clock, pstates seen."""
+    """Per (name, t0_ns, t1_ns) span: `span_stats`."""
     recs = read(path)
-    out = []
-    for name, t0, t1 in spans:
-        rs = [r for r in recs if t0 <= r["mono_ns"] < t1]
-        if not rs:
-            out.append({"span": name, "samples": 0})
-            continue
-        sm = [r["sm_mhz"] for r in rs]
-        out.append({"span": name, "samples": len(rs), "sm_mhz_mean": round(statistics.fmean(sm), 1),
-                    "sm_mhz_min": min(sm), "sm_mhz_max": max(sm), "pstates": sorted({r["pstate"] for r in rs}),
-                    "power_w_mean": round(statistics.fmean(r["power_w"] for r in rs), 1)})
-    return out
+    return [{"span": name, **span_stats(recs, t0, t1)} for name, t0, t1 in spans]
 
 
 def read(path: Path) -> list[dict[str, Any]]:
-    """The samples that read the clocks (a line cut short by the sampler's end is skipped)."""
+    """The samples that read everything (one whose NVML call failed part-way, or a line cut short by the sampler's
+    end, is skipped)."""
     out = []
     for ln in path.read_text().splitlines():
         try:
             r = json.loads(ln)
         except json.JSONDecodeError:
             continue
-        if isinstance(r, dict) and "sm_mhz" in r and "mono_ns" in r:
+        if isinstance(r, dict) and all(k in r for k in ("mono_ns", "sm_mhz", "pstate", "power_w")):
             out.append(r)
     return out
 
@@ -94,15 +96,11 @@ def fold(recs: list[dict[str, Any]], run: dict[str, Any], bins: int = 10) -> dic
     t0, t1 = run.get("t_start"), run.get("t_end")
     if t0 is None or t1 is None:
         return {"error": "no t_start/t_end in the run (a turn_trace from before the seventeenth session)"}
-    rs = [r for r in recs if t0 <= r["mono_ns"] < t1]
-    res: dict[str, Any] = {"samples": len(rs)}
-    if not rs:
-        return res
-    res["sm_mhz_mean"] = round(statistics.fmean(r["sm_mhz"] for r in rs), 1)
-    res["pstates"] = sorted({r["pstate"] for r in rs if "pstate" in r})
+    res = span_stats(recs, t0, t1)
     period, length = int(run["period"]), int(run["length"])
-    if length >= period or period <= 0:
+    if not res["samples"] or length >= period or period <= 0:
         return res
+    rs = [r for r in recs if t0 <= r["mono_ns"] < t1]
     base = int(run["epoch"]) + int(run["offset"])
     by: list[list[float]] = [[] for _ in range(bins)]
     head: list[float] = []

@@ -385,7 +385,7 @@ void poll_sample(void)
     struct est *e = est_insert(T.s_key);
     /* a launch call that held the host longer is not taken off: the driver may have queued the kernel early in it
      * (the kernel then ran while the call went on), and its sample is dropped as before */
-    if (IDLE_SAMPLE && T.s_idle != 0 && T.s_host <= SAMPLE_HOST_MAX_NS) {
+    if (T.s_idle != 0 && T.s_host <= SAMPLE_HOST_MAX_NS) { /* s_idle: 0 unless IDLE_SAMPLE found it idle */
         PROBE(P_SAMPLE_IDLE, ns < T.s_idle ? ns : T.s_idle);
         ns = ns > T.s_idle ? ns - T.s_idle : 0;
     } else if (T.s_host > SAMPLE_HOST_MAX_NS &&

@@ -107,7 +107,7 @@ static __attribute__((noinline)) void post_launch(struct pre *p, CUresult rc)
     if (sc != NULL)
         atomic_fetch_add_explicit(&sc->launches, 1, memory_order_relaxed);
     T.done++;
-    uint64_t t_call = IDLE_SAMPLE && p->sampled && p->idle ? alnair_now_ns() : 0; /* the launch call returned */
+    uint64_t t_call = p->sampled && p->idle ? alnair_now_ns() : 0; /* the launch call returned */
     if (p->sampled && record(T.s_end, p->stream, p->pt) == 0) {
         T.s_busy = 1;
         T.s_host = alnair_now_ns() - p->t_host;
