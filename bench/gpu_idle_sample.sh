@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
-# Issue 25: the shipped shim, which takes an idle GPU's host time off a sample (IDLE_SAMPLE, shim/launch_internal.h),
-# against the build without it (-DIDLE_SAMPLE=0, the sample as it was), one after the other in one device call, so
-# both builds meet the same machine. The seventeenth session made it the default with no device: on the simulated
+# Issue 25: the shipped shim against the diagnostic build that takes an idle GPU's host time off a sample
+# (-DIDLE_SAMPLE=1, shim/launch_internal.h says why it is not the default), one after the other in one device call,
+# so both builds meet the same machine. The seventeenth session built it with no device: on the simulated
 # driver an elastic container's counted GPU time over the GPU time it used went 1.22 -> 0.98 for a training step and
 # 4.0 -> 1.78 for 2 us kernels, GPU-bound programs unchanged (tests/shim/test_shim_idle_sample.py), and a host-bound
 # container's usage beside a GPU-bound one +12.9 -> +3.7 points (tests/test_usage_host_bound.py). What only a GPU
 # says: whether the real driver's start event has run when the shim asks right after recording it on an idle stream
 # (the probe sums' sample_idle count against sample), and what it does to the five shapes' pace and usage.
 #   bash bench/gpu_idle_sample.sh pace     turn_pace (host-bound shapes at cap 30, judged against themselves lent the
-#                                          GPU) and launch_overhead with its probe sums, each build, the one without first (~7 min)
+#                                          GPU) and launch_overhead with its probe sums, each build, shipped first (~7 min)
 #   bash bench/gpu_idle_sample.sh shares   shares_gpu --only caps,elastic,usage --caps 30 for every shape, each build
 #                                          (~9 min: give it a call of its own)
 # Results and logs into $OUT/idle_sample (else bench/out/idle_sample); everything also in
@@ -16,13 +16,13 @@
 source "$(dirname "$0")/device_prelude.sh"
 part=${1:-pace}
 build_shim /tmp/is-shim || exit 1
-build_shim /tmp/is-before "-O2 -DIDLE_SAMPLE=0" || exit 1
-build_shim /tmp/is-trace "-O2 -DALNAIR_TRACE" || exit 1
+build_shim /tmp/is-idle "-O2 -DIDLE_SAMPLE=1" || exit 1
+build_shim /tmp/is-trace "-O2 -DIDLE_SAMPLE=1 -DALNAIR_TRACE" || exit 1
 D=$OUT/idle_sample
 mkdir -p "$D"
 nvidia-smi --query-gpu=name,driver_version,power.limit,compute_mode --format=csv | tee "$D/gpu.txt"
 rc=0
-for b in before shim; do
+for b in shim idle; do
   case $part in
     pace)
       echo "== turn_pace $b $(date -u +%T)"
@@ -47,7 +47,7 @@ for b in before shim; do
   esac
 done
 if [ "$part" = pace ]; then
-  # the probe sums of the shipped code's in-process runs: how many samples the real driver let it correct
+  # the probe sums of the diagnostic build's in-process runs: how many samples the real driver let it correct
   mkdir -p "$D/lo_trace"
   timeout 100 python3 bench/launch_overhead.py --shim /tmp/is-trace/libalnair.so --json "$D/lo_trace.json" \
     --trace-dir "$D/lo_trace" > "$D/lo_trace.txt" 2>&1 || rc=1

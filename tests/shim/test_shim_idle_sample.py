@@ -1,5 +1,5 @@
-"""The GPU time a host-bound program is counted: the shipped build, which takes an idle GPU's host time off a
-sample (IDLE_SAMPLE, shim/launch_internal.h), beside the diagnostic build without it (-DIDLE_SAMPLE=0).
+"""The GPU time a host-bound program is counted: the diagnostic build that takes an idle GPU's host time off a
+sample (-DIDLE_SAMPLE=1, shim/launch_internal.h: why it is not the default) beside the shipped build.
 
 A sample is a pair of events around one launch. On a GPU with nothing queued the start event runs at once and the
 kernel only when the host's launch call has queued it, so the sample holds the launch call's host time too. For a
@@ -9,7 +9,7 @@ is that count), its fences come as often as the inflated charges say, and its es
 real one. The simulated driver has the H200 VM's host costs here (a 4 us launch call, 3.4 us per event call) and
 the program runs elastic, lent the whole GPU, where it must cost nothing.
 
-What the shim still cannot tell: a kernel shorter than the end event's own record call (3.4 us here), whose end
+What the diagnostic build still cannot tell: a kernel shorter than the end event's own record call (3.4 us here), whose end
 event then runs when the host records it. Its estimate stays that long (the `small` row)."""
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ HOST = {"SIMCUDA_LAUNCH_HOLD_NS": "4000", "SIMCUDA_EVENT_NS": "3400"}
 @dataclass(frozen=True)
 class Row:
     op: str
-    low: float  # counted / used, shipped: at least
+    low: float  # counted / used, with the diagnostic build: at least
     high: float  # ... and at most
     env: tuple[tuple[str, str], ...] = ()
 
@@ -49,9 +49,9 @@ ROWS = {
 
 
 @pytest.fixture(scope="session")
-def as_it_was(tmp_path_factory: pytest.TempPathFactory) -> Build:
-    """The sample as it was before IDLE_SAMPLE (2026-12-07): the launch call's host time left in."""
-    return build_shim_and_driver(tmp_path_factory.mktemp("idle0"), "-O2 -DIDLE_SAMPLE=0")
+def idle_build(tmp_path_factory: pytest.TempPathFactory) -> Build:
+    """The diagnostic build: an idle GPU's host time taken off a sample."""
+    return build_shim_and_driver(tmp_path_factory.mktemp("idle1"), "-O2 -DIDLE_SAMPLE=1")
 
 
 def counted_over_used(build: Build, tmp: Path, name: str, row: Row) -> tuple[float, dict[str, int], int]:
@@ -72,13 +72,13 @@ def counted_over_used(build: Build, tmp: Path, name: str, row: Row) -> tuple[flo
 
 
 @pytest.mark.parametrize("shape", sorted(ROWS))
-def test_a_host_bound_programs_gpu_time_is_counted_as_the_gpu_ran_it(build, as_it_was, tmp_path, shape):
+def test_a_host_bound_programs_gpu_time_is_counted_as_the_gpu_ran_it(build, idle_build, tmp_path, shape):
     row = ROWS[shape]
-    before, b_stats, b_n = counted_over_used(as_it_was, tmp_path, "before", row)
     shipped, s_stats, s_n = counted_over_used(build, tmp_path, "shipped", row)
-    per = {k: (1000 * b_stats.get(k, 0) / b_n, 1000 * s_stats.get(k, 0) / s_n) for k in ("cuEventRecord",
+    idle, i_stats, i_n = counted_over_used(idle_build, tmp_path, "idle", row)
+    per = {k: (1000 * s_stats.get(k, 0) / s_n, 1000 * i_stats.get(k, 0) / i_n) for k in ("cuEventRecord",
                                                                                           "cuEventQuery")}
-    print(shape, f"counted / used: IDLE_SAMPLE=0 {before:.2f}, shipped {shipped:.2f};",
+    print(shape, f"counted / used: shipped {shipped:.2f}, IDLE_SAMPLE=1 {idle:.2f};",
           " ".join(f"{k} per 1000 launches {a:.1f} / {b:.1f}" for k, (a, b) in per.items()))
-    assert row.low <= shipped <= row.high, (shape, shipped)
-    assert shipped <= before * 1.1, (shape, before, shipped)  # never counted more than the sample as it was
+    assert row.low <= idle <= row.high, (shape, idle)
+    assert idle <= shipped * 1.1, (shape, shipped, idle)  # never counted more than the shipped build counts
