@@ -51,6 +51,10 @@ static unsigned long long now(void) { struct timespec t; clock_gettime(CLOCK_MON
 #define CK(x) do { CUresult r_ = (x); if (r_) { fprintf(stderr, "%s = %d\n", #x, r_); exit(1); } } while (0)
 int main(int argc, char **argv) {
     int batches = atoi(argv[1]), batch = atoi(argv[2]), interleave_real = argc > 3 && !strcmp(argv[3], "inproc");
+    /* argv[4]: KB of memory touched before each launch (every 128th byte), the way a program's own work between its
+     * launches evicts the caches and TLB entries a launch path uses; then each launch call is timed alone */
+    size_t gap = argc > 4 ? (size_t)atol(argv[4]) << 10 : 0;
+    volatile unsigned char *buf = gap ? calloc(gap, 1) : NULL;
     void *h = dlopen("libcuda.so.1", RTLD_NOW);
     CUresult (*gpa)(const char *, void **, int, unsigned long long, int *) = dlsym(h, "cuGetProcAddress_v2");
     CUresult (*init)(unsigned); CUresult (*retain)(CUcontext *, int); CUresult (*setcur)(CUcontext);
@@ -75,9 +79,19 @@ int main(int argc, char **argv) {
     for (int b = 0; b < batches; b++) {
         for (int which = 0; which < (interleave_real ? 2 : 1); which++) {
             launch_t fn = which ? real : launch;
-            unsigned long long t0 = now();
-            for (int i = 0; i < batch; i++) CK(fn(f, 1,1,1, 1,1,1, 0, s, NULL, NULL));
-            unsigned long long t1 = now();
+            unsigned long long t0 = now(), t1, in_calls = 0;
+            if (gap) {
+                for (int i = 0; i < batch; i++) {
+                    for (size_t o = 0; o < gap; o += 128) buf[o]++;
+                    unsigned long long a = now();
+                    CK(fn(f, 1,1,1, 1,1,1, 0, s, NULL, NULL));
+                    in_calls += now() - a;
+                }
+                t1 = t0 + in_calls;
+            } else {
+                for (int i = 0; i < batch; i++) CK(fn(f, 1,1,1, 1,1,1, 0, s, NULL, NULL));
+                t1 = now();
+            }
             CK(ssync(s));
             printf("%s %.2f\n", interleave_real ? (which ? "real" : "hook") : "proc", (double)(t1 - t0) / batch);
         }
@@ -168,6 +182,9 @@ def main() -> None:
     ap.add_argument("--batches", type=int, default=400)
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--gap-kb", default="", help="comma-separated KB: also the in-process pairs with that much "
+                    "memory touched before each launch (each launch call timed alone; a diagnostic: does a program's "
+                    "own work between launches make the metered path dearer than back to back?)")
     ap.add_argument("--trace-dir", help="with a trace build (-DALNAIR_TRACE): the in-process runs write their "
                     "records and probe sums here (uncapped.trace, metered.trace and .sum beside each)")
     a = ap.parse_args()
@@ -200,8 +217,18 @@ def main() -> None:
             for k, env in envs.items():
                 per_proc[k].append(run(exe, [str(a.batches // a.rounds), str(a.batch)], env)["proc"])
 
+        gaps = {}
+        for kb in [int(x) for x in a.gap_kb.split(",") if x]:
+            n = max(20, a.batches // 4)
+            for name, env in (("uncapped", shim_region), ("metered", shim_capped)):
+                res = run(exe, [str(n), str(a.batch), "inproc", str(kb)], env)
+                gaps[f"{name}, {kb} KB touched before each launch"] = {
+                    "real": summary(res["real"]), "hook": summary(res["hook"]),
+                    "added_ns": paired(res["hook"], res["real"])}
+
     result = judge(inproc, inproc_metered, per_proc)
     result["batch"] = a.batch
+    result["gaps"] = gaps
     print(f"{'mode':45} {'median ns':>10} {'p10':>8} {'p90':>8} {'n':>6}")
     for k, v in result["rows"].items():
         print(f"{k:45} {v['median_ns']:10.1f} {v['p10_ns']:8.1f} {v['p90_ns']:8.1f} {v['n']:6d}")
@@ -209,6 +236,8 @@ def main() -> None:
           f"(spread {result['reference_spread_ns']:.1f} ns)")
     for v in result["verdicts"]:
         print(f"{v['what']:62} {v['added_ns']:+8.1f} ns  goal <= {v['goal_ns']:>4}  {v['result']}")
+    for k, g in gaps.items():
+        print(f"in-process, {k:50} {g['added_ns']:+8.1f} ns  (real call {g['real']['median_ns']:.1f} ns)")
     Path(a.json).write_text(json.dumps(result, indent=2))
 
 

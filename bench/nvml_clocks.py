@@ -124,7 +124,10 @@ def fold_runs(clocks: Path, turns: Path) -> list[dict[str, Any]]:
     """`fold` for every tenant of every run in a turn_trace JSON."""
     recs = read(clocks)
     out = []
-    for run in json.loads(turns.read_text()).get("runs", []):
+    doc = json.loads(turns.read_text())
+    # turn_trace's --json goes through benchstats.write_json, which wraps it: {"machine": ..., "results": {...}}
+    doc = doc.get("results", doc)
+    for run in doc.get("runs", []):
         for cap, raw in zip(run.get("caps", []), run.get("raw", []), strict=False):
             out.append({"shape": run.get("shape"), "cap": cap, **fold(recs, raw)})
     return out
