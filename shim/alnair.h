@@ -66,18 +66,32 @@ void alnair_cuda_resolve(void); /* pthread_once: libcuda's real table + aux */
 void *alnair_real_dlsym(void *handle, const char *name);
 
 /* ---- init.c ----------------------------------------------------------------------------------------------- */
+#define DEFAULT_COST_NS 20000ull /* a launch nothing is known about, before any sample (alnair_hot.guess_ns) */
+/* The process-wide words every metered launch reads, on one cache line (one definition, init.c). A program's own
+ * work between its launches evicts what the shim's launch path touches, and each line it touches is then a miss:
+ * these were five lines of their own (bench/launch_overhead.py --gap-kb; bench/RESULTS.md, 2026-12-07, eighteenth
+ * session). */
+struct alnair_hot {
+    struct alnair_region *region; /* region.c sets it: see "region.c" below */
+    _Atomic uint64_t guess_ns;     /* a launch nothing is known about: recent samples' mean (estimate.c) */
+    _Atomic unsigned fork_gen;     /* bumped in a forked child: thread-local state of the parent is void */
+    _Atomic int captures;          /* stream captures under way in this process (capture.c) */
+    _Atomic int global_captures;   /* ... of them in global mode: no thread may query an event meanwhile */
+    _Atomic int guess_known;       /* guess_ns was taken from at least one sample */
+    _Atomic uint32_t est_clock;    /* the estimate cache's LRU clock (estimate.c) */
+} __attribute__((aligned(64)));
+_Static_assert(sizeof(struct alnair_hot) == 64, "alnair_hot: one cache line");
+extern struct alnair_hot alnair_hot;
 void alnair_init(void); /* pthread_once: environment + region; cheap after the first call */
 void alnair_warn(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 uint64_t alnair_now_ns(void); /* CLOCK_MONOTONIC (vDSO, no syscall) */
 void alnair_sleep_ns(uint64_t ns);
-extern _Atomic unsigned alnair_fork_gen; /* bumped in a forked child: thread-local state of the parent is void */
 
 /* ---- region.c --------------------------------------------------------------------------------------------- */
-/* NULL: no limits at all, every call passes straight through. Otherwise the container's shared region, or a
- * private in-process one built from ALNAIR_MEMORY_LIMIT / ALNAIR_COMPUTE_LIMIT when the shared one is refused.
- * A container of several GPUs (ALNAIR_REGIONS) has one region per device, all with the same limits: this is the
- * first device's, and every per-device figure (slots, turns) is read from alnair_cur_region(). */
-extern struct alnair_region *alnair_region;
+/* alnair_hot.region (init.c): NULL, no limits at all, every call passes straight through. Otherwise the container's
+ * shared region, or a private in-process one built from ALNAIR_MEMORY_LIMIT / ALNAIR_COMPUTE_LIMIT when the shared
+ * one is refused. A container of several GPUs (ALNAIR_REGIONS) has one region per device, all with the same limits:
+ * this is the first device's, and every per-device figure (slots, turns) is read from alnair_cur_region(). */
 extern int alnair_region_shared; /* 1: the container's file; 0: private (env limits, this process alone) */
 void alnair_region_setup(void);  /* called by alnair_init */
 struct alnair_board *alnair_board_get(void); /* the calling thread's device's board, or NULL (latency.c) */

@@ -5,8 +5,6 @@
 #define _GNU_SOURCE
 #include "launch_internal.h"
 
-_Atomic int g_captures;        /* stream captures under way in this process */
-_Atomic int g_global_captures; /* of them in global mode: no thread may query an event meanwhile */
 
 /* ---- captures under way ---------------------------------------------------------------------------------------
  * A table of the streams being captured (stream, mode). The driver forbids event queries while a global-mode
@@ -35,22 +33,22 @@ int alnair_stream_capture_state(CUstream s, int pt)
  * alone too, since an event query of ours could break a capture. */
 int capturing(CUstream s, int pt)
 {
-    if (LIKELY(atomic_load_explicit(&g_captures, memory_order_relaxed) == 0))
+    if (LIKELY(atomic_load_explicit(&alnair_hot.captures, memory_order_relaxed) == 0))
         return 0;
     return alnair_stream_capture_state(s, pt) != 0;
 }
 
 void capture_after_fork_child(void)
 {
-    atomic_store(&g_captures, 0);
-    atomic_store(&g_global_captures, 0);
+    atomic_store(&alnair_hot.captures, 0);
+    atomic_store(&alnair_hot.global_captures, 0);
     memset(g_caps, 0, sizeof g_caps);
 }
 
 /* ---- stream capture bookkeeping -------------------------------------------------------------------------- */
 int alnair_captures_under_way(void)
 {
-    return atomic_load_explicit(&g_captures, memory_order_relaxed) != 0;
+    return atomic_load_explicit(&alnair_hot.captures, memory_order_relaxed) != 0;
 }
 
 static inline uintptr_t cap_key(CUstream s, int pt)
@@ -60,16 +58,16 @@ static inline uintptr_t cap_key(CUstream s, int pt)
 
 static void cap_count(int mode, int d)
 {
-    atomic_fetch_add(&g_captures, d);
+    atomic_fetch_add(&alnair_hot.captures, d);
     if (mode == CAPTURE_MODE_GLOBAL)
-        atomic_fetch_add(&g_global_captures, d);
+        atomic_fetch_add(&alnair_hot.global_captures, d);
     if (mode != CAPTURE_MODE_RELAXED)
         T.strict_captures += d;
 }
 
 static CUresult began(CUresult rc, CUstream s, int pt, CUstreamCaptureMode mode)
 {
-    if (rc != CUDA_SUCCESS || alnair_region == NULL)
+    if (rc != CUDA_SUCCESS || alnair_hot.region == NULL)
         return rc;
     uintptr_t key = cap_key(s, pt);
     for (unsigned i = 0; i < CAP_SLOTS; i++) {
@@ -86,7 +84,7 @@ static CUresult began(CUresult rc, CUstream s, int pt, CUstreamCaptureMode mode)
 
 static CUresult ended(CUresult rc, CUstream s, int pt)
 {
-    if (alnair_region == NULL || atomic_load(&g_captures) == 0)
+    if (alnair_hot.region == NULL || atomic_load(&alnair_hot.captures) == 0)
         return rc;
     if (alnair_stream_capture_state(s, pt) == 1)
         return rc; /* still capturing (e.g. ended from the wrong thread): nothing changes */

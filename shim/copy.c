@@ -8,7 +8,7 @@
 
 static inline CUresult counted(CUresult rc, size_t bytes)
 {
-    if (rc == CUDA_SUCCESS && bytes && alnair_region != NULL) {
+    if (rc == CUDA_SUCCESS && bytes && alnair_hot.region != NULL) {
         struct alnair_region_slot *s = alnair_slot();
         if (s != NULL && !alnair_slotless())
             __atomic_fetch_add(&s->copy_bytes, (uint64_t)bytes, __ATOMIC_RELAXED);
@@ -28,7 +28,7 @@ static inline CUresult counted(CUresult rc, size_t bytes)
     ALNAIR_API CUresult name params                   \
     {                                                 \
         REAL_OR_FAIL(fn, name);                       \
-        if (LIKELY(alnair_region == NULL))            \
+        if (LIKELY(alnair_hot.region == NULL))            \
             return fn args;                           \
         uint64_t said_ = latency_wait_begin();        \
         CUresult rc_ = fn args;                       \

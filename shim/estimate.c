@@ -5,9 +5,6 @@
 #include "launch_internal.h"
 
 struct est g_est[EST_SETS * EST_WAYS];
-_Atomic uint32_t g_est_clock = 1;
-_Atomic uint64_t g_guess_ns = DEFAULT_COST_NS; /* a launch nothing is known about: recent samples' mean */
-_Atomic int g_guess_known;                     /* ... taken from at least one sample */
 struct stream_ctr g_streams[STREAM_SLOTS];
 
 struct est *est_insert(uint64_t k)
@@ -33,7 +30,7 @@ struct est *est_insert(uint64_t k)
     atomic_store_explicit(&victim->samples, 0, memory_order_relaxed);
     atomic_store_explicit(&victim->dropped, 0, memory_order_relaxed);
     atomic_store_explicit(&victim->last, 0, memory_order_relaxed);
-    atomic_store_explicit(&victim->used, atomic_fetch_add(&g_est_clock, 1) + 1, memory_order_relaxed);
+    atomic_store_explicit(&victim->used, atomic_fetch_add(&alnair_hot.est_clock, 1) + 1, memory_order_relaxed);
     atomic_store_explicit(&victim->key, k, memory_order_release);
     return victim;
 }
@@ -78,14 +75,14 @@ static void thread_exit(void *arg)
 {
     (void)arg;
     flush_account();
-    if (T.gen == atomic_load(&alnair_fork_gen)) /* never the parent's events in a forked child */
+    if (T.gen == atomic_load(&alnair_hot.fork_gen)) /* never the parent's events in a forked child */
         drop_events();
     T.exit_hook = 0;
 }
 /* The main thread's gathered GPU time at process exit (exit() runs no thread-key destructor for it). */
 __attribute__((destructor)) static void process_exit(void)
 {
-    if (alnair_region != NULL && T.gen == atomic_load(&alnair_fork_gen))
+    if (alnair_hot.region != NULL && T.gen == atomic_load(&alnair_hot.fork_gen))
         flush_account();
 }
 
@@ -393,11 +390,11 @@ void poll_sample(void)
         return; /* a guessed launch among them is left to the fences' true-up */
     if (ns < MIN_COST_NS)
         ns = MIN_COST_NS;
-    uint64_t g = atomic_load_explicit(&g_guess_ns, memory_order_relaxed);
-    int known = atomic_load_explicit(&g_guess_known, memory_order_relaxed);
-    atomic_store_explicit(&g_guess_ns, known ? (7 * g + ns) / 8 : ns, memory_order_relaxed);
+    uint64_t g = atomic_load_explicit(&alnair_hot.guess_ns, memory_order_relaxed);
+    int known = atomic_load_explicit(&alnair_hot.guess_known, memory_order_relaxed);
+    atomic_store_explicit(&alnair_hot.guess_ns, known ? (7 * g + ns) / 8 : ns, memory_order_relaxed);
     if (!known)
-        atomic_store_explicit(&g_guess_known, 1, memory_order_relaxed);
+        atomic_store_explicit(&alnair_hot.guess_known, 1, memory_order_relaxed);
     TRACE('s', ns, T.s_cost, T.s_key, (uint64_t)T.s_guess);
     if (T.s_guess) {
         true_up(ns, T.s_cost);
@@ -445,7 +442,7 @@ void poll_sample(void)
  * predecessor (17.7 % of the GPU at a 30 % cap on the H200). */
 int sample_first(uint64_t key)
 {
-    return T.s_key == key || !atomic_load_explicit(&g_guess_known, memory_order_relaxed) || T.s_ahead >= GUESS_AHEAD;
+    return T.s_key == key || !atomic_load_explicit(&alnair_hot.guess_known, memory_order_relaxed) || T.s_ahead >= GUESS_AHEAD;
 }
 
 void wait_sample(void)

@@ -277,7 +277,7 @@ static __attribute__((noinline)) void *dlsym_hooked(void *handle, const char *na
         return alnair_real(id) ? rows[id].hook : NULL;
     }
     void *p = version ? real_dlvsym(handle, name, version) : alnair_real_dlsym(handle, name);
-    if (p == NULL || alnair_region == NULL)
+    if (p == NULL || alnair_hot.region == NULL)
         return p; /* missing stays missing; with no limits at all the caller gets the real function */
     if (alnair_real(id) == NULL) {
         void *expected = NULL;
@@ -332,7 +332,7 @@ static int hook_by_base(const char *symbol, int version, cuuint64_t flags)
 
 static CUresult after_proc_address(const char *symbol, void **pfn, int version, cuuint64_t flags, CUresult rc)
 {
-    if (rc != CUDA_SUCCESS || pfn == NULL || *pfn == NULL || symbol == NULL || alnair_region == NULL)
+    if (rc != CUDA_SUCCESS || pfn == NULL || *pfn == NULL || symbol == NULL || alnair_hot.region == NULL)
         return rc;
     void *p = *pfn;
     int id = -1;

@@ -9,7 +9,7 @@
 #include "alnair.h"
 
 static pthread_once_t init_once = PTHREAD_ONCE_INIT;
-_Atomic unsigned alnair_fork_gen;
+struct alnair_hot alnair_hot = {.guess_ns = DEFAULT_COST_NS, .est_clock = 1};
 
 uint64_t alnair_now_ns(void)
 {
@@ -43,7 +43,7 @@ void alnair_warn(const char *fmt, ...)
 
 static void atfork_child(void)
 {
-    atomic_fetch_add(&alnair_fork_gen, 1);
+    atomic_fetch_add(&alnair_hot.fork_gen, 1);
     alnair_region_after_fork_child();
     alnair_memory_after_fork_child();
     alnair_launch_after_fork_child();

@@ -14,7 +14,7 @@ void alnair_launch_after_fork_child(void)
     memset(g_streams, 0, sizeof g_streams); /* the parent's queues are not the child's */
     memset(&T, 0, sizeof T); /* the parent's events are not ours; other threads' TLS is reset by generation */
     G.valid = 0;
-    T.gen = atomic_load(&alnair_fork_gen);
+    T.gen = atomic_load(&alnair_hot.fork_gen);
 }
 
 /* ---- the metered path ------------------------------------------------------------------------------------------ */
@@ -37,7 +37,7 @@ static inline int sample_paced(void)
 /* 0: go on; -1: refused (this process has no region slot: its launches would be invisible to the container). */
 static __attribute__((noinline)) int pre_launch(struct pre *p, uintptr_t fn, uint64_t blocks, CUstream s, int pt)
 {
-    unsigned gen = atomic_load_explicit(&alnair_fork_gen, memory_order_relaxed);
+    unsigned gen = atomic_load_explicit(&alnair_hot.fork_gen, memory_order_relaxed);
     if (UNLIKELY(T.gen != gen)) {
         memset(&T, 0, sizeof T);
         G.valid = 0;
@@ -64,7 +64,7 @@ static __attribute__((noinline)) int pre_launch(struct pre *p, uintptr_t fn, uin
         if (e == NULL)
             est_insert(p->key);
     }
-    p->cost = est ? est : near ? near : atomic_load_explicit(&g_guess_ns, memory_order_relaxed);
+    p->cost = est ? est : near ? near : atomic_load_explicit(&alnair_hot.guess_ns, memory_order_relaxed);
     int quiet = queries_ok();
     if (quiet && est == 0 && near == 0 && T.s_busy && sample_first(p->key))
         wait_sample();

@@ -12,7 +12,6 @@
 
 #include "hook_protos.h"
 
-#define DEFAULT_COST_NS 20000ull
 #define MIN_COST_NS 1000ull
 #define CREDIT_MAX_NS 100000000ull /* true-up credit kept against later charges, at most */
 #define NAP_MAX_NS 2000000ull      /* a thread waiting for its turn re-reads the schedule this often at least */
@@ -148,10 +147,6 @@ extern struct dev_turns g_dev[ALNAIR_MAX_DEVICES];
 #define g_paid_shift (g_dev[alnair_cur].paid_shift)
 #define g_procs_window (g_dev[alnair_cur].procs_window)
 #define g_procs (g_dev[alnair_cur].procs)
-extern _Atomic int g_captures;           /* stream captures under way in this process */
-extern _Atomic int g_global_captures;    /* of them in global mode: no thread may query an event meanwhile */
-extern _Atomic uint64_t g_guess_ns; /* a launch nothing is known about: recent samples' mean */
-extern _Atomic int g_guess_known;                     /* ... taken from at least one sample */
 
 /* ---- the estimate cache ------------------------------------------------------------------------------------
  * Key: (function or graph, grid-size class = bit length of the block count): a kernel's time grows with its
@@ -168,7 +163,6 @@ struct est {
     _Atomic uint32_t last;    /* the last sample taken, ns (saturated): a latency container's estimate uses it */
 };
 extern struct est g_est[EST_SETS * EST_WAYS];
-extern _Atomic uint32_t g_est_clock;
 
 
 static inline unsigned grid_class(uint64_t blocks)
@@ -192,7 +186,7 @@ static inline struct est *est_lookup(uint64_t k)
     struct est *set = est_set(k);
     for (unsigned w = 0; w < EST_WAYS; w++) {
         if (atomic_load_explicit(&set[w].key, memory_order_acquire) == k) {
-            uint32_t now = atomic_load_explicit(&g_est_clock, memory_order_relaxed);
+            uint32_t now = atomic_load_explicit(&alnair_hot.est_clock, memory_order_relaxed);
             if (atomic_load_explicit(&set[w].used, memory_order_relaxed) != now)
                 atomic_store_explicit(&set[w].used, now, memory_order_relaxed);
             return &set[w];
@@ -254,12 +248,31 @@ extern struct stream_ctr g_streams[STREAM_SLOTS];
 _Static_assert(HOLD_EVENT_DEPTH >= 1 && HOLD_EVENT_DEPTH <= 16 && (HOLD_EVENT_DEPTH & (HOLD_EVENT_DEPTH - 1)) == 0,
                "HOLD_EVENT_DEPTH: a power of two from 1 to 16");
 _Static_assert(HOLD_LONG_DEPTH >= 1 && HOLD_LONG_DEPTH <= HOLD_EVENT_DEPTH, "HOLD_LONG_DEPTH: 1 to HOLD_EVENT_DEPTH");
+/* This thread's last yes of the gate, for as long as the turns it read stay (same turn_seq): the window it was in
+ * (its start after any debt) or the lease, so a launch inside them needs no division nor a re-read of the turns. */
+struct gate {
+    int valid;
+    uint32_t seq, procs;
+    uint64_t start, end, free_until; /* end: UINT64_MAX when every moment is its turn */
+    uint64_t nominal_end; /* the window's own end (`end` may run on past it on banked time: latency.c) */
+    uint64_t room; /* how far past `end` a launch's work may run: the slack, or the spare time after the window */
+};
+
+/* Its first two cache lines hold what every metered launch reads and writes, so that a launch after the program's
+ * own work (which evicts them) misses on two lines of this thread's state, not six on four pages (the gate, the
+ * unflushed time and these fields were each apart; bench/RESULTS.md, 2026-12-07, eighteenth session). */
 struct tstate {
     unsigned gen;
-    CUcontext ctx;
-    uint64_t launches, done, charged, completed_charged, last_fence_charged;
-    uint64_t last_fence_ns, last_sample_ns; /* when the last fence / settled kernel's sample was recorded */
     unsigned since_fence;
+    uint64_t launches, done, charged, completed_charged, last_fence_charged;
+    int s_busy;
+    unsigned fcount;
+    int strict_captures; /* this thread's non-relaxed captures under way */
+    unsigned npend;
+    struct gate g;      /* G */
+    uint64_t unflushed; /* T_unflushed: GPU time counted and not yet added to the slot (account) */
+    CUcontext ctx;
+    uint64_t last_fence_ns, last_sample_ns; /* when the last fence / settled kernel's sample was recorded */
     CUevent s_start, s_end;
     CUevent d_ev; /* the gate's drain event: recorded when its estimate of the queue refuses a launch */
     CUevent q_ev[HOLD_EVENT_DEPTH]; /* beside a latency container: its last marks (hold_mark, latency.c) */
@@ -274,9 +287,9 @@ struct tstate {
     uint64_t s_idle; /* IDLE_SAMPLE: the host time taken off the sample in flight (0: its GPU was busy) */
     uint64_t s_due; /* POLL_WHEN_DUE: when the sample in flight is estimated to have run */
     unsigned s_ahead; /* launches of unknown kernels charged a guess since the sample in flight was taken */
-    int s_busy, s_guess;
+    int s_guess;
     struct fence f[NFENCE];
-    unsigned fhead, fcount;
+    unsigned fhead;
     int prev_valid;
     unsigned prev_idx;
     uint64_t prev_charged, prev_seq, prev_mine;
@@ -287,28 +300,17 @@ struct tstate {
     struct {
         uint64_t key, cost, idx;
     } pend[NPEND]; /* launches charged a guess and not sampled (the sampler was busy): settled by their key's sample */
-    unsigned npend;
-    int strict_captures; /* this thread's non-relaxed captures under way */
-    int exit_hook;       /* the thread-exit destructor is armed */
-};
+    int exit_hook; /* the thread-exit destructor is armed */
+} __attribute__((aligned(64)));
+_Static_assert(__builtin_offsetof(struct tstate, ctx) <= 128, "tstate: the launch path's fields in its first two lines");
 extern __thread struct tstate T_dev[ALNAIR_MAX_DEVICES] __attribute__((tls_model("initial-exec")));
 #define T (T_dev[alnair_cur]) /* per device: its events, fences and queued work are its context's */
+#define G (T.g)               /* per device: each GPU's windows */
 
-/* This thread's last yes of the gate, for as long as the turns it read stay (same turn_seq): the window it was in
- * (its start after any debt) or the lease, so a launch inside them needs no division nor a re-read of the turns. */
-struct gate {
-    int valid;
-    uint32_t seq, procs;
-    uint64_t start, end, free_until; /* end: UINT64_MAX when every moment is its turn */
-    uint64_t nominal_end; /* the window's own end (`end` may run on past it on banked time: latency.c) */
-    uint64_t room; /* how far past `end` a launch's work may run: the slack, or the spare time after the window */
-};
-extern __thread struct gate G_dev[ALNAIR_MAX_DEVICES] __attribute__((tls_model("initial-exec")));
-#define G (G_dev[alnair_cur]) /* per device: each GPU's windows */
 
 static inline int metered(void)
 {
-    struct alnair_region *r = alnair_region;
+    struct alnair_region *r = alnair_hot.region;
     if (r == NULL)
         return 0;
     uint32_t c = __atomic_load_n(&r->agent.compute_limit, __ATOMIC_RELAXED);
@@ -317,7 +319,7 @@ static inline int metered(void)
 
 static inline void count_launch(void)
 {
-    if (alnair_region != NULL) {
+    if (alnair_hot.region != NULL) {
         struct alnair_region_slot *s = alnair_slot();
         if (s != NULL)
             __atomic_fetch_add(&s->launches, 1, __ATOMIC_RELAXED);
@@ -327,12 +329,11 @@ static inline void count_launch(void)
 /* Event queries are allowed: no global-mode capture anywhere, no non-relaxed capture in this thread. */
 static inline int queries_ok(void)
 {
-    return atomic_load_explicit(&g_global_captures, memory_order_relaxed) == 0 && T.strict_captures == 0;
+    return atomic_load_explicit(&alnair_hot.global_captures, memory_order_relaxed) == 0 && T.strict_captures == 0;
 }
 
-extern __thread uint64_t T_unflushed_dev[ALNAIR_MAX_DEVICES] __attribute__((tls_model("initial-exec")));
 void flush_account(void);
-#define T_unflushed (T_unflushed_dev[alnair_cur])
+#define T_unflushed (T.unflushed)
 
 /* Add `ns` of GPU time to this process's slot, less any credit true-ups found (the counter only grows). Kept in the
  * thread until a millisecond has gathered: one shared-memory atomic per launch less on the metered path (the

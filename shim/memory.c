@@ -169,7 +169,7 @@ static void unreserve_on(uint32_t dev, uint64_t size)
 /* Count bytes the driver already holds (no limit check: they exist whatever we say). */
 static void charge(uint64_t size)
 {
-    struct alnair_region_slot *s = alnair_region ? alnair_slot() : NULL;
+    struct alnair_region_slot *s = alnair_hot.region ? alnair_slot() : NULL;
     if (s == NULL || size == 0)
         return;
     uint64_t old = RLOAD(s->memory_used), nv;
@@ -181,7 +181,7 @@ static void charge(uint64_t size)
 /* 0: reserved (or no region); -1: over the limit (or this process has no slot), nothing reserved. */
 static int reserve(uint64_t size)
 {
-    struct alnair_region *r = alnair_region;
+    struct alnair_region *r = alnair_hot.region;
     if (r == NULL)
         return 0;
     struct alnair_region_slot *s = alnair_slot();
@@ -273,7 +273,7 @@ static inline uint64_t mul_sat(uint64_t a, uint64_t b)
 /* The common shape: reserve, call the driver, keep or give back. */
 #define ALLOC_BODY(kind, bytes, call, keyexpr)           \
     do {                                                 \
-        if (alnair_region == NULL)                       \
+        if (alnair_hot.region == NULL)                       \
             return (call);                               \
         uint64_t bytes_ = (bytes);                       \
         if (reserve(bytes_) != 0)                        \
@@ -288,7 +288,7 @@ static inline uint64_t mul_sat(uint64_t a, uint64_t b)
 
 #define FREE_BODY(kind, key, call)                       \
     do {                                                 \
-        if (alnair_region == NULL)                       \
+        if (alnair_hot.region == NULL)                       \
             return (call);                               \
         struct entry saved_;                             \
         int had_ = detach((kind), (uint64_t)(key), &saved_); \
@@ -314,7 +314,7 @@ ALNAIR_API CUresult cuMemAllocPitch_v2(CUdeviceptr *dptr, size_t *pPitch, size_t
                                        unsigned int ElementSizeBytes)
 {
     REAL_OR_FAIL(fn, cuMemAllocPitch_v2);
-    if (alnair_region == NULL)
+    if (alnair_hot.region == NULL)
         return fn(dptr, pPitch, WidthInBytes, Height, ElementSizeBytes);
     /* reserve the most the pitch can be (rows padded to 512 bytes), then keep what the driver really took */
     uint64_t row = WidthInBytes > UINT64_MAX - 511 ? UINT64_MAX : (WidthInBytes + 511) & ~511ull;
@@ -413,7 +413,7 @@ static int stream_capturing(CUstream s, int pt)
 
 #define ASYNC_ALLOC_BODY(poolexpr, stream, pt, call)                         \
     do {                                                                     \
-        if (alnair_region == NULL)                                           \
+        if (alnair_hot.region == NULL)                                           \
             return (call);                                                   \
         if (stream_capturing((stream), (pt))) {                              \
             atomic_store(&g_graph_mem, 1); /* graph memory: charged at launch */ \
@@ -475,7 +475,7 @@ ALNAIR_API CUresult cuMemAllocFromPoolAsync_ptsz(CUdeviceptr *dptr, size_t bytes
 
 #define ASYNC_FREE_BODY(call)                                                \
     do {                                                                     \
-        if (alnair_region == NULL)                                           \
+        if (alnair_hot.region == NULL)                                           \
             return (call);                                                   \
         struct entry saved_;                                                 \
         int had_ = detach(K_DEV, dptr, &saved_);                             \
@@ -503,7 +503,7 @@ ALNAIR_API CUresult cuMemPoolSetAttribute(CUmemoryPool pool, CUmemPool_attribute
 {
     REAL_OR_FAIL(fn, cuMemPoolSetAttribute);
     CUresult rc = fn(pool, attr, value);
-    if (rc != CUDA_SUCCESS || alnair_region == NULL || attr != CU_MEMPOOL_ATTR_RELEASE_THRESHOLD || value == NULL)
+    if (rc != CUDA_SUCCESS || alnair_hot.region == NULL || attr != CU_MEMPOOL_ATTR_RELEASE_THRESHOLD || value == NULL)
         return rc;
     uint64_t threshold = *(const cuuint64_t *)value, give = 0;
     pthread_mutex_lock(&mu);
@@ -528,7 +528,7 @@ ALNAIR_API CUresult cuMemPoolTrimTo(CUmemoryPool pool, size_t minBytesToKeep)
 {
     REAL_OR_FAIL(fn, cuMemPoolTrimTo);
     CUresult rc = fn(pool, minBytesToKeep);
-    if (rc != CUDA_SUCCESS || alnair_region == NULL)
+    if (rc != CUDA_SUCCESS || alnair_hot.region == NULL)
         return rc;
     uint64_t give = 0;
     pthread_mutex_lock(&mu);
@@ -545,7 +545,7 @@ ALNAIR_API CUresult cuMemPoolTrimTo(CUmemoryPool pool, size_t minBytesToKeep)
 ALNAIR_API CUresult cuMemPoolDestroy(CUmemoryPool pool)
 {
     REAL_OR_FAIL(fn, cuMemPoolDestroy);
-    if (alnair_region == NULL)
+    if (alnair_hot.region == NULL)
         return fn(pool);
     struct entry saved;
     int had = detach((uintptr_t)pool, K_POOL, &saved);
@@ -558,7 +558,7 @@ ALNAIR_API CUresult cuMemPoolDestroy(CUmemoryPool pool)
  * each graph launch and each trim; a graph launch while the container is already over its limit is refused. */
 void alnair_graph_mem_sync(void)
 {
-    if (!atomic_load_explicit(&g_graph_mem, memory_order_relaxed) || alnair_region == NULL)
+    if (!atomic_load_explicit(&g_graph_mem, memory_order_relaxed) || alnair_hot.region == NULL)
         return;
     CUdevice dev = 0;
     cuuint64_t reserved = 0;
@@ -580,7 +580,7 @@ void alnair_graph_mem_sync(void)
 int alnair_graph_mem_over(void)
 {
     alnair_select();
-    struct alnair_region *r = alnair_region;
+    struct alnair_region *r = alnair_hot.region;
     if (LIKELY(!atomic_load_explicit(&g_graph_mem, memory_order_relaxed)) || r == NULL)
         return 0;
     uint64_t limit = RLOAD(r->agent.memory_limit);
@@ -592,7 +592,7 @@ ALNAIR_API CUresult cuGraphAddMemAllocNode(CUgraphNode *phGraphNode, CUgraph hGr
 {
     REAL_OR_FAIL(fn, cuGraphAddMemAllocNode);
     CUresult rc = fn(phGraphNode, hGraph, dependencies, numDependencies, nodeParams);
-    if (rc == CUDA_SUCCESS && alnair_region != NULL)
+    if (rc == CUDA_SUCCESS && alnair_hot.region != NULL)
         atomic_store(&g_graph_mem, 1);
     return rc;
 }
@@ -620,7 +620,7 @@ ALNAIR_API CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t siz
 ALNAIR_API CUresult cuMemRelease(CUmemGenericAllocationHandle handle)
 {
     REAL_OR_FAIL(fn, cuMemRelease);
-    if (alnair_region == NULL)
+    if (alnair_hot.region == NULL)
         return fn(handle);
     struct entry saved;
     int had = 0, marked = 0;
@@ -651,7 +651,7 @@ ALNAIR_API CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmemG
 {
     REAL_OR_FAIL(fn, cuMemMap);
     CUresult rc = fn(ptr, size, offset, handle, flags);
-    if (rc != CUDA_SUCCESS || alnair_region == NULL)
+    if (rc != CUDA_SUCCESS || alnair_hot.region == NULL)
         return rc;
     pthread_mutex_lock(&mu);
     struct entry *h = find(handle, K_HANDLE);
@@ -677,7 +677,7 @@ ALNAIR_API CUresult cuMemUnmap(CUdeviceptr ptr, size_t size)
 {
     REAL_OR_FAIL(fn, cuMemUnmap);
     CUresult rc = fn(ptr, size);
-    if (rc != CUDA_SUCCESS || alnair_region == NULL)
+    if (rc != CUDA_SUCCESS || alnair_hot.region == NULL)
         return rc;
     uint64_t give[ALNAIR_MAX_DEVICES] = {0}, end = (uint64_t)ptr + size < (uint64_t)ptr ? UINT64_MAX : (uint64_t)ptr + size;
     pthread_mutex_lock(&mu);
@@ -796,7 +796,7 @@ ALNAIR_API CUresult cuCtxCreate_v4(CUcontext *pctx, CUctxCreateParams *ctxCreate
 ALNAIR_API CUresult cuCtxDestroy_v2(CUcontext ctx)
 {
     REAL_OR_FAIL(fn, cuCtxDestroy_v2);
-    if (alnair_region == NULL)
+    if (alnair_hot.region == NULL)
         return fn(ctx);
     struct entry saved;
     int had = detach(K_CTX, (uintptr_t)ctx, &saved);
@@ -818,7 +818,7 @@ ALNAIR_API CUresult cuCtxDestroy_v2(CUcontext ctx)
 ALNAIR_API CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev)
 {
     REAL_OR_FAIL(fn, cuDevicePrimaryCtxRetain);
-    if (alnair_region == NULL)
+    if (alnair_hot.region == NULL)
         return fn(pctx, dev);
     alnair_use_device(alnair_device_index(dev)); /* the primary context is charged on its device */
     pthread_mutex_lock(&mu);
@@ -870,7 +870,7 @@ ALNAIR_API CUresult cuDevicePrimaryCtxRelease_v2(CUdevice dev)
 {
     REAL_OR_FAIL(fn, cuDevicePrimaryCtxRelease_v2);
     CUresult rc = fn(dev);
-    if (rc == CUDA_SUCCESS && alnair_region != NULL)
+    if (rc == CUDA_SUCCESS && alnair_hot.region != NULL)
         primary_drop(dev, 0);
     return rc;
 }
@@ -879,7 +879,7 @@ ALNAIR_API CUresult cuDevicePrimaryCtxReset_v2(CUdevice dev)
 {
     REAL_OR_FAIL(fn, cuDevicePrimaryCtxReset_v2);
     CUresult rc = fn(dev);
-    if (rc == CUDA_SUCCESS && alnair_region != NULL)
+    if (rc == CUDA_SUCCESS && alnair_hot.region != NULL)
         primary_drop(dev, 1);
     return rc;
 }
@@ -888,7 +888,7 @@ ALNAIR_API CUresult cuDevicePrimaryCtxReset_v2(CUdevice dev)
 /* total = min(limit, real total); free = total - used container-wide, clamped to [0, real free]. */
 static int limited_view(uint64_t real_total, uint64_t real_free, uint64_t *total, uint64_t *free_, uint64_t *used)
 {
-    struct alnair_region *r = alnair_region;
+    struct alnair_region *r = alnair_hot.region;
     uint64_t limit = r ? RLOAD(r->agent.memory_limit) : 0;
     if (limit == 0)
         return 0;
@@ -922,7 +922,7 @@ ALNAIR_API CUresult cuDeviceTotalMem_v2(size_t *bytes, CUdevice dev)
     REAL_OR_FAIL(fn, cuDeviceTotalMem_v2);
     CUresult rc = fn(bytes, dev);
     alnair_use_device(alnair_device_index(dev));
-    struct alnair_region *r = alnair_region;
+    struct alnair_region *r = alnair_hot.region;
     uint64_t limit = r ? RLOAD(r->agent.memory_limit) : 0;
     if (rc == CUDA_SUCCESS && bytes != NULL && limit != 0 && limit < *bytes)
         *bytes = limit;

@@ -20,7 +20,7 @@ static int ours(unsigned int pid)
 {
     if (pid == (unsigned int)getpid())
         return 1;
-    struct alnair_region *r = alnair_region;
+    struct alnair_region *r = alnair_hot.region;
     if (r == NULL || !alnair_region_shared)
         return 0;
     for (unsigned i = 0; i < ALNAIR_REGION_MAX_SLOTS; i++) {
@@ -108,7 +108,7 @@ static nvmlReturn_t plain_call(const struct lister *l, nvmlDevice_t dev, unsigne
         __typeof__(&name) fn = REAL(name);                                                     \
         if (fn == NULL)                                                                        \
             return NVML_ERROR_LIBRARY_NOT_FOUND;                                               \
-        if (alnair_region == NULL)                                                             \
+        if (alnair_hot.region == NULL)                                                             \
             return fn(device, infoCount, infos);                                               \
         struct lister l = {.call = plain_call, .fn = (list_fn)fn};                             \
         return filtered_list(&l, device, infoCount, infos, sizeof(type), 0);                   \
@@ -137,7 +137,7 @@ ALNAIR_API nvmlReturn_t nvmlDeviceGetProcessUtilization(nvmlDevice_t device, nvm
     __typeof__(&nvmlDeviceGetProcessUtilization) fn = REAL(nvmlDeviceGetProcessUtilization);
     if (fn == NULL)
         return NVML_ERROR_LIBRARY_NOT_FOUND;
-    if (alnair_region == NULL)
+    if (alnair_hot.region == NULL)
         return fn(device, utilization, processSamplesCount, lastSeenTimeStamp);
     struct lister l = {.call = util_call, .util = fn, .last_seen = lastSeenTimeStamp};
     return filtered_list(&l, device, processSamplesCount, utilization, sizeof *utilization, 0);
@@ -161,7 +161,7 @@ ALNAIR_API nvmlReturn_t nvmlDeviceGetProcessesUtilizationInfo(nvmlDevice_t devic
     __typeof__(&nvmlDeviceGetProcessesUtilizationInfo) fn = REAL(nvmlDeviceGetProcessesUtilizationInfo);
     if (fn == NULL)
         return NVML_ERROR_LIBRARY_NOT_FOUND;
-    if (alnair_region == NULL || procesesUtilInfo == NULL)
+    if (alnair_hot.region == NULL || procesesUtilInfo == NULL)
         return fn(device, procesesUtilInfo);
     struct lister l = {.call = info_call, .info = fn, .arg = procesesUtilInfo};
     unsigned int count = procesesUtilInfo->processSamplesCount;

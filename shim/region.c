@@ -23,7 +23,6 @@
 
 #include "alnair.h"
 
-struct alnair_region *alnair_region;
 int alnair_region_shared;
 uint64_t alnair_context_bytes = ALNAIR_DEFAULT_CONTEXT_BYTES;
 struct alnair_device alnair_devices[ALNAIR_MAX_DEVICES];
@@ -163,7 +162,7 @@ void alnair_region_setup(void)
     } else {
         device_setup(&alnair_devices[0], path, explicit_path);
     }
-    alnair_region = alnair_devices[0].region;
+    alnair_hot.region = alnair_devices[0].region;
     alnair_region_shared = alnair_devices[0].shared;
 }
 
@@ -484,7 +483,7 @@ void alnair_turn_read(struct alnair_turn *t)
 {
     struct alnair_region *r = alnair_cur_region();
     if (r == NULL)
-        r = alnair_region;
+        r = alnair_hot.region;
     for (unsigned tries = 0; tries < 4; tries++) {
         uint32_t s1 = RLOAD(r->agent.turn_seq);
         struct alnair_turn x = {RLOAD(r->agent.turn_epoch_ns), RLOAD(r->agent.turn_period_ns),

@@ -7,10 +7,8 @@
 #include "launch_internal.h"
 
 struct dev_turns g_dev[ALNAIR_MAX_DEVICES];
-__thread struct gate G_dev[ALNAIR_MAX_DEVICES] __attribute__((tls_model("initial-exec")));
 
 /* ---- GPU time counted, turns waited for ------------------------------------------------------------------ */
-__thread uint64_t T_unflushed_dev[ALNAIR_MAX_DEVICES] __attribute__((tls_model("initial-exec")));
 
 /* What the thread has gathered, into its process's slot (also at thread and process exit). */
 void flush_account(void)
