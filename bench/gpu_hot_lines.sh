@@ -21,6 +21,7 @@ for b in old new old new; do
   timeout 120 python3 bench/launch_overhead.py --shim ".out/shim_$b/libalnair.so" --gap-kb 256,4096 \
     --json "$OUT/lo_${b}_$n.json" > "$OUT/lo_${b}_$n.txt" 2>&1 || rc=1
   grep -E 'in-process|spread' "$OUT/lo_${b}_$n.txt"
+  (cd /tmp && tar czf "$R/hot.tgz" hot)  # after each part: a call cut short still brings back what ran
 done
 for b in new old; do
   caps=0,-1,99,0,-1,99
@@ -37,6 +38,6 @@ for run in d["runs"]:
     if "error" in run:
         print(run["shape"], run["caps"], "error", run["error"][:300])
 PY
+  (cd /tmp && tar czf "$R/hot.tgz" hot)
 done
-(cd /tmp && tar czf "$R/hot.tgz" hot)
 exit $rc
