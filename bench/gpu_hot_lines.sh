@@ -8,7 +8,7 @@
 #     window all but never closed) twice each, new build; then 0 and 99 twice each, old build: the metered path's cost
 #     inside a real loop, against the same loop with no shim in the processes around it.
 # Everything into $OUT/hot.tgz; the tables are printed.
-#   bash bench/gpu_hot_lines.sh
+#   bash bench/gpu_hot_lines.sh            (SHAPES=small,train for a shorter call)
 source "$(dirname "$0")/device_prelude.sh"
 R=$OUT
 export OUT=/tmp/hot
@@ -27,7 +27,7 @@ for b in new old; do
   caps=0,-1,99,0,-1,99
   [ "$b" = old ] && caps=0,99,0,99
   echo "== turn_trace $b $(date -u +%T)"
-  timeout 200 python3 bench/turn_trace.py --pin --shim ".out/shim_$b/libalnair.so" --shapes small,train,infer \
+  timeout 200 python3 bench/turn_trace.py --pin --shim ".out/shim_$b/libalnair.so" --shapes "${SHAPES:-small,train,infer}" \
     --caps "$caps" --seconds 2 --json "$OUT/tt_$b.json" > "$OUT/tt_$b.txt" 2>&1 || rc=1
   python3 - "$OUT/tt_$b.json" <<'PY' || rc=1
 import json, sys
