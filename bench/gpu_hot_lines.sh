@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Issue 25, eighteenth session: what the metered launch costs a program that does work of its own between launches,
-# and whether the shim's launch state on fewer cache lines (42bff74) lowers it. Two shim builds made on the dev box
-# with one toolchain and carried (the device builds nothing here): .out/shim_old (1802217, before) and .out/shim_new.
+# and whether the shim's launch state on fewer cache lines (42bff74) and its code on two pages (shim/hot_text.ld)
+# lower it. Two shim builds made on the dev box with one toolchain and carried (the device builds nothing here):
+# .out/shim_old (1802217, before) and .out/shim_new (both changes).
 #  1. bench/launch_overhead.py --gap-kb 256,4096, old, new, old, new: in one process, the hook against the real
 #     driver function with that much memory touched before each launch (cold caches), beside the back-to-back pairs;
 #  2. bench/turn_trace.py --pin, small, train and infer, caps 0 (no shim), -1 (shim, uncapped), 99 (metered, the

@@ -31,7 +31,7 @@ int alnair_stream_capture_state(CUstream s, int pt)
 
 /* A launch into a capturing stream takes no turn (the graph launch does): one the driver cannot tell about is left
  * alone too, since an event query of ours could break a capture. */
-int capturing(CUstream s, int pt)
+ALNAIR_HOT_TEXT int capturing(CUstream s, int pt)
 {
     if (LIKELY(atomic_load_explicit(&alnair_hot.captures, memory_order_relaxed) == 0))
         return 0;

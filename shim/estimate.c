@@ -50,7 +50,7 @@ uint64_t est_neighbour(uintptr_t fn, unsigned cls)
 }
 
 
-struct stream_ctr *stream_find(CUstream s, int pt)
+ALNAIR_HOT_TEXT struct stream_ctr *stream_find(CUstream s, int pt)
 {
     uintptr_t key = (((uintptr_t)s << 1) | (uintptr_t)(pt != 0)) + 1;
     size_t i = (size_t)((key * 0x9E3779B97F4A7C15ull) >> 54) & (STREAM_SLOTS - 1);

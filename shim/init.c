@@ -11,7 +11,7 @@
 static pthread_once_t init_once = PTHREAD_ONCE_INIT;
 struct alnair_hot alnair_hot = {.guess_ns = DEFAULT_COST_NS, .est_clock = 1};
 
-uint64_t alnair_now_ns(void)
+ALNAIR_HOT_TEXT uint64_t alnair_now_ns(void)
 {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts); /* vDSO: no system call */

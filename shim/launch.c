@@ -35,7 +35,7 @@ static inline int sample_paced(void)
 }
 
 /* 0: go on; -1: refused (this process has no region slot: its launches would be invisible to the container). */
-static __attribute__((noinline)) int pre_launch(struct pre *p, uintptr_t fn, uint64_t blocks, CUstream s, int pt)
+ALNAIR_HOT_TEXT static __attribute__((noinline)) int pre_launch(struct pre *p, uintptr_t fn, uint64_t blocks, CUstream s, int pt)
 {
     unsigned gen = atomic_load_explicit(&alnair_hot.fork_gen, memory_order_relaxed);
     if (UNLIKELY(T.gen != gen)) {
@@ -92,7 +92,7 @@ static __attribute__((noinline)) int pre_launch(struct pre *p, uintptr_t fn, uin
     return 0;
 }
 
-static __attribute__((noinline)) void post_launch(struct pre *p, CUresult rc)
+ALNAIR_HOT_TEXT static __attribute__((noinline)) void post_launch(struct pre *p, CUresult rc)
 {
     count_launch();
     if (p->skip)
@@ -184,12 +184,12 @@ static __attribute__((noinline)) void post_launch(struct pre *p, CUresult rc)
     CUfunction f, unsigned int gridDimX, unsigned int gridDimY, unsigned int gridDimZ, unsigned int blockDimX, \
         unsigned int blockDimY, unsigned int blockDimZ, unsigned int sharedMemBytes, CUstream hStream
 
-ALNAIR_API CUresult cuLaunchKernel(KPARAMS, void **kernelParams, void **extra)
+ALNAIR_HOT_TEXT ALNAIR_API CUresult cuLaunchKernel(KPARAMS, void **kernelParams, void **extra)
 {
     LAUNCH_BODY(cuLaunchKernel, f, BLOCKS(gridDimX, gridDimY, gridDimZ), hStream, 0, fn(KARGS, kernelParams, extra));
 }
 
-ALNAIR_API CUresult cuLaunchKernel_ptsz(KPARAMS, void **kernelParams, void **extra)
+ALNAIR_HOT_TEXT ALNAIR_API CUresult cuLaunchKernel_ptsz(KPARAMS, void **kernelParams, void **extra)
 {
     LAUNCH_BODY(cuLaunchKernel_ptsz, f, BLOCKS(gridDimX, gridDimY, gridDimZ), hStream, 1, fn(KARGS, kernelParams, extra));
 }
@@ -204,13 +204,13 @@ ALNAIR_API CUresult cuLaunchCooperativeKernel_ptsz(KPARAMS, void **kernelParams)
     LAUNCH_BODY(cuLaunchCooperativeKernel_ptsz, f, BLOCKS(gridDimX, gridDimY, gridDimZ), hStream, 1, fn(KARGS, kernelParams));
 }
 
-ALNAIR_API CUresult cuLaunchKernelEx(const CUlaunchConfig *config, CUfunction f, void **kernelParams, void **extra)
+ALNAIR_HOT_TEXT ALNAIR_API CUresult cuLaunchKernelEx(const CUlaunchConfig *config, CUfunction f, void **kernelParams, void **extra)
 {
     LAUNCH_BODY(cuLaunchKernelEx, f, config ? BLOCKS(config->gridDimX, config->gridDimY, config->gridDimZ) : 0,
                 config ? config->hStream : NULL, 0, fn(config, f, kernelParams, extra));
 }
 
-ALNAIR_API CUresult cuLaunchKernelEx_ptsz(const CUlaunchConfig *config, CUfunction f, void **kernelParams,
+ALNAIR_HOT_TEXT ALNAIR_API CUresult cuLaunchKernelEx_ptsz(const CUlaunchConfig *config, CUfunction f, void **kernelParams,
                                           void **extra)
 {
     LAUNCH_BODY(cuLaunchKernelEx_ptsz, f, config ? BLOCKS(config->gridDimX, config->gridDimY, config->gridDimZ) : 0,

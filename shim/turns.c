@@ -150,7 +150,7 @@ static inline void bank_spend(uint64_t now, uint64_t cost)
 /* Wait until this launch of `cost` ns may go by the turns: in the container's window with room for it after what
  * this thread has queued, or under an elastic lease. Returns the ns waited; *now is when it may go and *owed what
  * its work will owe past the window (charged by the caller once the launch is decided). */
-static uint64_t windows(uint64_t cost, struct stream_ctr *sc, CUstream stream, int pt, uint64_t *now_out,
+ALNAIR_HOT_TEXT static uint64_t windows(uint64_t cost, struct stream_ctr *sc, CUstream stream, int pt, uint64_t *now_out,
                         uint64_t *owed)
 {
     uint64_t t0 = 0, now = alnair_now_ns();
@@ -252,7 +252,7 @@ go:
     return t0 == 0 ? 0 : now - t0;
 }
 
-uint64_t turn_gate(uint64_t cost, struct stream_ctr *sc, CUstream stream, int pt)
+ALNAIR_HOT_TEXT uint64_t turn_gate(uint64_t cost, struct stream_ctr *sc, CUstream stream, int pt)
 {
     struct alnair_region *r = alnair_cur_region();
     uint32_t cls = RLOAD(r->agent.compute_class), mask = RLOAD(r->agent.hold_mask);

@@ -101,3 +101,39 @@ def test_arm_build_with_the_pinned_toolchain(tmp_path):
     assert "AArch64" in header
     needs = _glibc_needs(lib)
     assert needs and max(needs) <= (2, 17), needs
+
+
+# The metered launch path, each launch after the program's own work: its code (ALNAIR_HOT_TEXT) side by side
+# (shim/hot_text.ld), its process-wide words on one cache line (struct alnair_hot, checked by _Static_assert).
+HOT_PATH = ("cuLaunchKernel", "cuLaunchKernel_ptsz", "cuLaunchKernelEx", "cuLaunchKernelEx_ptsz", "pre_launch",
+            "post_launch", "turn_gate", "windows", "stream_find", "capturing", "alnair_now_ns")
+
+
+def _hot_layout(lib) -> tuple[dict[str, int], tuple[int, int]]:
+    syms = {}
+    for ln in subprocess.run(["nm", str(lib)], check=True, capture_output=True, text=True).stdout.splitlines():
+        parts = ln.split()
+        if len(parts) == 3 and parts[1] in "tT" and parts[2] in HOT_PATH:
+            syms[parts[2]] = int(parts[0], 16)
+    secs = subprocess.run(["readelf", "-W", "-S", str(lib)], check=True, capture_output=True, text=True).stdout
+    m = re.search(r"\.text\.alnair_hot\s+PROGBITS\s+([0-9a-f]+)\s+[0-9a-f]+\s+([0-9a-f]+)", secs)
+    assert m, secs
+    return syms, (int(m.group(1), 16), int(m.group(2), 16))
+
+
+@pytest.mark.parametrize("toolchain, pages", [("pinned", 2), ("gcc", 3)])
+def test_launch_path_code_lies_on_two_pages(tmp_path, toolchain, pages):
+    """Every function of the metered launch path lies in the shim's hot text section, which starts on a page and
+    spans at most two in the shipped build (it touched six pages of the shim's text before: a VM's TLB miss is a
+    two-level walk); gcc's code (a developer's build) is 8.1 KB, so three there."""
+    import sys
+
+    if toolchain == "gcc" and shutil.which("gcc") is None:
+        pytest.skip("no gcc")
+    cc = ["CC=gcc"] if toolchain == "gcc" else [f"PYTHON={sys.executable}"]
+    subprocess.run(["make", "-s", "-C", str(ROOT / "shim"), f"BUILD={tmp_path}", *cc], check=True,
+                   capture_output=True, text=True)
+    syms, (start, size) = _hot_layout(tmp_path / "libalnair.so")
+    assert set(syms) == set(HOT_PATH), set(HOT_PATH) - set(syms)
+    assert start % 4096 == 0 and size <= pages * 4096, (hex(start), size)
+    assert all(start <= a < start + size for a in syms.values()), {k: hex(v) for k, v in syms.items()}
