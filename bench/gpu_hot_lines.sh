@@ -5,7 +5,11 @@
 # .out/shim_old (1802217, before) and .out/shim_new (both changes).
 #  1. bench/launch_overhead.py --gap-kb 256,4096, old, new, old, new: in one process, the hook against the real
 #     driver function with that much memory touched before each launch (cold caches), beside the back-to-back pairs;
-#  2. bench/turn_trace.py --pin, small, train and infer, caps 0 (no shim), -1 (shim, uncapped), 99 (metered, the
+#  2. bench/pace_probe.py, both builds, two rounds: one process each, its phases u (the shim uncapped: its own
+#     reference), f (capped, lent the whole GPU: every launch metered, none held) and w30 (its windows), so the
+#     metered path's cost in a real loop (f against u) is judged inside one process, free of the 20 % that host-bound
+#     references move between processes;
+#  3. bench/turn_trace.py --pin, small, train and infer, caps 0 (no shim), -1 (shim, uncapped), 99 (metered, the
 #     window all but never closed) twice each, new build; then 0 and 99 twice each, old build: the metered path's cost
 #     inside a real loop, against the same loop with no shim in the processes around it.
 # Everything into $OUT/hot.tgz; the tables are printed.
@@ -24,6 +28,12 @@ for b in old new old new; do
   grep -E 'in-process|spread' "$OUT/lo_${b}_$n.txt"
   (cd /tmp && tar czf "$R/hot.tgz" hot)  # after each part: a call cut short still brings back what ran
 done
+echo "== pace_probe $(date -u +%T)"
+timeout 200 python3 bench/pace_probe.py --build old=.out/shim_old/libalnair.so --build new=.out/shim_new/libalnair.so \
+  --shapes "${SHAPES:-small,train,infer}" --phases u,f,u,w30,u,f,u,w30,u --rounds 2 --json "$OUT/pp.json" \
+  > "$OUT/pp.txt" 2>&1 || rc=1
+tail -15 "$OUT/pp.txt" | cut -c1-200
+(cd /tmp && tar czf "$R/hot.tgz" hot)
 for b in new old; do
   caps=0,-1,99,0,-1,99
   [ "$b" = old ] && caps=0,99,0,99
