@@ -2,7 +2,7 @@
 # Issue 25, eighteenth session: what the metered launch costs a program that does work of its own between launches,
 # and whether the shim's launch state on fewer cache lines (42bff74) and its code on two pages (shim/hot_text.ld)
 # lower it. Two shim builds made on the dev box with one toolchain and carried (the device builds nothing here):
-# .out/shim_old (1802217, before) and .out/shim_new (both changes).
+# .out/shim_old (1802217, before) and .out/shim_new (both changes), made by `bash bench/hot_lines_builds.sh`.
 #  1. bench/launch_overhead.py --gap-kb 256,4096, old, new, old, new: in one process, the hook against the real
 #     driver function with that much memory touched before each launch (cold caches), beside the back-to-back pairs;
 #  2. bench/pace_probe.py, both builds, two rounds: one process each, its phases u (the shim uncapped: its own
