@@ -259,8 +259,8 @@ struct gate {
 };
 
 /* Its first two cache lines hold what every metered launch reads and writes, so that a launch after the program's
- * own work (which evicts them) misses on two lines of this thread's state, not six on four pages (the gate, the
- * unflushed time and these fields were each apart; bench/RESULTS.md, 2026-12-07, eighteenth session). */
+ * own work (which evicts them) misses on two lines of this thread's state, not five on two pages 28 KB apart (the
+ * gate, the unflushed time and these fields were each apart; bench/RESULTS.md, 2026-12-07, eighteenth session). */
 struct tstate {
     unsigned gen;
     unsigned since_fence;
