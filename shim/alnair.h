@@ -17,11 +17,11 @@
 
 #define ALNAIR_API __attribute__((visibility("default")))
 #define LIKELY(x) __builtin_expect(!!(x), 1)
+#define UNLIKELY(x) __builtin_expect(!!(x), 0)
 /* The metered launch path's functions, side by side: called after a program's own work, the path's code is cold,
  * and spread over the shim's text it touched six pages of it (a VM's TLB miss is a two-level walk); together they
- * are two (bench/RESULTS.md, 2026-12-07, eighteenth session). */
+ * are two (shim/hot_text.ld; bench/RESULTS.md, 2026-12-07, eighteenth session). */
 #define ALNAIR_HOT_TEXT __attribute__((section(".text.hot.alnair")))
-#define UNLIKELY(x) __builtin_expect(!!(x), 0)
 
 /* ---- hooks.c ---------------------------------------------------------------------------------------------- */
 enum alnair_lib { ALNAIR_LIB_CU, ALNAIR_LIB_NVML };

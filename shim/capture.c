@@ -5,7 +5,6 @@
 #define _GNU_SOURCE
 #include "launch_internal.h"
 
-
 /* ---- captures under way ---------------------------------------------------------------------------------------
  * A table of the streams being captured (stream, mode). The driver forbids event queries while a global-mode
  * capture is under way in any thread, or a non-relaxed one in the querying thread: only then does the shim stop

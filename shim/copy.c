@@ -28,7 +28,7 @@ static inline CUresult counted(CUresult rc, size_t bytes)
     ALNAIR_API CUresult name params                   \
     {                                                 \
         REAL_OR_FAIL(fn, name);                       \
-        if (LIKELY(alnair_hot.region == NULL))            \
+        if (LIKELY(alnair_hot.region == NULL))        \
             return fn args;                           \
         uint64_t said_ = latency_wait_begin();        \
         CUresult rc_ = fn args;                       \

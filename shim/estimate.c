@@ -442,7 +442,8 @@ void poll_sample(void)
  * predecessor (17.7 % of the GPU at a 30 % cap on the H200). */
 int sample_first(uint64_t key)
 {
-    return T.s_key == key || !atomic_load_explicit(&alnair_hot.guess_known, memory_order_relaxed) || T.s_ahead >= GUESS_AHEAD;
+    return T.s_key == key || !atomic_load_explicit(&alnair_hot.guess_known, memory_order_relaxed) ||
+           T.s_ahead >= GUESS_AHEAD;
 }
 
 void wait_sample(void)

@@ -35,7 +35,8 @@ static inline int sample_paced(void)
 }
 
 /* 0: go on; -1: refused (this process has no region slot: its launches would be invisible to the container). */
-ALNAIR_HOT_TEXT static __attribute__((noinline)) int pre_launch(struct pre *p, uintptr_t fn, uint64_t blocks, CUstream s, int pt)
+ALNAIR_HOT_TEXT static __attribute__((noinline)) int pre_launch(struct pre *p, uintptr_t fn, uint64_t blocks,
+                                                                CUstream s, int pt)
 {
     unsigned gen = atomic_load_explicit(&alnair_hot.fork_gen, memory_order_relaxed);
     if (UNLIKELY(T.gen != gen)) {
@@ -204,14 +205,15 @@ ALNAIR_API CUresult cuLaunchCooperativeKernel_ptsz(KPARAMS, void **kernelParams)
     LAUNCH_BODY(cuLaunchCooperativeKernel_ptsz, f, BLOCKS(gridDimX, gridDimY, gridDimZ), hStream, 1, fn(KARGS, kernelParams));
 }
 
-ALNAIR_HOT_TEXT ALNAIR_API CUresult cuLaunchKernelEx(const CUlaunchConfig *config, CUfunction f, void **kernelParams, void **extra)
+ALNAIR_HOT_TEXT ALNAIR_API CUresult cuLaunchKernelEx(const CUlaunchConfig *config, CUfunction f, void **kernelParams,
+                                                      void **extra)
 {
     LAUNCH_BODY(cuLaunchKernelEx, f, config ? BLOCKS(config->gridDimX, config->gridDimY, config->gridDimZ) : 0,
                 config ? config->hStream : NULL, 0, fn(config, f, kernelParams, extra));
 }
 
-ALNAIR_HOT_TEXT ALNAIR_API CUresult cuLaunchKernelEx_ptsz(const CUlaunchConfig *config, CUfunction f, void **kernelParams,
-                                          void **extra)
+ALNAIR_HOT_TEXT ALNAIR_API CUresult cuLaunchKernelEx_ptsz(const CUlaunchConfig *config, CUfunction f,
+                                                           void **kernelParams, void **extra)
 {
     LAUNCH_BODY(cuLaunchKernelEx_ptsz, f, config ? BLOCKS(config->gridDimX, config->gridDimY, config->gridDimZ) : 0,
                 config ? config->hStream : NULL, 1, fn(config, f, kernelParams, extra));

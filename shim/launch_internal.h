@@ -270,7 +270,7 @@ struct tstate {
     int strict_captures; /* this thread's non-relaxed captures under way */
     unsigned npend;
     struct gate g;      /* G */
-    uint64_t unflushed; /* T_unflushed: GPU time counted and not yet added to the slot (account) */
+    uint64_t unflushed; /* GPU time counted and not yet added to the slot (account, flush_account) */
     CUcontext ctx;
     uint64_t last_fence_ns, last_sample_ns; /* when the last fence / settled kernel's sample was recorded */
     CUevent s_start, s_end;
@@ -302,7 +302,8 @@ struct tstate {
     } pend[NPEND]; /* launches charged a guess and not sampled (the sampler was busy): settled by their key's sample */
     int exit_hook; /* the thread-exit destructor is armed */
 } __attribute__((aligned(64)));
-_Static_assert(__builtin_offsetof(struct tstate, ctx) <= 128, "tstate: the launch path's fields in its first two lines");
+_Static_assert(__builtin_offsetof(struct tstate, ctx) <= 128,
+               "tstate: the launch path's fields in its first two lines");
 extern __thread struct tstate T_dev[ALNAIR_MAX_DEVICES] __attribute__((tls_model("initial-exec")));
 #define T (T_dev[alnair_cur]) /* per device: its events, fences and queued work are its context's */
 #define G (T.g)               /* per device: each GPU's windows */
@@ -333,15 +334,14 @@ static inline int queries_ok(void)
 }
 
 void flush_account(void);
-#define T_unflushed (T.unflushed)
 
 /* Add `ns` of GPU time to this process's slot, less any credit true-ups found (the counter only grows). Kept in the
  * thread until a millisecond has gathered: one shared-memory atomic per launch less on the metered path (the
  * profiler reads the slots once a second). */
 static inline void account(uint64_t ns)
 {
-    T_unflushed += ns;
-    if (UNLIKELY(T_unflushed >= ACCOUNT_FLUSH_NS))
+    T.unflushed += ns;
+    if (UNLIKELY(T.unflushed >= ACCOUNT_FLUSH_NS))
         flush_account();
 }
 

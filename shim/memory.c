@@ -273,7 +273,7 @@ static inline uint64_t mul_sat(uint64_t a, uint64_t b)
 /* The common shape: reserve, call the driver, keep or give back. */
 #define ALLOC_BODY(kind, bytes, call, keyexpr)           \
     do {                                                 \
-        if (alnair_hot.region == NULL)                       \
+        if (alnair_hot.region == NULL)                   \
             return (call);                               \
         uint64_t bytes_ = (bytes);                       \
         if (reserve(bytes_) != 0)                        \
@@ -288,7 +288,7 @@ static inline uint64_t mul_sat(uint64_t a, uint64_t b)
 
 #define FREE_BODY(kind, key, call)                       \
     do {                                                 \
-        if (alnair_hot.region == NULL)                       \
+        if (alnair_hot.region == NULL)                   \
             return (call);                               \
         struct entry saved_;                             \
         int had_ = detach((kind), (uint64_t)(key), &saved_); \
@@ -413,7 +413,7 @@ static int stream_capturing(CUstream s, int pt)
 
 #define ASYNC_ALLOC_BODY(poolexpr, stream, pt, call)                         \
     do {                                                                     \
-        if (alnair_hot.region == NULL)                                           \
+        if (alnair_hot.region == NULL)                                       \
             return (call);                                                   \
         if (stream_capturing((stream), (pt))) {                              \
             atomic_store(&g_graph_mem, 1); /* graph memory: charged at launch */ \
@@ -475,7 +475,7 @@ ALNAIR_API CUresult cuMemAllocFromPoolAsync_ptsz(CUdeviceptr *dptr, size_t bytes
 
 #define ASYNC_FREE_BODY(call)                                                \
     do {                                                                     \
-        if (alnair_hot.region == NULL)                                           \
+        if (alnair_hot.region == NULL)                                       \
             return (call);                                                   \
         struct entry saved_;                                                 \
         int had_ = detach(K_DEV, dptr, &saved_);                             \

@@ -108,7 +108,7 @@ static nvmlReturn_t plain_call(const struct lister *l, nvmlDevice_t dev, unsigne
         __typeof__(&name) fn = REAL(name);                                                     \
         if (fn == NULL)                                                                        \
             return NVML_ERROR_LIBRARY_NOT_FOUND;                                               \
-        if (alnair_hot.region == NULL)                                                             \
+        if (alnair_hot.region == NULL)                                                         \
             return fn(device, infoCount, infos);                                               \
         struct lister l = {.call = plain_call, .fn = (list_fn)fn};                             \
         return filtered_list(&l, device, infoCount, infos, sizeof(type), 0);                   \

@@ -10,7 +10,7 @@
     ALNAIR_API CUresult name params                      \
     {                                                    \
         REAL_OR_FAIL(fn, name);                          \
-        if (LIKELY(alnair_hot.region == NULL))               \
+        if (LIKELY(alnair_hot.region == NULL))           \
             return fn args;                              \
         uint64_t said_ = latency_wait_begin();           \
         CUresult rc_ = fn args;                          \

@@ -9,12 +9,11 @@
 struct dev_turns g_dev[ALNAIR_MAX_DEVICES];
 
 /* ---- GPU time counted, turns waited for ------------------------------------------------------------------ */
-
 /* What the thread has gathered, into its process's slot (also at thread and process exit). */
 void flush_account(void)
 {
-    uint64_t ns = T_unflushed;
-    T_unflushed = 0;
+    uint64_t ns = T.unflushed;
+    T.unflushed = 0;
     if (ns == 0)
         return;
     int64_t c = atomic_load_explicit(&g_credit, memory_order_relaxed);
@@ -150,8 +149,8 @@ static inline void bank_spend(uint64_t now, uint64_t cost)
 /* Wait until this launch of `cost` ns may go by the turns: in the container's window with room for it after what
  * this thread has queued, or under an elastic lease. Returns the ns waited; *now is when it may go and *owed what
  * its work will owe past the window (charged by the caller once the launch is decided). */
-ALNAIR_HOT_TEXT static uint64_t windows(uint64_t cost, struct stream_ctr *sc, CUstream stream, int pt, uint64_t *now_out,
-                        uint64_t *owed)
+ALNAIR_HOT_TEXT static uint64_t windows(uint64_t cost, struct stream_ctr *sc, CUstream stream, int pt,
+                                        uint64_t *now_out, uint64_t *owed)
 {
     uint64_t t0 = 0, now = alnair_now_ns();
     uint32_t seq = RLOAD(alnair_cur_region()->agent.turn_seq);
